@@ -1,0 +1,128 @@
+"""Fixed-size KV blocks with reference counts and an xxhash prefix cache.
+
+A full block's hash chains the previous block's hash with its token ids, so a hash names the whole
+prefix up to and including that block. Hashes are registered only once a block's K/V are computed
+(`commit`), so a cache hit never reads K/V that a chunked prefill has not written yet. Freed blocks
+keep their hash and can be hit again until they are evicted, least recently freed first.
+Every hot-path operation is O(1) per block.
+"""
+from array import array
+from collections import OrderedDict, deque
+
+import xxhash
+
+from nanoinfer.engine.sequence import Sequence
+
+
+def hash_block(token_ids: list[int], prev_hash: int | None) -> int:
+    h = xxhash.xxh64()
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: list[int] | None = None  # kept for hashed blocks: the collision guard
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        self.free_uncached: deque[int] = deque(range(num_blocks))
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_uncached) + len(self.free_cached)
+
+    def _take_free_block(self) -> int:
+        if self.free_uncached:
+            block_id = self.free_uncached.popleft()
+        else:  # evict the least recently freed cached block
+            block_id, _ = self.free_cached.popitem(last=False)
+            block = self.blocks[block_id]
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = block.token_ids = None
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(block_id, hash) of the leading blocks served by the cache. The block holding the last
+        token is never served: a prefill must compute at least one token to produce logits."""
+        hits, prev = [], None
+        for i in range((len(seq) - 1) // self.block_size):
+            token_ids = seq.block(i)
+            h = hash_block(token_ids, prev)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+                break
+            hits.append((block_id, h))
+            prev = h
+        return hits
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
+        Returns False (and changes nothing) when the pool cannot hold it now."""
+        assert not seq.block_table
+        hits = self._prefix_hits(seq)
+        revived = sum(1 for block_id, _ in hits if self.blocks[block_id].ref_count == 0)
+        if seq.num_blocks - len(hits) + revived > self.num_free_blocks:
+            return False
+        for block_id, h in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_cached[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+        for _ in range(seq.num_blocks - len(hits)):
+            seq.block_table.append(self._take_free_block())
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        return True
+
+    def free(self, seq: Sequence):
+        # Tail blocks are freed first so they are evicted before the prefix blocks they extend.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self.free_cached[block_id] = None
+                else:
+                    self.free_uncached.append(block_id)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+        seq.num_computed_tokens = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the sequence's newest token has a slot or one free block can give it one."""
+        return len(seq) <= len(seq.block_table) * self.block_size or self.num_free_blocks > 0
+
+    def append_slot(self, seq: Sequence):
+        if len(seq) > len(seq.block_table) * self.block_size:
+            seq.block_table.append(self._take_free_block())
+
+    def commit(self, seq: Sequence):
+        """Register the hashes of the sequence's blocks that are now full and computed."""
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+            token_ids = seq.block(i)
+            h = hash_block(token_ids, seq.block_hashes[-1] if seq.block_hashes else None)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self.hash_to_block and block.hash is None:
+                block.hash, block.token_ids = h, token_ids
+                self.hash_to_block[h] = block.block_id

@@ -1,0 +1,114 @@
+"""Continuous batching: prefill first (chunked when a prompt outgrows the token budget), then decode,
+with recompute preemption of the newest running sequences when decode runs out of blocks."""
+from collections import deque
+
+from nanoinfer.config import Config
+from nanoinfer.engine.block_manager import BlockManager
+from nanoinfer.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: Config, num_blocks: int):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = frozenset(config.eos_token_ids)
+        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size)
+        # waiting[0] may be a partly prefilled sequence that already holds its blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        batch = self._schedule_prefill()
+        if batch:
+            return batch, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        batch, budget = [], self.max_num_batched_tokens
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if not seq.block_table:  # not started yet: admit it if a slot and its blocks are free
+                if len(self.running) + len(batch) >= self.max_num_seqs:
+                    break
+                if not self.block_manager.allocate(seq):
+                    break
+            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            seq.num_scheduled_tokens = num_new
+            budget -= num_new
+            batch.append(seq)
+            if seq.num_computed_tokens + num_new < len(seq):
+                break  # chunked: the rest of this prompt goes in the next steps
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return batch
+
+    def _schedule_decode(self) -> list[Sequence]:
+        batch = []
+        while self.running and len(batch) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.append_slot(seq)
+                seq.num_scheduled_tokens = 1
+                batch.append(seq)
+        self.running.extendleft(reversed(batch))
+        return batch
+
+    def preempt(self, seq: Sequence):
+        """Recompute preemption: drop its KV, put it first in line; it re-prefills prompt + output."""
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.free(seq)
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Advance each sequence by what this step computed; returns the sequences that finished."""
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.commit(seq)
+            if seq.num_computed_tokens < len(seq):
+                continue  # a prefill chunk short of the prompt's end samples nothing
+            seq.append_token(token_id)
+            sp = seq.sampling_params
+            if not sp.ignore_eos and token_id in self.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.num_completion_tokens >= sp.max_tokens or len(seq) >= self.max_model_len:
+                seq.finish_reason = "length"
+            else:
+                continue
+            self._finish(seq)
+            finished.append(seq)
+        if finished:
+            self.running = deque(s for s in self.running if not s.is_finished)
+        return finished
+
+    def _finish(self, seq: Sequence):
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+
+    def abort(self, seq: Sequence):
+        """Drop a request wherever it is; its blocks are freed."""
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        seq.finish_reason = "abort"
+        self._finish(seq)

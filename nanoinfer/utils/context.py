@@ -1,0 +1,37 @@
+"""Per-step forward state, set by the model runner before a forward and cleared after it."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    is_prefill: bool = False
+    # prefill: query tokens of sequence i are rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    slot_mapping: torch.Tensor | None = None   # [num_tokens] cache slot of each new token, -1 = skip
+    context_lens: torch.Tensor | None = None   # [num_seqs] tokens in the cache after this step
+    block_tables: torch.Tensor | None = None   # [num_seqs, width] int32, -1 padded
+    # host copies of the lengths, for the CPU reference path (no device sync)
+    query_lens_cpu: list[int] | None = None
+    context_lens_cpu: list[int] | None = None
+
+
+_CONTEXT = Context()
+
+
+def get_context() -> Context:
+    return _CONTEXT
+
+
+def set_context(**kwargs):
+    global _CONTEXT
+    _CONTEXT = Context(**kwargs)
+
+
+def reset_context():
+    global _CONTEXT
+    _CONTEXT = Context()
