@@ -1,0 +1,121 @@
+"""The engine loop: validate and queue requests, schedule a batch, run it, record the results."""
+import atexit
+import json
+import os
+
+from transformers import AutoTokenizer
+
+from nanoinfer.config import Config
+from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.scheduler import Scheduler
+from nanoinfer.engine.sequence import Sequence
+from nanoinfer.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, model: str, **options):
+        self.config = config = Config.from_options(model, **options)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        config.eos_token_ids = tuple(sorted(self._eos_token_ids(config.model)))
+        self.vocab_size = config.hf_config.vocab_size
+        self._exited = False
+        self.model_runner = ModelRunner(config)
+        num_blocks = self.model_runner.num_blocks
+        if num_blocks * config.kvcache_block_size < config.max_model_len:
+            self.model_runner.exit()
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {config.kvcache_block_size} tokens = "
+                f"{num_blocks * config.kvcache_block_size} tokens, less than one max_model_len={config.max_model_len} "
+                "sequence; raise num_kvcache_blocks / gpu_memory_utilization or lower max_model_len")
+        self.model_runner.allocate_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config, num_blocks)
+        self.requests: dict[int, Sequence] = {}
+        atexit.register(self.exit)
+
+    def _eos_token_ids(self, path: str) -> set[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------------
+    def make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams | None) -> Sequence:
+        """Validate one request and build its Sequence, without queueing it."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is an empty string")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise TypeError("a token-id prompt must be a list of ints")
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        else:
+            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty (no tokens)")
+        total = len(token_ids) + sampling_params.max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(f"prompt length {len(token_ids)} + max_tokens {sampling_params.max_tokens} = {total} "
+                             f"exceeds max_model_len={self.config.max_model_len}")
+        capacity = self.scheduler.block_manager.num_blocks * self.config.kvcache_block_size
+        if total > capacity:
+            raise ValueError(f"prompt length + max_tokens = {total} tokens cannot fit the whole KV cache "
+                             f"({capacity} tokens)")
+        return Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
+
+    def add_sequence(self, seq: Sequence) -> int:
+        self.requests[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its request id. Raises ValueError/TypeError on bad input."""
+        return self.add_sequence(self.make_sequence(prompt, sampling_params))
+
+    def abort_request(self, request_id: int):
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.abort(seq)
+
+    # ---- loop -----------------------------------------------------------------------------------
+    def step(self) -> tuple[list[tuple[int, list[int]]], int]:
+        """Run one batch. Returns the (request_id, completion_token_ids) pairs that finished, and
+        the tokens processed: positive for a prefill step, minus the batch size for a decode step
+        (nano-vllm's convention, which its throughput display relies on)."""
+        if self.scheduler.is_finished():
+            return [], 0
+        seqs, is_prefill = self.scheduler.schedule()
+        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
+        token_ids = self.model_runner.run(seqs, is_prefill)
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        for seq in finished:
+            self.requests.pop(seq.seq_id, None)
+        return [(s.seq_id, s.completion_token_ids) for s in finished], num_tokens
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Detokenize, skipping ids past the tokenizer's vocabulary (checkpoints pad the embedding)."""
+        n = len(self.tokenizer)
+        return self.tokenizer.decode([t for t in token_ids if t < n])
+
+    def exit(self):
+        if self._exited:
+            return
+        self._exited = True
+        if hasattr(self, "model_runner"):
+            self.model_runner.exit()
+        atexit.unregister(self.exit)

@@ -1,0 +1,46 @@
+"""Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanoinfer.layers.linear import tp_rank_and_size
+from nanoinfer.utils.context import get_context
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.shard_size = num_embeddings // self.tp_size
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        param.data.copy_(loaded.narrow(0, self.vocab_start, self.shard_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        local = x - self.vocab_start
+        mine = (local >= 0) & (local < self.shard_size)
+        y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for the last token of each sequence that samples (prefill) or every row (decode),
+    gathered to rank 0; other ranks return None."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        ctx = get_context()
+        if ctx.is_prefill:
+            hidden = hidden[ctx.cu_seqlens_q[1:] - 1]
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        shards = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, shards, 0)
+        return torch.cat(shards, -1) if self.tp_rank == 0 else None

@@ -1,0 +1,108 @@
+"""Tensor-parallel linear layers. Each holds only its rank's shard; `weight_loader` cuts the shard
+out of the full checkpoint tensor. With one rank they are plain linear layers."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_dim = tp_dim
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard):
+        if self.tp_dim == 0:  # column parallel: weight rows and bias are both split
+            size = param.shape[0]
+            loaded = loaded.narrow(0, self.tp_rank * size, size)
+        param.data.copy_(loaded)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, None)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp_size = tp_rank_and_size()[1]
+        super().__init__(input_size, output_size // tp_size, bias, 0)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections in one matmul (gate_up); shard_id indexes output_sizes."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param, loaded, shard_id: int):
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        loaded = loaded.narrow(0, self.tp_rank * size, size)
+        param.data.narrow(0, offset, size).copy_(loaded)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. KV heads are split across ranks, or replicated when there are fewer
+    KV heads than ranks (each rank then keeps the KV head its query heads attend to)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp_size = tp_rank_and_size()[1]
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // num_kv_heads)
+        LinearBase.__init__(self, hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, 0)
+
+    def weight_loader(self, param, loaded, shard_id: str):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, start = 0, q_size, self.tp_rank * q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, start = kv_size, (self.tp_rank // self.kv_replicas) * kv_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed with an all-reduce.
+    The bias is added once, after the reduction."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        tp_size = tp_rank_and_size()[1]
+        super().__init__(input_size // tp_size, output_size, bias, 1)
+
+    def weight_loader(self, param, loaded, *shard):
+        if param.dim() == 2:
+            size = param.shape[1]
+            loaded = loaded.narrow(1, self.tp_rank * size, size)
+        param.data.copy_(loaded)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
