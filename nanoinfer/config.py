@@ -22,6 +22,7 @@ class Config:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    load_format: str = "auto"  # "dummy": random weights, no checkpoint read (benchmarks, as in vLLM)
     # Filled in by __post_init__, not user options.
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
@@ -68,6 +69,8 @@ class Config:
             raise TypeError("enforce_eager must be a bool")
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, _DTYPES))}; got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         if self.device == "auto":

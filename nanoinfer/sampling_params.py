@@ -1,21 +1,126 @@
-"""Per-request sampling options, validated at construction."""
+"""Per-request sampling options, validated at construction.
+
+Fields, defaults and rules follow vLLM's `SamplingParams` (except `max_tokens`, which defaults to 64
+as in nano-vllm). Every violation raises a ValueError naming the field, the value and the allowed
+range, or a TypeError naming the field and the expected type.
+"""
 from dataclasses import dataclass
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by them could overflow.
+SAMPLING_EPS = 1e-5
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
 class SamplingParams:
+    """n: completions per prompt (they share the prompt's KV blocks).
+    temperature: 0 (or < 1e-5) = greedy. top_p in (0, 1]; top_k 0 or -1 = off, else >= 1;
+    min_p in [0, 1] (tokens below min_p x the top token's probability are dropped).
+    presence_penalty / frequency_penalty in [-2, 2] (on generated tokens); repetition_penalty > 0
+    (on prompt and generated tokens; 1 = off).
+    seed: a seeded request samples the same tokens whatever else shares its batch.
+    stop: strings that end the completion (cut from the text unless include_stop_str_in_output);
+    stop_token_ids: token ids that end it. ignore_eos: keep going past EOS.
+    max_tokens: completion length cap (None = up to max_model_len); min_tokens: EOS and stop token
+    ids are suppressed until this many tokens were generated.
+    logprobs: the top-N log-probabilities per generated token, plus the sampled token's (computed
+    from the model's raw logits, as vLLM does). skip_special_tokens: drop special tokens from text."""
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
-    max_tokens: int = 64
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    max_tokens: int | None = 64
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
-            raise TypeError(f"temperature must be a float, got {type(self.temperature).__name__}")
-        if not self.temperature >= 0.0 or self.temperature == float("inf"):
-            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        self._check_types()
+        self._check_ranges()
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.temperature < SAMPLING_EPS:  # greedy: the filters mean nothing (as vLLM resets them)
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_types(self):
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise TypeError(f"{name} must be an int, got {type(getattr(self, name)).__name__}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            if not _is_number(getattr(self, name)):
+                raise TypeError(f"{name} must be a float, got {type(getattr(self, name)).__name__}")
+        for name in ("seed", "max_tokens", "logprobs"):
+            v = getattr(self, name)
+            if v is not None and not _is_int(v):
+                raise TypeError(f"{name} must be an int or None, got {type(v).__name__}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        stop = self.stop
+        if stop is not None and not isinstance(stop, str):
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+                raise TypeError(f"stop must be a str, a list of str or None, got {stop!r}")
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
+            raise TypeError(f"stop_token_ids must be a list of int or None, got {ids!r}")
+
+    def _check_ranges(self):
+        def fail(name, allowed):
+            raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        inf = float("inf")
+        if self.n < 1:
+            fail("n", "at least 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            fail("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            fail("frequency_penalty", "in [-2, 2]")
+        if not 0.0 < self.repetition_penalty < inf:
+            fail("repetition_penalty", "in (0, inf)")
+        if not 0.0 <= self.temperature < inf:
+            fail("temperature", "non-negative and finite (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "in (0, 1]")
+        if self.top_k < -1:
+            fail("top_k", "0 or -1 (disable), or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail("max_tokens", "at least 1")
+        if self.min_tokens < 0:
+            fail("min_tokens", "at least 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            fail("logprobs", "None or at least 0")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if any(s == "" for s in stops):
+            raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
+        if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS

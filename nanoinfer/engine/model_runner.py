@@ -9,10 +9,10 @@ import torch.distributed as dist
 from nanoinfer.config import Config
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import select_backend
-from nanoinfer.layers.sampler import Sampler
+from nanoinfer.layers.sampler import Sampler, SamplingTensors
 from nanoinfer.models import get_model_class
 from nanoinfer.utils.context import get_context, reset_context, set_context
-from nanoinfer.utils.loader import load_model
+from nanoinfer.utils.loader import init_dummy_weights, load_model
 
 logger = logging.getLogger("nanoinfer")
 
@@ -43,7 +43,10 @@ class ModelRunner:
                 self.model = get_model_class(hf)(hf)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_model(self.model, config.model)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_model(self.model, config.model)
         self.sampler = Sampler()
         self.layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         attn = self.layers[0]
@@ -153,9 +156,9 @@ class ModelRunner:
                     context_lens_cpu=context_lens)
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64)
 
-    def prepare_sample(self, seqs: list[Sequence]):
-        temps = [s.sampling_params.temperature for s in seqs]
-        return self._to_device(temps, torch.float32), all(t == 0 for t in temps)
+    def prepare_sample(self, seqs: list[Sequence]) -> SamplingTensors:
+        """The batch's sampling options as device tensors (rank 0 only)."""
+        return SamplingTensors.build(seqs, self.config.hf_config.vocab_size, self.config.eos_token_ids, self.device)
 
     # ---- forward --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -181,7 +184,8 @@ class ModelRunner:
         sample_args = self.prepare_sample(seqs) if self.rank == 0 else None
         try:
             logits = self.run_model(input_ids, positions, is_prefill)
-            token_ids = self.sampler(logits, *sample_args).tolist() if self.rank == 0 else None
+            # a list of token ids; its .logprobs carries the logprobs rows asked for
+            token_ids = self.sampler(logits, sample_args) if self.rank == 0 else None
         finally:
             reset_context()
         return token_ids

@@ -9,31 +9,40 @@ import triton.language as tl
 
 
 @triton.jit
-def _store_kv_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
-                     slot_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _store_kv_kernel(key_ptr, key_stride_t, key_stride_h, value_ptr, value_stride_t, value_stride_h,
+                     k_cache_ptr, v_cache_ptr, slot_ptr, cache_stride_s, cache_stride_h,
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr,
+                     D_PAD: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    for start in range(0, ROW, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < ROW
-        k = tl.load(key_ptr + token * key_stride + offs, mask=mask)
-        v = tl.load(value_ptr + token * value_stride + offs, mask=mask)
-        tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
-        tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    t = token.to(tl.int64)
+    k = tl.load(key_ptr + t * key_stride_t + offs_h[:, None] * key_stride_h + offs_d[None, :], mask=mask)
+    v = tl.load(value_ptr + t * value_stride_t + offs_h[:, None] * value_stride_h + offs_d[None, :],
+                mask=mask)
+    dst = slot * cache_stride_s + offs_h[:, None] * cache_stride_h + offs_d[None, :]
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping):
-    """key, value: [num_tokens, num_kv_heads, head_dim], rows may be strided (views into qkv)."""
+    """key, value: [num_tokens, num_kv_heads, head_dim], last dim contiguous; rows and heads may be
+    strided (views into a fused qkv). slot_mapping: [num_tokens] int32/int64, -1 = skip."""
     num_tokens, num_heads, head_dim = key.shape
-    row = num_heads * head_dim
     if num_tokens == 0:
         return
-    assert key.stride(-1) == 1 and key.stride(1) == head_dim and value.stride(1) == head_dim
-    block = min(triton.next_power_of_2(row), 1024)
-    _store_kv_kernel[(num_tokens,)](key, key.stride(0), value, value.stride(0), k_cache, v_cache,
-                                    slot_mapping, ROW=row, BLOCK=block)
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(1) == num_heads * head_dim
+    h_pad, d_pad = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
+    _store_kv_kernel[(num_tokens,)](key, key.stride(0), key.stride(1), value, value.stride(0),
+                                    value.stride(1), k_cache, v_cache, slot_mapping,
+                                    k_cache.stride(1), k_cache.stride(2), NUM_HEADS=num_heads,
+                                    HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad,
+                                    num_warps=4 if h_pad * d_pad >= 1024 else 1)
 
 
 def store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping):
@@ -42,8 +51,8 @@ def store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping):
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     row = key.shape[1] * key.shape[2]
-    k_cache.view(-1, row).index_copy_(0, slot_mapping.long(), key.reshape(-1, row))
-    v_cache.view(-1, row).index_copy_(0, slot_mapping.long(), value.reshape(-1, row))
+    k_cache.view(-1, row).index_copy_(0, slot_mapping.long(), key.reshape(-1, row).to(k_cache.dtype))
+    v_cache.view(-1, row).index_copy_(0, slot_mapping.long(), value.reshape(-1, row).to(v_cache.dtype))
 
 
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping):

@@ -41,3 +41,19 @@ def load_model(model: nn.Module, path: str):
                and not (n == "lm_head.weight" and getattr(model, "tie_word_embeddings", False))]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int):
+    """Random weights for throughput runs: matrices ~ N(0, 0.02), norms 1, biases 0, the same on every
+    run (each rank draws its own shard from a seeded generator on its device)."""
+    gen = None
+    for name, param in model.named_parameters():
+        if gen is None:
+            gen = torch.Generator(device=param.device).manual_seed(seed)
+        if param.dim() >= 2:
+            param.normal_(0.0, 0.02, generator=gen)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.fill_(1.0)

@@ -1,0 +1,206 @@
+"""Benchmark the Triton paged-attention kernels against the device's ceilings.
+
+    PYTHONPATH=. python3 bench_kernels.py            # table with the kernels' default configs
+    PYTHONPATH=. python3 bench_kernels.py --sweep    # also sweep tile/warp/stage/split variants
+
+Copy bandwidth: a large device-to-device copy (bytes read + written). Matmul: bf16 8192^3.
+Decode: bytes = K/V of every context token + q + out, over the median time (triton do_bench).
+Prefill: causal FLOPs 4 * S^2 / 2 * H * D per sequence; torch SDPA (flash) on contiguous tensors.
+"""
+import argparse
+import math
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from nanoinfer.kernels import triton_attention as ta
+from nanoinfer.kernels.torch_attention import paged_attention_torch
+
+H, KVH, D, BS = 16, 8, 128, 256
+DTYPE = torch.bfloat16
+DECODE_SHAPES = [(256, 1024), (64, 4096), (8, 8192)]
+TARGETS = {(256, 1024): 0.85, (64, 4096): 0.85, (8, 8192): 0.60}
+
+
+def bench(fn, rep=100):
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")  # ms
+
+
+def ceilings():
+    n = 1 << 30  # 1 GiB of bf16 elements = 2 GiB per tensor
+    a = torch.randn(n // 2, device="cuda", dtype=DTYPE)
+    b = torch.empty_like(a)
+    t = bench(lambda: b.copy_(a))
+    copy_bw = 2 * a.numel() * a.element_size() / (t * 1e-3)
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device="cuda", dtype=DTYPE)
+    y = torch.randn(m, m, device="cuda", dtype=DTYPE)
+    t = bench(lambda: x @ y)
+    return copy_bw, 2 * m ** 3 / (t * 1e-3)
+
+
+def decode_inputs(batch, ctx, width_tokens=None):
+    blocks_per_seq = ctx // BS
+    num_blocks = batch * blocks_per_seq
+    k = torch.randn(num_blocks, BS, KVH, D, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    width = (width_tokens or ctx) // BS
+    bt = torch.full((batch, width), -1, dtype=torch.int32, device="cuda")
+    bt[:, :blocks_per_seq] = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
+    q = torch.randn(batch, H, D, device="cuda", dtype=DTYPE)
+    ctx_t = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    nbytes = 2 * batch * ctx * KVH * D * 2 + 2 * q.numel() * 2
+    return q, k, v, ctx_t, bt, nbytes
+
+
+def check_decode(q, k, v, ctx_t, bt, out, n=4):
+    ref = paged_attention_torch(q[:n].float(), k, v, [1] * n, ctx_t[:n].tolist(), bt[:n], D ** -0.5)
+    return ((out[:n].float() - ref).norm() / ref.norm()).item()
+
+
+def run_decode(batch, ctx, copy_bw, config=None, num_splits=None):
+    q, k, v, ctx_t, bt, nbytes = decode_inputs(batch, ctx)
+    fn = lambda: ta.decode_attention(q, k, v, ctx_t, bt, D ** -0.5, num_splits=num_splits, config=config)
+    err = check_decode(q, k, v, ctx_t, bt, fn())
+    t = bench(fn)
+    bw = nbytes / (t * 1e-3)
+    return t, bw, bw / copy_bw, err
+
+
+def prefill_inputs(batch=8, seqlen=2048):
+    total = batch * seqlen
+    nb = total // BS
+    qkv = torch.randn(total, (H + 2 * KVH) * D, device="cuda", dtype=DTYPE)
+    q = qkv[:, :H * D].view(total, H, D)
+    k = torch.randn(nb, BS, KVH, D, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    bt = torch.randperm(nb, device="cuda").view(batch, seqlen // BS).int()
+    cu = torch.arange(0, total + 1, seqlen, dtype=torch.int32, device="cuda")
+    ctx_t = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+    return q, k, v, cu, ctx_t, bt
+
+
+def run_prefill(inputs, config=None, batch=8, seqlen=2048):
+    q, k, v, cu, ctx_t, bt = inputs
+    fn = lambda: ta.prefill_attention(q, k, v, cu, ctx_t, bt, seqlen, D ** -0.5, config=config)
+    out = fn()
+    ref = paged_attention_torch(q[:seqlen].float(), k, v, [seqlen], [seqlen], bt[:1], D ** -0.5)
+    err = ((out[:seqlen].float() - ref).norm() / ref.norm()).item()
+    t = bench(fn)
+    flops = batch * 4 * seqlen * seqlen / 2 * H * D
+    return t, flops / (t * 1e-3), err
+
+
+def run_sdpa(batch=8, seqlen=2048):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    F = torch.nn.functional
+    q = torch.randn(batch, H, seqlen, D, device="cuda", dtype=DTYPE)
+    k = torch.randn(batch, KVH, seqlen, D, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    ke = k.repeat_interleave(H // KVH, 1).contiguous()
+    ve = v.repeat_interleave(H // KVH, 1).contiguous()
+    flops = batch * 4 * seqlen * seqlen / 2 * H * D
+    res = {}
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        try:
+            res["sdpa flash, enable_gqa"] = bench(lambda: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True))
+        except Exception as e:  # noqa: BLE001
+            print(f"sdpa enable_gqa failed: {type(e).__name__}: {str(e)[:100]}")
+        res["sdpa flash, kv expanded"] = bench(lambda: F.scaled_dot_product_attention(
+            q, ke, ve, is_causal=True))
+    return {name: (t, flops / (t * 1e-3)) for name, t in res.items()}
+
+
+def sweep_decode(copy_bw):
+    print("\n## decode sweep (block_n, warps, stages, dot_min_group, programs_per_sm)")
+    variants = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (128, 4, 2), (128, 4, 3),
+                (128, 8, 2), (128, 8, 3), (256, 8, 2), (64, 2, 3)]
+    best = {}
+    for batch, ctx in DECODE_SHAPES:
+        rows = []
+        for bn, w, s in variants:
+            for dmg in (2, 99):
+                cfg = {"block_n": bn, "num_warps": w, "num_stages": s, "dot_min_group": dmg}
+                try:
+                    t, bw, frac, err = run_decode(batch, ctx, copy_bw, cfg)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {batch}x{ctx} {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                rows.append((frac, cfg))
+                print(f"  {batch:4d}x{ctx:<5d} bn={bn:3d} w={w} st={s} dot={'y' if dmg == 2 else 'n'} "
+                      f"{t * 1e3:8.1f} us {bw / 1e12:5.2f} TB/s {100 * frac:5.1f}% err={err:.1e}")
+        rows.sort(key=lambda r: -r[0])
+        top = rows[0][1]
+        for pps in (1, 2, 8, 16):
+            cfg = dict(top, programs_per_sm=pps)
+            t, bw, frac, err = run_decode(batch, ctx, copy_bw, cfg)
+            rows.append((frac, cfg))
+            print(f"  {batch:4d}x{ctx:<5d} best cfg, programs_per_sm={pps:2d}: splits="
+                  f"{ta.decode_num_splits(batch, KVH, ctx // 64, 132, pps)} "
+                  f"{t * 1e3:8.1f} us {100 * frac:5.1f}%")
+        rows.sort(key=lambda r: -r[0])
+        best[(batch, ctx)] = rows[0]
+        print(f"  best {batch}x{ctx}: {100 * rows[0][0]:.1f}% {rows[0][1]}")
+    return best
+
+
+def sweep_prefill(sdpa_best):
+    print("\n## prefill sweep (block_m, block_n, warps, stages)")
+    inputs = prefill_inputs()
+    rows = []
+    for bm, bn, w, s in [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2),
+                         (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2),
+                         (128, 32, 8, 3), (128, 64, 8, 4), (64, 32, 4, 3), (128, 128, 4, 2)]:
+        cfg = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s}
+        try:
+            t, fl, err = run_prefill(inputs, cfg)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        rows.append((fl, cfg))
+        print(f"  bm={bm:3d} bn={bn:3d} w={w} st={s} {t * 1e3:8.1f} us {fl / 1e12:6.1f} TFLOP/s "
+              f"{fl / sdpa_best:5.2f}x sdpa err={err:.1e}")
+    rows.sort(key=lambda r: -r[0])
+    print(f"  best: {rows[0][0] / 1e12:.1f} TFLOP/s {rows[0][1]}")
+    return rows[0]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    copy_bw, mm = ceilings()
+    sdpa = run_sdpa()
+    sdpa_best = max(fl for _, fl in sdpa.values())
+    if args.sweep:
+        sweep_decode(copy_bw)
+        sweep_prefill(sdpa_best)
+    print("\n## results (defaults: decode %s, prefill %s)" % (ta.DECODE_CFG, ta.PREFILL_CFG))
+    print(f"| what | time | achieved | vs ceiling | target | rel err |")
+    print(f"|---|---|---|---|---|---|")
+    print(f"| copy bandwidth (2 GiB d2d) | | {copy_bw / 1e12:.2f} TB/s | | | |")
+    print(f"| bf16 matmul 8192^3 | | {mm / 1e12:.0f} TFLOP/s | | | |")
+    for batch, ctx in DECODE_SHAPES:
+        t, bw, frac, err = run_decode(batch, ctx, copy_bw)
+        splits = ta.decode_num_splits(batch, KVH, math.ceil(ctx / ta.DECODE_CFG["block_n"]), 132)
+        ok = "ok" if frac >= TARGETS[(batch, ctx)] else "MISSED"
+        print(f"| decode {batch}x{ctx} (splits {splits}) | {t * 1e3:.1f} us | {bw / 1e12:.2f} TB/s | "
+              f"{100 * frac:.1f}% of copy | >= {100 * TARGETS[(batch, ctx)]:.0f}% {ok} | {err:.1e} |")
+    for name, (t, fl) in sdpa.items():
+        print(f"| {name} 8x2048 | {t * 1e3:.1f} us | {fl / 1e12:.0f} TFLOP/s | "
+              f"{100 * fl / mm:.0f}% of matmul | | |")
+    t, fl, err = run_prefill(prefill_inputs())
+    ok = "ok" if fl / sdpa_best >= 0.7 else "MISSED"
+    print(f"| prefill triton 8x2048 | {t * 1e3:.1f} us | {fl / 1e12:.0f} TFLOP/s | "
+          f"{fl / sdpa_best:.2f}x best sdpa | >= 0.70x {ok} | {err:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

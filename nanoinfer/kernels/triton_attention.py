@@ -1,0 +1,348 @@
+"""Paged attention in Triton: prefill (tiled flash-attention forward) and decode (flash-decoding).
+
+Cache layout per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] (last dim
+contiguous); block_tables [num_seqs, width] int32 maps a sequence's logical block j to a physical
+block (-1 beyond the used blocks, never read). Token p of a sequence lives in physical block
+block_tables[i, p // block_size], row p % block_size. Both kernels look the physical block up per
+token row of a KV tile, so a tile may span several pages (block_size 16) or part of one (256).
+
+Decode: grid (num_seqs, num_kv_heads, num_splits). A program streams one split of one sequence's KV
+for one KV head and serves every query head of that KV head (GQA: K/V are read once per group). The
+number of splits comes from shapes only (CUDA-graph safe); each sequence's context is divided evenly
+among the splits at run time, so short contexts in a wide block table still spread over the splits.
+With one split the kernel normalises and writes the output; else it writes (o, lse) partials and a
+small kernel merges them.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _kv_offsets(bt_ptr, pos, n_mask, BLOCK_SIZE: tl.constexpr, stride_kb, stride_kt):
+    """Element offset of each token row `pos` (without head/dim offsets) through the block table."""
+    phys = tl.load(bt_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    return phys * stride_kb + (pos % BLOCK_SIZE) * stride_kt
+
+
+# --------------------------------------------------------------------------------------- decode
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr,
+                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
+                   stride_ob, stride_oh, qk_scale,
+                   NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, FP32: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + seq)
+    n_tiles = tl.cdiv(ctx, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_start = split * per_split
+    t_end = tl.minimum(t_start + per_split, n_tiles)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    if D_PAD == HEAD_DIM:
+        q_mask = g_mask[:, None]
+    else:
+        q_mask = g_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    if not USE_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
+    kv_head = kvh * stride_kh
+    for t in range(t_start, t_end):
+        pos = t * BLOCK_N + offs_n
+        n_mask = pos < ctx
+        off = _kv_offsets(bt_row, pos, n_mask, BLOCK_SIZE, stride_kb, stride_kt) + kv_head
+        if D_PAD == HEAD_DIM:
+            kv_mask = n_mask[:, None]
+        else:
+            kv_mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+        kv_off = off[:, None] + offs_d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        if USE_DOT:
+            if FP32:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+        else:
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if USE_DOT:
+            if FP32:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        if D_PAD == HEAD_DIM:
+            o_mask = g_mask[:, None]
+        else:
+            o_mask = g_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # partials: po [B, H, NUM_SPLITS, D_PAD] fp32, plse [B, H, NUM_SPLITS] (log2 domain)
+        row = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(po_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(plse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh,
+                          NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          D_PAD: tl.constexpr):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    row = seq.to(tl.int64) * tl.num_programs(1) + h
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    lse = tl.load(plse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    valid = lse > float("-inf")
+    w = tl.where(valid, tl.exp2(lse - tl.where(valid, m, 0.0)), 0.0)
+    po = tl.load(po_ptr + (row * NUM_SPLITS + offs_s)[:, None] * D_PAD + offs_d[None, :],
+                 mask=s_mask[:, None], other=0.0)
+    denom = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * po, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+_NUM_SMS = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+# Tunables (bench_kernels.py sweeps them); programs per SM the split heuristic aims for.
+DECODE_CFG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 4,
+              "max_splits": 64, "dot_min_group": 2}
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_sms: int,
+                      programs_per_sm: int | None = None, max_splits: int | None = None) -> int:
+    """Splits per (sequence, KV head) from shapes only: enough programs to fill the SMs."""
+    programs_per_sm = programs_per_sm or DECODE_CFG["programs_per_sm"]
+    max_splits = max_splits or DECODE_CFG["max_splits"]
+    want = triton.cdiv(num_sms * programs_per_sm, max(batch * num_kv_heads, 1))
+    splits = min(triton.next_power_of_2(want), max_splits, triton.next_power_of_2(max(max_tiles, 1)))
+    return max(splits, 1)
+
+
+def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: float,
+                     num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """q: [B, num_heads, head_dim] (last dim contiguous); one query per sequence at position
+    context_lens[i] - 1. Returns [B, num_heads, head_dim] contiguous. No host syncs: CUDA-graph safe."""
+    cfg = dict(DECODE_CFG, **(config or {}))
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    use_dot = group >= cfg["dot_min_group"]
+    group_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
+    block_n = min(cfg["block_n"], triton.next_power_of_2(block_tables.shape[1] * block_size))
+    block_n = max(block_n, 16)
+    max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, max_tiles, _num_sms(q.device),
+                                       cfg["programs_per_sm"], cfg["max_splits"])
+    if num_splits > 1:
+        po = torch.empty((batch, num_heads, num_splits, d_pad), dtype=torch.float32, device=q.device)
+        plse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        po = plse = out  # unused
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, po, plse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
+        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, USE_DOT=use_dot, FP32=q.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            po, plse, out, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+            S_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=4)
+    return out
+
+
+# -------------------------------------------------------------------------------------- prefill
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
+                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
+                    stride_ot, stride_oh, qk_scale,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    FP32: tl.constexpr):
+    h = tl.program_id(0)
+    seq = tl.program_id(1)
+    m_tile = tl.num_programs(2) - 1 - tl.program_id(2)  # heaviest (latest) query tiles first
+    q_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(ctx_ptr + seq)
+    prefix = ctx - q_len
+    kvh = h // GROUP
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < q_len
+    if D_PAD == HEAD_DIM:
+        q_mask = m_mask[:, None]
+    else:
+        q_mask = m_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask,
+                other=0.0)
+    q_pos = prefix + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
+    kv_head = kvh * stride_kh
+
+    first_q = prefix + m_tile * BLOCK_M
+    full_end = (first_q // BLOCK_N) * BLOCK_N           # keys below: visible to every row, all < ctx
+    hi = tl.minimum(ctx, first_q + BLOCK_M)            # keys at or past hi: visible to no row
+
+    # phase 1: fully visible key tiles, no masks
+    for start in range(0, full_end, BLOCK_N):
+        pos = start + offs_n
+        off = _kv_offsets(bt_row, pos, pos < ctx, BLOCK_SIZE, stride_kb, stride_kt) + kv_head
+        kv_off = off[:, None] + offs_d[None, :]
+        if D_PAD == HEAD_DIM:
+            k = tl.load(k_ptr + kv_off)
+            v = tl.load(v_ptr + kv_off)
+        else:
+            d_mask = offs_d[None, :] < HEAD_DIM
+            k = tl.load(k_ptr + kv_off, mask=d_mask, other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=d_mask, other=0.0)
+        if FP32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # phase 2: the diagonal tiles, causal mask
+    for start in range(full_end, hi, BLOCK_N):
+        pos = start + offs_n
+        n_mask = pos < ctx
+        off = _kv_offsets(bt_row, pos, n_mask, BLOCK_SIZE, stride_kb, stride_kt) + kv_head
+        kv_off = off[:, None] + offs_d[None, :]
+        if D_PAD == HEAD_DIM:
+            kv_mask = n_mask[:, None]
+        else:
+            kv_mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        if FP32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+PREFILL_CFG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+
+
+def _prefill_config(head_dim: int, device: torch.device) -> dict:
+    if device.type != "cuda":  # interpreter: small tiles keep CPU tests quick
+        return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1}
+    cfg = dict(PREFILL_CFG)
+    if head_dim > 128:
+        cfg.update(block_m=64, block_n=32, num_stages=2)
+    return cfg
+
+
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                      max_seqlen_q: int, scale: float, config: dict | None = None) -> torch.Tensor:
+    """q: [total_q, num_heads, head_dim] (last dim contiguous; may be a strided view). Sequence i owns
+    rows cu_seqlens_q[i]:cu_seqlens_q[i+1], the last q_len_i of its context_lens[i] positions (their
+    K/V already stored). Causal. Returns [total_q, num_heads, head_dim] contiguous."""
+    total_q, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
+    out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if total_q == 0 or batch == 0 or max_seqlen_q == 0:
+        return out
+    cfg = dict(_prefill_config(head_dim, q.device), **(config or {}))
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
+    grid = (num_heads, batch, triton.cdiv(max_seqlen_q, block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, FP32=q.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out

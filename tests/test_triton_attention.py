@@ -1,0 +1,195 @@
+"""Triton paged attention vs the torch reference (CPU: Triton interpreter, tiny shapes; GPU: real)."""
+import math
+import random
+
+import pytest
+import torch
+
+from nanoinfer.kernels.torch_attention import paged_attention_torch
+from nanoinfer.kernels.triton_attention import decode_attention, prefill_attention
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device=DEV):
+    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    return k, v
+
+
+def make_block_tables(context_lens, block_size, num_blocks, width=None, device=DEV):
+    """Random non-identity assignment of distinct physical blocks; -1 beyond the used ones."""
+    need = [(c + block_size - 1) // block_size for c in context_lens]
+    width = width or max(max(need), 1)
+    assert sum(need) <= num_blocks
+    perm = torch.randperm(num_blocks).tolist()
+    bt = torch.full((len(context_lens), width), -1, dtype=torch.int32)
+    pos = 0
+    for i, n in enumerate(need):
+        bt[i, :n] = torch.tensor(perm[pos:pos + n], dtype=torch.int32)
+        pos += n
+    return bt.to(device)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def run_prefill(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                strided_q=False, extra_blocks=3, device=DEV):
+    num_blocks = sum((c + block_size - 1) // block_size for c in ctx_lens) + extra_blocks
+    k_cache, v_cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    bt = make_block_tables(ctx_lens, block_size, num_blocks, device=device)
+    total = sum(q_lens)
+    if strided_q:  # q as a view into a fused qkv row
+        qkv = torch.randn(total, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
+        q = qkv[:, :num_heads * head_dim].view(total, num_heads, head_dim)
+    else:
+        q = torch.randn(total, num_heads, head_dim, dtype=dtype, device=device)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32,
+                      device=device)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    out = prefill_attention(q, k_cache, v_cache, cu, ctx, bt, max(q_lens), scale)
+    ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), q_lens, ctx_lens, bt, scale)
+    assert out.shape == (total, num_heads, head_dim) and out.dtype == dtype and out.is_contiguous()
+    assert torch.isfinite(out).all()
+    return rel_err(out, ref)
+
+
+def run_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, width=None,
+               num_splits=None, config=None, device=DEV):
+    num_blocks = sum((c + block_size - 1) // block_size for c in ctx_lens) + 2
+    k_cache, v_cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    bt = make_block_tables(ctx_lens, block_size, num_blocks, width=width, device=device)
+    q = torch.randn(len(ctx_lens), num_heads, head_dim, dtype=dtype, device=device)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    scale = head_dim ** -0.5
+    out = decode_attention(q, k_cache, v_cache, ctx, bt, scale, num_splits=num_splits, config=config)
+    keep = [i for i, c in enumerate(ctx_lens) if c > 0]
+    ref = paged_attention_torch(q[keep].float(), k_cache.float(), v_cache.float(), [1] * len(keep),
+                                [ctx_lens[i] for i in keep], bt[keep], scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    return rel_err(out[keep], ref)
+
+
+def tol(dtype):
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}[dtype]
+
+
+# ------------------------------------------------------------------------------ CPU (interpreter)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2), (4, 1), (8, 1)])
+def test_prefill_gqa_ragged(dtype, heads):
+    torch.manual_seed(0)
+    q_lens = [5, 37, 1]
+    err = run_prefill(q_lens, q_lens, heads[0], heads[1], 16, 16, dtype)
+    assert err < tol(dtype), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_cached_prefix_and_chunked(dtype):
+    torch.manual_seed(1)
+    # seq0: prefix 32 cached + 9 new; seq1: chunk of 20 in the middle of a long prompt (q_len < ctx);
+    # seq2: plain prefill; seq3: 1 new token after a 47-token prefix
+    q_lens, ctx_lens = [9, 20, 13, 1], [41, 70, 13, 48]
+    err = run_prefill(q_lens, ctx_lens, 4, 2, 32, 16, dtype, strided_q=True)
+    assert err < tol(dtype), err
+
+
+def test_prefill_page_256_and_odd_head_dim():
+    torch.manual_seed(2)
+    err = run_prefill([30, 7], [300, 7], 4, 2, 16, 256, torch.float32)
+    assert err < 1e-5, err
+    err = run_prefill([10, 19], [10, 40], 2, 1, 24, 16, torch.float16)  # head_dim 24: padded to 32
+    assert err < 2e-3, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2), (4, 1), (8, 1)])
+def test_decode_gqa_ragged(dtype, heads):
+    torch.manual_seed(3)
+    err = run_decode([1, 33, 100, 16], heads[0], heads[1], 16, 16, dtype)
+    assert err < tol(dtype), err
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_splits_and_padding_row(num_splits):
+    torch.manual_seed(4)
+    # a padding row (context 0, block table all -1) as in a CUDA-graph bucket; a wide block table
+    err = run_decode([70, 0, 5, 129], 4, 2, 32, 16, torch.float16, width=12, num_splits=num_splits)
+    assert err < 2e-3, err
+
+
+def test_decode_no_dot_path_and_page_256():
+    torch.manual_seed(5)
+    err = run_decode([300, 2, 0], 4, 2, 16, 256, torch.float32, config={"dot_min_group": 99})
+    assert err < 1e-5, err
+    err = run_decode([300, 2, 0], 4, 1, 16, 256, torch.float16, num_splits=4)
+    assert err < 2e-3, err
+    err = run_decode([45, 17], 2, 1, 24, 16, torch.float16, config={"dot_min_group": 99})
+    assert err < 2e-3, err
+
+
+def test_decode_all_padding_rows_writes_zeros():
+    q = torch.randn(3, 4, 16, device=DEV)
+    k, v = make_cache(4, 16, 2, 16, torch.float32)
+    bt = torch.full((3, 4), -1, dtype=torch.int32, device=DEV)
+    ctx = torch.zeros(3, dtype=torch.int32, device=DEV)
+    for splits in (1, 4):
+        out = decode_attention(q, k, v, ctx, bt, 0.25, num_splits=splits)
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads,head_dim,block_size", [((16, 8), 128, 256), ((32, 8), 128, 16),
+                                                       ((16, 16), 64, 256), ((28, 4), 128, 256),
+                                                       ((8, 8), 80, 256)])
+def test_cuda_prefill(heads, head_dim, block_size):
+    torch.manual_seed(10)
+    q_lens = [1000, 1, 257, 64, 2048]
+    ctx_lens = [1000, 300, 257, 1500, 2048]  # cached prefix / chunked rows included
+    err = run_prefill(q_lens, ctx_lens, heads[0], heads[1], head_dim, block_size, torch.bfloat16,
+                      strided_q=True)
+    assert err < 1.5e-2, err
+    err = run_prefill([333, 129], [900, 129], heads[0], heads[1], head_dim, block_size, torch.float16)
+    assert err < 2e-3, err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads,head_dim,block_size", [((16, 8), 128, 256), ((32, 8), 128, 16),
+                                                       ((16, 16), 64, 256), ((32, 4), 128, 256),
+                                                       ((8, 8), 80, 256)])
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_cuda_decode(heads, head_dim, block_size, batch):
+    torch.manual_seed(11)
+    rng = random.Random(batch)
+    ctx_lens = [rng.randint(1, 3000) for _ in range(batch)]
+    if batch > 1:
+        ctx_lens[1] = 0  # padding row
+    width = math.ceil(4096 / block_size)
+    err = run_decode(ctx_lens, heads[0], heads[1], head_dim, block_size, torch.bfloat16, width=width)
+    assert err < 1.5e-2, err
+
+
+@pytest.mark.cuda
+def test_cuda_decode_graph_capture():
+    torch.manual_seed(12)
+    B, H, KVH, D, BS = 16, 16, 8, 128, 256
+    k, v = make_cache(64, BS, KVH, D, torch.bfloat16)
+    ctx_lens = [random.Random(0).randint(1, 2000) for _ in range(B)]
+    bt = make_block_tables(ctx_lens, BS, 64, width=16)
+    q = torch.randn(B, H, D, dtype=torch.bfloat16, device="cuda")
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    decode_attention(q, k, v, ctx, bt, D ** -0.5)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = decode_attention(q, k, v, ctx, bt, D ** -0.5)
+    q.copy_(torch.randn_like(q))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_torch(q.float(), k.float(), v.float(), [1] * B, ctx_lens, bt, D ** -0.5)
+    assert rel_err(out, ref) < 1.5e-2
