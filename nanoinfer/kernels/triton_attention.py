@@ -150,8 +150,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 # Tunables (bench_kernels.py sweeps them); programs per SM the split heuristic aims for.
-DECODE_CFG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 4,
-              "max_splits": 64, "dot_min_group": 2}
+DECODE_CFG = {"block_n": 64, "num_warps": 2, "num_stages": 3, "programs_per_sm": 2,
+              "max_splits": 64, "dot_min_group": 1}
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_sms: int,
@@ -309,7 +309,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
              o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-PREFILL_CFG = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+PREFILL_CFG = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
 
 
 def _prefill_config(head_dim: int, device: torch.device) -> dict:
