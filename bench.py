@@ -56,14 +56,16 @@ def measure_ceilings(device) -> tuple[float, float]:
 class StepRecorder:
     """Wraps the engine's scheduler and runner to record each step's shape and host-side time."""
 
-    def __init__(self, llm: LLM):
-        self.steps = []  # (is_prefill, [(query_len, context_len)], schedule_s, prepare_s)
+    def __init__(self, llm: LLM, profile_steps: range | None = None):
+        self.steps = []
+        self.profile_steps, self.profiler = profile_steps or range(0), None  # (is_prefill, [(query_len, context_len)], schedule_s, prepare_s)
         self.llm = llm
         runner, scheduler = llm.model_runner, llm.scheduler
         schedule, prep_prefill, prep_decode = scheduler.schedule, runner.prepare_prefill, runner.prepare_decode
         self.t_schedule = self.t_prepare = 0.0
 
         def timed_schedule():
+            self._profile(len(self.steps))
             t = time.perf_counter()
             seqs, is_prefill = schedule()
             self.t_schedule = time.perf_counter() - t
@@ -81,6 +83,24 @@ class StepRecorder:
 
         scheduler.schedule = timed_schedule
         runner.prepare_prefill, runner.prepare_decode = timed(prep_prefill), timed(prep_decode)
+
+
+    def _profile(self, step: int):
+        """Profile the given steps with torch.profiler and print where device and host time go."""
+        if step == self.profile_steps.start and len(self.profile_steps):
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=acts)
+            self.profiler.__enter__()
+        elif step == self.profile_steps.stop and self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            table = self.profiler.key_averages()
+            print(f"--- profile of steps {self.profile_steps.start}..{self.profile_steps.stop - 1}")
+            if torch.cuda.is_available():
+                print(table.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+            print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+            self.profiler = None
 
 
 def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate):
@@ -114,6 +134,8 @@ def main():
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, nargs=2, metavar=("FIRST", "LAST"),
+                   help="profile steps FIRST..LAST with torch.profiler (perturbs the timing)")
     args = p.parse_args()
 
     seed(args.seed)
@@ -125,7 +147,7 @@ def main():
     params = [SamplingParams(temperature=0.6, ignore_eos=True,
                              max_tokens=randint(args.min_output_len, args.max_output_len)) for _ in prompts]
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
-    recorder = StepRecorder(llm)
+    recorder = StepRecorder(llm, range(args.profile[0], args.profile[1] + 1) if args.profile else None)
     cuda = llm.config.device == "cuda"
     if cuda:
         torch.cuda.synchronize()

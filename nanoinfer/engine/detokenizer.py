@@ -38,12 +38,16 @@ class IncrementalDetokenizer:
     def _decode(self, ids):
         return decode(self.tokenizer, ids, self.skip_special_tokens)
 
-    def add(self, token_id: int, final: bool = False) -> str | None:
-        """Feed one generated token; returns the stop string it completed, if any (the text is then
-        cut at it). `final`: the completion ends with this token, so flush held-back bytes."""
+    def add(self, token_id: int | None, check_stop: bool = True, final: bool = False) -> str | None:
+        """Feed one generated token (None: none, only `final`); returns the stop string the new text
+        completed, if any (the text is then cut at it). `final`: the completion ends here, so bytes
+        held back for an incomplete character are released too."""
         if self.stopped:
             return None
-        self.ids.append(token_id)
+        if token_id is not None:
+            self.ids.append(token_id)
+        if self.read_offset == len(self.ids):
+            return None
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if full.endswith("\ufffd") and not final:
@@ -51,16 +55,7 @@ class IncrementalDetokenizer:
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
-        return self._check_stop(len(delta)) if delta and self.stop else None
-
-    def flush(self):
-        """The completion ended: release bytes held back for an incomplete character."""
-        if self.stopped or self.read_offset == len(self.ids):
-            return
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        self.text += full[len(prefix):]
-        self.prefix_offset = self.read_offset = len(self.ids)
+        return self._check_stop(len(delta)) if delta and self.stop and check_stop else None
 
     def _check_stop(self, num_new: int) -> str | None:
         for s in self.stop:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from nanoinfer.config import Config
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.layers.attention import select_backend
+from nanoinfer.layers.linear import tp_shard
 from nanoinfer.layers.sampler import Sampler, SamplingTensors
 from nanoinfer.models import get_model_class
 from nanoinfer.utils.context import get_context, reset_context, set_context
@@ -39,7 +40,7 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), tp_shard(rank, self.world_size):
                 self.model = get_model_class(hf)(hf)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -222,7 +223,15 @@ class ModelRunner:
         logger.info("captured %d CUDA graphs for decode batch sizes up to %d", len(self.graphs), max_bs)
 
     def exit(self):
+        """Release the KV cache, graphs and weights now: the engine object may outlive exit()."""
         self.graphs.clear()
         self.graph_vars = None
+        for layer in self.layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.layers = []
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()

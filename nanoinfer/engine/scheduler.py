@@ -17,13 +17,30 @@ class Scheduler:
         # waiting[0] may be a partly prefilled sequence that already holds its blocks
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        # n > 1: a prompt's other samples wait here (keyed by the first sample's seq_id) until its
+        # prompt K/V are computed, then join waiting and hit the prefix cache for the full blocks
+        self.held: dict[int, list[Sequence]] = {}
         self.num_preemptions = 0
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.held
 
-    def add(self, seq: Sequence):
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, after: Sequence | None = None):
+        """Queue a sequence; with `after` (another sample of the same prompt), hold it until
+        `after`'s prompt is computed so that it shares `after`'s prompt blocks."""
+        if after is None or after.is_finished:
+            self.waiting.append(seq)
+        else:
+            self.held.setdefault(after.seq_id, []).append(seq)
+
+    def _release_held(self, seq: Sequence):
+        """Queue the samples held for `seq`, ahead of other waiting prompts (after a head that is
+        mid-prefill and already holds blocks)."""
+        siblings = self.held.pop(seq.seq_id, None)
+        if siblings:
+            at = 1 if self.waiting and self.waiting[0].block_table else 0
+            for sibling in reversed(siblings):
+                self.waiting.insert(at, sibling)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         batch = self._schedule_prefill()
@@ -84,11 +101,17 @@ class Scheduler:
             self.block_manager.commit(seq)
             if seq.num_computed_tokens < len(seq):
                 continue  # a prefill chunk short of the prompt's end samples nothing
+            if self.held:
+                self._release_held(seq)
             seq.append_token(token_id)
             sp = seq.sampling_params
-            if not sp.ignore_eos and token_id in self.eos_token_ids:
+            stop_ok = seq.num_completion_tokens >= sp.min_tokens
+            if not sp.ignore_eos and token_id in self.eos_token_ids and stop_ok:
                 seq.finish_reason = "stop"
-            elif seq.num_completion_tokens >= sp.max_tokens or len(seq) >= self.max_model_len:
+            elif sp.stop_token_ids and token_id in sp.stop_token_ids and stop_ok:
+                seq.finish_reason = "stop"
+            elif (sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens) \
+                    or len(seq) >= self.max_model_len:
                 seq.finish_reason = "length"
             else:
                 continue
@@ -106,8 +129,17 @@ class Scheduler:
         """Drop a request wherever it is; its blocks are freed."""
         if seq.is_finished:
             return
+        if self.held:
+            self._release_held(seq)  # its held samples go on without it
         if seq.status == SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            else:  # held for a sibling's prompt
+                for key, group in list(self.held.items()):
+                    if seq in group:
+                        group.remove(seq)
+                        if not group:
+                            del self.held[key]
         else:
             self.running.remove(seq)
         seq.finish_reason = "abort"

@@ -24,6 +24,7 @@ from torch import nn
 from nanoinfer.sampling_params import SAMPLING_EPS
 
 _M32 = 0xFFFFFFFF
+TOP_K_OFF = 1 << 62  # larger than any vocabulary (logits may be wider than the tokenizer's vocab)
 
 
 @dataclass
@@ -31,13 +32,13 @@ class SamplingTensors:
     temperatures: torch.Tensor                 # [B] float32; rows < SAMPLING_EPS are greedy
     all_greedy: bool = False
     any_greedy: bool = True
-    top_k: torch.Tensor | None = None          # [B] int64, vocab size where off
+    top_k: torch.Tensor | None = None          # [B] int64, TOP_K_OFF where off
     max_top_k: int = 0                          # largest top_k among rows using it
     top_p: torch.Tensor | None = None          # [B] float32, 1.0 where off
     min_p: torch.Tensor | None = None          # [B] float32, 0.0 where off
     # penalties, for rows `pen_rows` (None = all rows)
     pen_rows: torch.Tensor | None = None
-    pen_tokens: torch.Tensor | None = None     # [P, L] int64 prompt+output token ids, padded with V
+    pen_tokens: torch.Tensor | None = None     # [P, L] int64 prompt+output token ids, padded with -1
     pen_prompt_lens: torch.Tensor | None = None  # [P] int64
     presence: torch.Tensor | None = None       # [P] float32
     frequency: torch.Tensor | None = None      # [P]
@@ -71,12 +72,12 @@ class SamplingTensors:
             sp = seq.sampling_params
             greedy = sp.temperature < SAMPLING_EPS
             temps.append(0.0 if greedy else float(sp.temperature))
-            k = sp.top_k if 0 < sp.top_k < vocab_size else vocab_size
+            k = sp.top_k if 0 < sp.top_k < vocab_size else TOP_K_OFF
             top_ks.append(k)
             top_ps.append(float(sp.top_p))
             min_ps.append(float(sp.min_p))
             if not greedy:
-                use_top_k |= k < vocab_size
+                use_top_k |= k != TOP_K_OFF
                 use_top_p |= sp.top_p < 1.0
                 use_min_p |= sp.min_p > 0.0
                 if sp.seed is not None:
@@ -97,7 +98,7 @@ class SamplingTensors:
         if not all_greedy:
             if use_top_k:
                 t.top_k = dev(top_ks, torch.int64)
-                t.max_top_k = max(k for k in top_ks if k < vocab_size)
+                t.max_top_k = max(k for k in top_ks if k != TOP_K_OFF)
             if use_top_p:
                 t.top_p = dev(top_ps, torch.float32)
             if use_min_p:
@@ -108,7 +109,7 @@ class SamplingTensors:
         if pen:
             rows = [seqs[i] for i in pen]
             tokens = [torch.tensor(s.token_ids, dtype=torch.int64) for s in rows]
-            padded = nn.utils.rnn.pad_sequence(tokens, batch_first=True, padding_value=vocab_size)
+            padded = nn.utils.rnn.pad_sequence(tokens, batch_first=True, padding_value=-1)
             t.pen_rows = None if len(pen) == B else dev(pen, torch.int64)
             t.pen_tokens = padded.pin_memory().to(device, non_blocking=True) if pin else padded
             t.pen_prompt_lens = dev([s.num_prompt_tokens for s in rows], torch.int64)
@@ -206,7 +207,7 @@ class Sampler(nn.Module):
         tokens), from token counts built with one scatter_add over the padded [P, L] token tensor."""
         rows = logits if t.pen_rows is None else logits[t.pen_rows]
         P, V = rows.shape
-        tokens = t.pen_tokens
+        tokens = t.pen_tokens.masked_fill(t.pen_tokens < 0, V)  # padding -> an extra column, dropped
         pos = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
         is_output = pos >= t.pen_prompt_lens[:, None]
         out_tokens = torch.where(is_output, tokens, V)
@@ -245,13 +246,12 @@ class Sampler(nn.Module):
             sorted_x.masked_fill_(drop, neg_inf)
             x = torch.empty_like(x).scatter_(1, order, sorted_x)
         elif t.top_k is not None:  # the k-th largest value is the threshold (ties kept)
-            V = x.shape[1]
             if t.max_top_k <= 1024:
                 top = x.topk(t.max_top_k, dim=-1).values
             else:
                 top = x.sort(dim=-1, descending=True).values
             kth = top.gather(1, (t.top_k.clamp(max=top.shape[1]) - 1)[:, None])
-            kth = torch.where(t.top_k[:, None] >= V, neg_inf, kth)
+            kth = torch.where(t.top_k[:, None] >= TOP_K_OFF, neg_inf, kth)
             x.masked_fill_(x < kth, neg_inf)
         noise = torch.empty_like(x).exponential_()
         if t.seeded_rows is not None:

@@ -1,0 +1,237 @@
+"""The batched sampler on synthetic logits: filters, penalties, min_tokens, seeds, logprobs."""
+import math
+
+import pytest
+import torch
+
+from nanoinfer.layers.sampler import Sampler, SamplingTensors, hashed_exponential, _seed_keys
+from nanoinfer.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+EOS = (7,)
+
+
+class FakeSeq:
+    """What SamplingTensors.build reads from a Sequence."""
+
+    def __init__(self, sp, prompt=(1, 2, 3), output=()):
+        self.sampling_params = sp
+        self.token_ids = list(prompt) + list(output)
+        self.num_prompt_tokens = len(prompt)
+
+    @property
+    def num_completion_tokens(self):
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def sample(logits, seqs, eos=EOS):
+    t = SamplingTensors.build(seqs, logits.shape[1], eos, CPU)
+    return Sampler()(logits, t)
+
+
+# ---- reference filters (written independently of the sampler, per row, in float64) -----------
+def reference_probs(logits_row, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """vLLM's order: temperature, min_p, top_k, then top_p on the renormalised distribution."""
+    x = logits_row.double() / temperature
+    p = torch.softmax(x, -1)
+    keep = torch.ones_like(p, dtype=torch.bool)
+    if min_p > 0:
+        keep &= p >= min_p * p.max()
+    if top_k > 0:
+        order = torch.argsort(x, descending=True)
+        k_keep = torch.zeros_like(keep)
+        k_keep[order[:top_k]] = True
+        keep &= k_keep
+    q = torch.where(keep, p, 0.0)
+    q /= q.sum()
+    if top_p < 1:
+        order = torch.argsort(q, descending=True)
+        kept, mass = torch.zeros_like(keep), 0.0
+        for i in order.tolist():
+            if mass >= top_p:
+                break
+            kept[i] = True
+            mass += q[i].item()
+        q = torch.where(kept, q, 0.0)
+        q /= q.sum()
+    return q
+
+
+def check_distribution(tokens, expected, num_samples):
+    counts = torch.bincount(tokens, minlength=expected.numel()).double()
+    support = expected > 0
+    # a token the filter must drop is never sampled
+    assert counts[~support].sum() == 0, f"sampled filtered-out tokens {(~support & (counts > 0)).nonzero().flatten().tolist()}"
+    exp_counts = expected[support] * num_samples
+    chi2 = ((counts[support] - exp_counts) ** 2 / exp_counts).sum().item()
+    df = max(int(support.sum()) - 1, 1)
+    # mean df, sd sqrt(2 df): 5 sd is far above a correct sampler and far below any wrong filter
+    assert chi2 < df + 5 * math.sqrt(2 * df), f"chi2 {chi2:.1f} with df {df}: counts {counts.tolist()} vs {(expected * num_samples).tolist()}"
+
+
+V = 24
+N = 40000
+
+
+@pytest.fixture(scope="module")
+def row():
+    g = torch.Generator().manual_seed(1234)
+    return torch.randn(V, generator=g) * 1.5
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.0, top_p=0.6),
+    dict(temperature=1.3, min_p=0.2),
+    dict(temperature=0.8, top_k=10, top_p=0.8),
+    dict(temperature=1.0, top_k=12, top_p=0.9, min_p=0.05),
+])
+def test_filtered_distribution(row, params):
+    torch.manual_seed(0)
+    sp = SamplingParams(**params)
+    logits = row.repeat(N, 1)
+    tokens = torch.tensor(sample(logits, [FakeSeq(sp)] * N))
+    expected = reference_probs(row, params.get("temperature", 1.0), params.get("top_k", 0),
+                               params.get("top_p", 1.0), params.get("min_p", 0.0))
+    check_distribution(tokens, expected, N)
+
+
+def test_wrong_filter_is_caught(row):
+    """The statistical check rejects a sample from a slightly different filter (sanity of the test)."""
+    torch.manual_seed(0)
+    tokens = torch.tensor(sample(row.repeat(N, 1), [FakeSeq(SamplingParams(top_p=0.6))] * N))
+    right = reference_probs(row, top_p=0.6)
+    m = int((right > 0).sum())
+    check_distribution(tokens, right, N)
+    p = torch.softmax(row.double(), -1)
+    for wrong_k in (m - 1, m + 1):  # off-by-one boundaries of the nucleus
+        with pytest.raises(AssertionError):
+            check_distribution(tokens, reference_probs(row, top_k=wrong_k), N)
+    with pytest.raises(AssertionError):  # right support, but not renormalised after the cut
+        wrong = torch.where(right > 0, p, 0.0)
+        wrong[right.argmax()] += 1 - wrong.sum()
+        check_distribution(tokens, wrong, N)
+
+
+def test_seeded_noise_distribution(row):
+    """Seeded rows (a different seed each) sample softmax(logits) too: the hash is a sound RNG."""
+    seqs = [FakeSeq(SamplingParams(top_k=8, seed=i)) for i in range(N)]
+    tokens = torch.tensor(sample(row.repeat(N, 1), seqs))
+    check_distribution(tokens, reference_probs(row, top_k=8), N)
+    # and the steps of one seeded request are independent draws too
+    seqs = [FakeSeq(SamplingParams(seed=5), output=[0] * i) for i in range(N // 4)]
+    tokens = torch.tensor(sample(row.repeat(N // 4, 1), seqs))
+    check_distribution(tokens, reference_probs(row), N // 4)
+
+
+def test_seeded_rows_ignore_batch_and_position(row):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
+    logits = torch.randn(8, V)
+    logits[3] = row
+    others = [FakeSeq(SamplingParams(temperature=0.5, top_k=3)) for _ in range(8)]
+    alone = sample(row[None], [FakeSeq(sp, output=[1, 2])])[0]
+    for pos in range(8):
+        batch_logits = torch.randn(8, V)
+        batch_logits[pos] = row
+        seqs = list(others)
+        seqs[pos] = FakeSeq(sp, output=[1, 2])
+        torch.manual_seed(pos)  # the global generator state does not matter either
+        assert sample(batch_logits, seqs)[pos] == alone
+    # different steps draw different noise
+    keys = torch.tensor([_seed_keys(42, s) for s in range(4)])
+    noise = hashed_exponential(keys, V)
+    assert not torch.equal(noise[0], noise[1])
+    assert torch.equal(noise, hashed_exponential(keys, V))
+
+
+def test_greedy_and_top_k_1():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 1000)
+    greedy = sample(logits, [FakeSeq(SamplingParams(temperature=0))] * 64)
+    assert greedy == logits.argmax(-1).tolist()
+    assert sample(logits, [FakeSeq(SamplingParams(temperature=1.5, top_k=1))] * 64) == greedy
+    mixed = [FakeSeq(SamplingParams(temperature=0 if i % 2 else 1.0)) for i in range(64)]
+    out = sample(logits, mixed)
+    assert out[1::2] == greedy[1::2]
+
+
+def test_tiny_temperature_no_nan():
+    logits = torch.randn(4, 50) * 100
+    logits[0, 3] = float("-inf")
+    for temp in (1e-5, 1e-4, 1e-3, 1e-6):
+        out = sample(logits, [FakeSeq(SamplingParams(temperature=temp))] * 4)
+        assert out == logits.argmax(-1).tolist()
+    out = sample(logits, [FakeSeq(SamplingParams(temperature=1e-5, top_p=0.5, min_p=0.5, top_k=3))] * 4)
+    assert out == logits.argmax(-1).tolist()
+
+
+def test_fast_path_leaves_logits_alone():
+    logits = torch.randn(4, 50)
+    before = logits.clone()
+    sample(logits, [FakeSeq(SamplingParams(repetition_penalty=1.5, min_tokens=3, top_k=4))] * 4)
+    assert torch.equal(logits, before)
+    t = SamplingTensors.build([FakeSeq(SamplingParams())] * 4, 50, EOS, CPU)
+    assert t.top_k is None and t.top_p is None and t.min_p is None and t.pen_tokens is None
+    assert t.seeded_rows is None and t.suppress_rows is None and t.lp_max is None
+
+
+def test_penalties_match_direct_computation():
+    torch.manual_seed(0)
+    Vp = 40
+    params = [SamplingParams(temperature=0, repetition_penalty=1.7),
+              SamplingParams(temperature=0),  # no penalty: untouched
+              SamplingParams(temperature=0, presence_penalty=1.2, frequency_penalty=0.4),
+              SamplingParams(temperature=0, repetition_penalty=0.6, presence_penalty=-0.5, frequency_penalty=-1.1)]
+    prompts = [[1, 2, 3, 3], [4, 5], [6, 6, 7], [8, 9, 10, 11, 12]]
+    outputs = [[3, 20, 20, 21], [5, 5], [6, 30, 30, 30, 31], [8]]
+    seqs = [FakeSeq(sp, p, o) for sp, p, o in zip(params, prompts, outputs)]
+    logits = torch.randn(4, Vp) * 3
+    t = SamplingTensors.build(seqs, Vp, EOS, CPU)
+    got = logits.clone()
+    Sampler._apply_penalties(got, t)
+    want = logits.clone()
+    for i, (sp, p, o) in enumerate(zip(params, prompts, outputs)):
+        for tok in set(p) | set(o):
+            x = want[i, tok]
+            want[i, tok] = x / sp.repetition_penalty if x > 0 else x * sp.repetition_penalty
+        for tok in set(o):
+            want[i, tok] -= sp.frequency_penalty * o.count(tok) + sp.presence_penalty
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[1], logits[1])
+    # and the sampler's greedy result is the argmax of the adjusted logits
+    assert sample(logits, seqs) == want.argmax(-1).tolist()
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids():
+    logits = torch.zeros(3, 30)
+    logits[:, 7] = 50.0   # EOS
+    logits[:, 9] = 40.0   # a stop token id
+    sp = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[9])
+    seqs = [FakeSeq(sp, output=[1]), FakeSeq(sp, output=[1, 2, 3]),
+            FakeSeq(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[9], ignore_eos=True), output=[1])]
+    out = sample(logits, seqs)
+    assert out[0] not in (7, 9) and out[1] == 7 and out[2] == 7
+    seqs = [FakeSeq(SamplingParams(min_tokens=2, stop_token_ids=[9]), output=[]) for _ in range(500)]
+    assert not {7, 9} & set(sample(logits[:1].repeat(500, 1), seqs))
+
+
+def test_logprobs_are_raw_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 60) * 2
+    params = [SamplingParams(logprobs=3, temperature=0.8, repetition_penalty=1.3),
+              SamplingParams(), SamplingParams(logprobs=0, temperature=0), SamplingParams(logprobs=5, top_k=2),
+              SamplingParams(logprobs=1, seed=3)]
+    out = sample(logits, [FakeSeq(sp) for sp in params])
+    lp = torch.log_softmax(logits, -1)
+    assert out.logprobs[1] is None
+    for i, sp in enumerate(params):
+        if sp.logprobs is None:
+            continue
+        top_ids, top_lps, sampled_lp, rank = out.logprobs[i]
+        assert len(top_ids) == sp.logprobs
+        want = lp[i].topk(sp.logprobs)
+        assert top_ids == want.indices.tolist()
+        torch.testing.assert_close(torch.tensor(top_lps), want.values)
+        assert math.isclose(sampled_lp, lp[i, out[i]].item(), abs_tol=1e-6)
+        assert rank == int((lp[i] > lp[i, out[i]]).sum()) + 1

@@ -1,0 +1,83 @@
+"""SamplingParams: vLLM's fields, defaults and validation rules."""
+import math
+
+import pytest
+
+from nanoinfer.sampling_params import SamplingParams
+
+
+def test_defaults():
+    sp = SamplingParams()
+    assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.seed) == (1, 1.0, 1.0, 0, 0.0, None)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert sp.stop == [] and sp.stop_token_ids == [] and not sp.ignore_eos
+    assert (sp.max_tokens, sp.min_tokens, sp.logprobs) == (64, 0, None)
+    assert sp.skip_special_tokens and not sp.include_stop_str_in_output
+
+
+def test_normalisation():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+    greedy = SamplingParams(temperature=0, top_p=0.5, top_k=3, min_p=0.2)  # vLLM resets the filters
+    assert (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)
+    assert SamplingParams(top_k=-1).top_k == -1 and SamplingParams(max_tokens=None).max_tokens is None
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("n", 0, "at least 1"),
+    ("presence_penalty", 2.5, r"\[-2, 2\]"),
+    ("presence_penalty", -2.01, r"\[-2, 2\]"),
+    ("frequency_penalty", -3.0, r"\[-2, 2\]"),
+    ("frequency_penalty", math.nan, r"\[-2, 2\]"),
+    ("repetition_penalty", 0.0, r"\(0, inf\)"),
+    ("repetition_penalty", -1.0, r"\(0, inf\)"),
+    ("repetition_penalty", math.inf, r"\(0, inf\)"),
+    ("temperature", -0.1, "non-negative"),
+    ("temperature", math.inf, "non-negative"),
+    ("temperature", math.nan, "non-negative"),
+    ("top_p", 0.0, r"\(0, 1\]"),
+    ("top_p", 1.5, r"\(0, 1\]"),
+    ("top_p", -0.2, r"\(0, 1\]"),
+    ("top_k", -2, "0 or -1"),
+    ("min_p", -0.1, r"\[0, 1\]"),
+    ("min_p", 1.1, r"\[0, 1\]"),
+    ("max_tokens", 0, "at least 1"),
+    ("min_tokens", -1, "at least 0"),
+    ("logprobs", -1, "at least 0"),
+])
+def test_value_errors_name_field_value_and_range(field, value, allowed):
+    with pytest.raises(ValueError, match=allowed) as err:
+        SamplingParams(**{field: value})
+    assert field in str(err.value) and repr(value) in str(err.value)
+
+
+def test_cross_field_and_list_rules():
+    with pytest.raises(ValueError, match="min_tokens.*max_tokens=4.*5"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    SamplingParams(max_tokens=None, min_tokens=5)
+    with pytest.raises(ValueError, match="stop.*empty string"):
+        SamplingParams(stop="")
+    with pytest.raises(ValueError, match="stop.*empty string"):
+        SamplingParams(stop=["ok", ""])
+    with pytest.raises(ValueError, match="stop_token_ids.*-3"):
+        SamplingParams(stop_token_ids=[1, -3])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 2.0), ("n", True), ("top_k", 1.5), ("min_tokens", "3"),
+    ("temperature", "0.5"), ("temperature", None), ("top_p", True), ("min_p", [0.1]),
+    ("presence_penalty", "1"), ("frequency_penalty", None), ("repetition_penalty", "x"),
+    ("seed", 1.0), ("seed", "7"), ("max_tokens", 2.5), ("logprobs", 2.0), ("logprobs", True),
+    ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
+    ("stop", 5), ("stop", ["a", 3]), ("stop_token_ids", [1, "2"]), ("stop_token_ids", 3),
+    ("stop_token_ids", [1.0]),
+])
+def test_type_errors(field, value):
+    with pytest.raises(TypeError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_unknown_field():
+    with pytest.raises(TypeError):
+        SamplingParams(best_of_everything=3)
