@@ -99,6 +99,8 @@ class Config:
                              "must divide one another")
         if hf.vocab_size % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide vocab_size={hf.vocab_size}")
+        if getattr(hf, "intermediate_size", 0) % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={hf.intermediate_size}")
 
         if self.dtype == "auto":
             if self.device == "cpu":

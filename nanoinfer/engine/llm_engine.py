@@ -2,13 +2,16 @@
 import atexit
 import json
 import os
+from dataclasses import replace
 
 from transformers import AutoTokenizer
 
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Sequence
+from nanoinfer.engine.tp_worker import TensorParallelRunner
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -19,7 +22,8 @@ class LLMEngine:
         config.eos_token_ids = tuple(sorted(self._eos_token_ids(config.model)))
         self.vocab_size = config.hf_config.vocab_size
         self._exited = False
-        self.model_runner = ModelRunner(config)
+        # tp > 1: rank 0 here plus spawned workers; its num_blocks is the minimum over ranks
+        self.model_runner = ModelRunner(config) if config.tensor_parallel_size == 1 else TensorParallelRunner(config)
         num_blocks = self.model_runner.num_blocks
         if num_blocks * config.kvcache_block_size < config.max_model_len:
             self.model_runner.exit()
@@ -30,6 +34,7 @@ class LLMEngine:
         self.model_runner.allocate_kv_cache(num_blocks)
         self.scheduler = Scheduler(config, num_blocks)
         self.requests: dict[int, Sequence] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.eos_token_ids)
         atexit.register(self.exit)
 
     def _eos_token_ids(self, path: str) -> set[int]:
@@ -65,29 +70,69 @@ class LLMEngine:
             raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty (no tokens)")
-        total = len(token_ids) + sampling_params.max_tokens
+        sp = sampling_params
+        bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if sp.logprobs is not None and sp.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs must be at most the vocabulary size {self.vocab_size}, got {sp.logprobs}")
+        # max_tokens=None: up to max_model_len
+        total = len(token_ids) + (sp.max_tokens if sp.max_tokens is not None else 1)
         if total > self.config.max_model_len:
             raise ValueError(f"prompt length {len(token_ids)} + max_tokens {sampling_params.max_tokens} = {total} "
                              f"exceeds max_model_len={self.config.max_model_len}")
+        if sp.max_tokens is None:
+            total = self.config.max_model_len
         capacity = self.scheduler.block_manager.num_blocks * self.config.kvcache_block_size
         if total > capacity:
             raise ValueError(f"prompt length + max_tokens = {total} tokens cannot fit the whole KV cache "
                              f"({capacity} tokens)")
         return Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
 
+    def make_request(self, prompt: str | list[int], sampling_params: SamplingParams | None) -> list[Sequence]:
+        """Validate one request and build its n sequences (one per sample), without queueing them.
+        With a seed, sample i uses seed + i (as vLLM does), so the samples differ."""
+        first = self.make_sequence(prompt, sampling_params)
+        sp = first.sampling_params
+        seqs = [first]
+        for i in range(1, sp.n):
+            child = sp if sp.seed is None else replace(sp, seed=sp.seed + i)
+            seqs.append(Sequence(first.token_ids, child, self.config.kvcache_block_size))
+        return seqs
+
+    def add_sequences(self, seqs: list[Sequence], prompt: str | None = None, collect: bool = False,
+                      incremental: bool = False) -> int:
+        """Queue the sequences of one request (from make_request); returns the request id (the
+        first sequence's id). The others wait until the first one's prompt is in the KV cache, then
+        reuse its blocks. collect: keep the output state for LLM to read; incremental: detokenize
+        every step (streaming)."""
+        for seq in seqs:
+            self.requests[seq.seq_id] = seq
+        self.scheduler.add(seqs[0])
+        for seq in seqs[1:]:
+            self.scheduler.add(seq, after=seqs[0])
+        self.output_processor.add(seqs, prompt, collect, incremental)
+        return seqs[0].seq_id
+
     def add_sequence(self, seq: Sequence) -> int:
-        self.requests[seq.seq_id] = seq
-        self.scheduler.add(seq)
-        return seq.seq_id
+        return self.add_sequences([seq])
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its request id. Raises ValueError/TypeError on bad input."""
-        return self.add_sequence(self.make_sequence(prompt, sampling_params))
+        """Queue a request; returns its request id. Raises ValueError/TypeError on bad input.
+        With n > 1, step() reports each sample under its own sequence id (the first is the
+        request id)."""
+        return self.add_sequences(self.make_request(prompt, sampling_params),
+                                  prompt if isinstance(prompt, str) else None)
 
     def abort_request(self, request_id: int):
-        seq = self.requests.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.abort(seq)
+        """Stop a request (all n samples; or one sample, given its sequence id) wherever it is;
+        its blocks are freed, the other requests go on."""
+        seqs = self.output_processor.sequences(request_id) or \
+            [s for s in [self.requests.get(request_id)] if s is not None]
+        for seq in seqs:
+            if self.requests.pop(seq.seq_id, None) is not None:
+                self.scheduler.abort(seq)
+        self.output_processor.aborted(seqs)
 
     # ---- loop -----------------------------------------------------------------------------------
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
@@ -100,6 +145,7 @@ class LLMEngine:
         num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
         token_ids = self.model_runner.run(seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
+        finished = self.output_processor.process(seqs, token_ids, finished)  # logprobs, stop strings
         for seq in finished:
             self.requests.pop(seq.seq_id, None)
         return [(s.seq_id, s.completion_token_ids) for s in finished], num_tokens

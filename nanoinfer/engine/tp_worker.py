@@ -41,7 +41,7 @@ from nanoinfer.engine.sequence import Sequence
 logger = logging.getLogger("nanoinfer")
 
 SHM_INITIAL_BYTES = 1 << 20
-SETTLE_TIMEOUT_S = 5.0       # how long a failed or interrupted step waits for the workers to report
+SETTLE_TIMEOUT_S = 2.0       # how long a failed or interrupted step waits for the workers to finish it
 EXIT_TIMEOUT_S = 10.0        # polite exit, then SIGTERM, then SIGKILL
 PARENT_POLL_S = 0.5          # how often an idle worker checks that rank 0's process is alive
 _HEADER = struct.Struct("<Q")  # payload length
@@ -50,6 +50,10 @@ _MAX_ERROR_CHARS = 16000     # a worker's traceback must fit the pipe buffer: it
 
 class WorkerFailure(Exception):
     """A worker died or raised; the message names the rank and carries its error."""
+
+
+class _Timeout(Exception):
+    """Workers alive but silent past a deadline (e.g. stuck in a collective rank 0 left)."""
 
 
 # ---- the per-step message -------------------------------------------------------------------------
@@ -101,7 +105,7 @@ def decode_step(is_prefill: bool, rows: list) -> tuple[list[StepSequence], bool]
 # ---- the worker process ---------------------------------------------------------------------------
 def _send_error(conn, rank: int):
     try:
-        conn.send(("error", f"rank {rank}: {traceback.format_exc()}"[-_MAX_ERROR_CHARS:]))
+        conn.send(("error", f"rank {rank}: {traceback.format_exc()[-_MAX_ERROR_CHARS:]}"))
     except Exception:
         pass
 
@@ -202,11 +206,7 @@ class TensorParallelRunner:
             self._pending = set(range(n - 1))
             self._collect("start-up")  # workers imported everything; none died on the way
             self._pending = set(range(n - 1))
-            try:
-                self.runner = ModelRunner(config, 0, self.init_method)
-            except BaseException as e:
-                self._settle(e)
-                raise
+            self.runner = ModelRunner(config, 0, self.init_method)  # joins the workers' process group
             worker_blocks = self._collect("model load")
             self.num_blocks = min([self.runner.num_blocks, *worker_blocks])
             if config.device == "cuda":
@@ -214,13 +214,28 @@ class TensorParallelRunner:
             logger.info("tensor parallel: %d ranks (%s), KV blocks per rank min(%s) = %d", n,
                         "nccl" if config.device == "cuda" else "gloo",
                         [self.runner.num_blocks, *worker_blocks], self.num_blocks)
-        except WorkerFailure as e:
-            self._broken = str(e)
+        except BaseException as e:
+            failure = self._worker_failure_behind(e)
+            if failure:
+                self._broken = failure
             self.exit()
-            raise RuntimeError(str(e)) from None
-        except BaseException:
-            self.exit()
+            if failure:
+                raise RuntimeError(f"tensor-parallel worker failure during start-up: {failure}") from e
             raise
+
+    def _worker_failure_behind(self, error: BaseException) -> str | None:
+        """A start-up error on rank 0 (e.g. a collective losing its peer) is usually a worker's."""
+        if isinstance(error, WorkerFailure):
+            return str(error)
+        if isinstance(error, KeyboardInterrupt) or not self.procs:
+            return None
+        try:
+            self._collect("start-up", timeout=1.0)
+        except WorkerFailure as e:
+            return str(e)
+        except _Timeout:
+            pass
+        return None
 
     @staticmethod
     def _start(proc):
@@ -244,7 +259,7 @@ class TensorParallelRunner:
     def allocate_kv_cache(self, num_blocks: int):
         # every rank at once: CUDA-graph capture runs collectives
         self._guard(lambda: self.runner.allocate_kv_cache(num_blocks), "allocate_kv_cache", num_blocks)
-        self._collect("allocate_kv_cache")
+        self._wait("allocate_kv_cache")
         self.num_blocks = num_blocks
 
     def run(self, seqs: list[Sequence], is_prefill: bool, *args, **kwargs):
@@ -256,7 +271,7 @@ class TensorParallelRunner:
     def ping(self):
         """A round trip through the workers without a forward (measures the RPC cost)."""
         self._guard(lambda: None, "_ping")
-        self._collect("_ping")
+        self._wait("_ping")
 
     def exit(self):
         if self._closed:
@@ -264,23 +279,28 @@ class TensorParallelRunner:
         self._closed = True
         self._stop_watchdog.set()
         try:
+            polite = False
             if not self._broken and self.procs and all(p.is_alive() for p in self.procs):
                 try:
                     self._collect("the last call", timeout=SETTLE_TIMEOUT_S)
                     self._write("exit")
                     self._collect("exit", timeout=EXIT_TIMEOUT_S)
-                except WorkerFailure:
+                    polite = True
+                except (WorkerFailure, _Timeout):
                     pass
-            self._stop_workers()
+            self._stop_workers(EXIT_TIMEOUT_S if polite else 0.2)
         finally:
             try:
                 if self.runner is not None:
                     self.runner.exit()
                 elif dist.is_available() and dist.is_initialized():  # rank 0 failed after joining
                     dist.destroy_process_group()
+            except Exception:
+                logger.exception("destroying rank 0's process group failed")
             finally:
                 for conn in self.conns:
                     conn.close()
+                self.events.clear()  # spawn-context semaphores live in /dev/shm until collected
                 for shm in self._segments:
                     shm.close()
                     try:
@@ -301,9 +321,8 @@ class TensorParallelRunner:
             raise RuntimeError("the tensor-parallel group has exited")
         try:
             self._collect("the previous call")  # its buffer may be overwritten only once all have read it
-            dead = [(i, p) for i, p in enumerate(self.procs) if not p.is_alive()]
-            if dead:
-                raise WorkerFailure(self._describe_failures())
+            if not all(p.is_alive() for p in self.procs):  # died since: fail before touching a collective
+                raise WorkerFailure(self._describe_failures({}))
             self._write(method, *args)
         except WorkerFailure as e:
             self._fail(str(e), None)
@@ -322,10 +341,18 @@ class TensorParallelRunner:
             in_sync = True
         except WorkerFailure as e:
             self._fail(str(e), error)
+        except _Timeout:
+            pass
         finally:
             if not in_sync and not self._closed:
                 self._broken = f"rank 0 failed during a call ({type(error).__name__}: {error})"
                 self.exit()
+
+    def _wait(self, what: str) -> list:
+        try:
+            return self._collect(what)
+        except WorkerFailure as e:
+            self._fail(str(e), None)
 
     def _fail(self, message: str, cause: BaseException | None):
         self._broken = message
@@ -350,12 +377,10 @@ class TensorParallelRunner:
             event.set()
 
     def _grow(self, needed: int):
-        old = self.shm
-        self.shm = self._new_segment(max(2 * old.size, 1 << (needed - 1).bit_length()))
-        self.shm, new = old, self.shm
-        self._write("_remap", new.name)  # the remap message is small: it fits the old segment
+        new = self._new_segment(max(2 * self.shm.size, 1 << (needed - 1).bit_length()))
+        self._write("_remap", new.name)  # small: it fits the current segment
         self._collect("_remap")
-        self.shm = new
+        old, self.shm = self.shm, new
         self._segments.remove(old)
         old.close()
         old.unlink()
@@ -375,51 +400,47 @@ class TensorParallelRunner:
                     try:
                         status, value = conn.recv()
                     except (EOFError, OSError):
-                        raise WorkerFailure(self._describe_failures()) from None
+                        raise WorkerFailure(self._describe_failures({})) from None
                     if status != "ok":
-                        raise WorkerFailure(self._describe_failures(first=value))
+                        raise WorkerFailure(self._describe_failures({i: value}))
                     self._results[i] = value
                     self._pending.discard(i)
                 elif not self.procs[i].is_alive():
-                    raise WorkerFailure(self._describe_failures())
+                    raise WorkerFailure(self._describe_failures({}))
             if self._pending and deadline is not None and time.monotonic() >= deadline:
-                raise WorkerFailure(f"rank(s) {[i + 1 for i in sorted(self._pending)]} did not answer "
+                raise _Timeout(f"rank(s) {[i + 1 for i in sorted(self._pending)]} did not answer "
                                     f"{what} within {timeout:.0f} s")
         results = [self._results.get(i) for i in range(len(self.procs))]
         self._results.clear()
         return results
 
-    def _describe_failures(self, first: str | None = None) -> str:
-        """Every worker's error: the ones they sent, or how they ended. Waits briefly for the others,
-        which usually fail right after the first (their collectives lose a peer)."""
-        errors = {} if first is None else {int(first.split(":", 1)[0].split()[-1]) - 1: first}
+    def _describe_failures(self, errors: dict[int, str]) -> str:
+        """Every worker's error: the ones they sent, or how they ended. Waits up to 2 s for the
+        others, which often fail right after the first (their collectives lose a peer)."""
         deadline = time.monotonic() + 2.0
-        while True:
+        while len(errors) < len(self.procs) and time.monotonic() < deadline:
             for i, (conn, proc) in enumerate(zip(self.conns, self.procs)):
                 if i in errors:
                     continue
                 try:
-                    while conn.poll():
+                    while i not in errors and conn.poll():
                         status, value = conn.recv()
                         if status != "ok":
                             errors[i] = value
-                            break
                 except (EOFError, OSError):
                     proc.join(1.0)
                     errors[i] = f"rank {i + 1}: process {proc.pid} {_exit_reason(proc)}"
-            if errors and time.monotonic() >= deadline or len(errors) == len(self.procs):
-                break
-            if time.monotonic() >= deadline + SETTLE_TIMEOUT_S:
-                break
-            time.sleep(0.05)
+            if len(errors) < len(self.procs):
+                time.sleep(0.05)
         if not errors:
             return "no worker reported an error"
         return "\n".join(errors[i].rstrip() for i in sorted(errors))
 
     # ---- lifecycle ------------------------------------------------------------------------------
-    def _stop_workers(self):
+    def _stop_workers(self, grace: float):
+        deadline = time.monotonic() + grace
         for proc in self.procs:
-            proc.join(EXIT_TIMEOUT_S if proc.is_alive() and not self._broken else 0.5)
+            proc.join(max(deadline - time.monotonic(), 0.0))
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()

@@ -1,6 +1,24 @@
 import torch
 from torch import nn
 
+from nanoinfer.utils.compile import compile_on_cuda
+
+
+@compile_on_cuda
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@compile_on_cuda
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The fused pre-norm step: residual += x, then normalise; returns (normed, new residual)."""
+    x = x.float() + residual.float()
+    residual = x.to(residual.dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(residual.dtype), residual
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
@@ -9,12 +27,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With a residual, adds it first and returns (normed, new residual) — the fused pre-norm step."""
-        if residual is not None:
-            x = x.float() + residual.float()
-            residual = x.to(residual.dtype)
-        dtype = residual.dtype if residual is not None else x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return out if residual is None else (out, residual)
+        """With a residual, adds it first and returns (normed, new residual)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,12 +1,31 @@
 """Tensor-parallel linear layers. Each holds only its rank's shard; `weight_loader` cuts the shard
 out of the full checkpoint tensor. With one rank they are plain linear layers."""
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 
+_TP_OVERRIDE: tuple[int, int] | None = None
+
+
+@contextmanager
+def tp_shard(rank: int, size: int):
+    """Build layers for this (rank, size) whatever torch.distributed says: a tp=1 engine built while
+    a TP engine's process group is alive in the same process must not shard."""
+    global _TP_OVERRIDE
+    previous, _TP_OVERRIDE = _TP_OVERRIDE, (rank, size)
+    try:
+        yield
+    finally:
+        _TP_OVERRIDE = previous
+
+
 def tp_rank_and_size() -> tuple[int, int]:
+    if _TP_OVERRIDE is not None:
+        return _TP_OVERRIDE
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
