@@ -54,36 +54,44 @@ def measure_ceilings(device) -> tuple[float, float]:
 
 
 class StepRecorder:
-    """Wraps the engine's scheduler and runner to record each step's shape and host-side time."""
+    """Wraps the engine's step, scheduler and runner to record each step's shape and where its wall
+    time goes: schedule, input preparation, the runner call (launch + device + wait), and the rest
+    (postprocess, outputs)."""
 
     def __init__(self, llm: LLM, profile_steps: range | None = None):
-        self.steps = []
-        self.profile_steps, self.profiler = profile_steps or range(0), None  # (is_prefill, [(query_len, context_len)], schedule_s, prepare_s)
-        self.llm = llm
+        self.steps = []  # [is_prefill, [(query_len, context_len)], schedule_s, prepare_s, run_s, step_s]
+        self.profile_steps, self.profiler = profile_steps or range(0), None
         runner, scheduler = llm.model_runner, llm.scheduler
-        schedule, prep_prefill, prep_decode = scheduler.schedule, runner.prepare_prefill, runner.prepare_decode
-        self.t_schedule = self.t_prepare = 0.0
+        schedule, run, step = scheduler.schedule, runner.run, llm.step
+        prep_prefill, prep_decode = runner.prepare_prefill, runner.prepare_decode
 
         def timed_schedule():
             self._profile(len(self.steps))
             t = time.perf_counter()
             seqs, is_prefill = schedule()
-            self.t_schedule = time.perf_counter() - t
             shape = [(s.num_scheduled_tokens, s.num_computed_tokens + s.num_scheduled_tokens) for s in seqs]
-            self.steps.append([is_prefill, shape, self.t_schedule, 0.0])
+            self.steps.append([is_prefill, shape, time.perf_counter() - t, 0.0, 0.0, 0.0])
             return seqs, is_prefill
 
-        def timed(fn):
-            def wrapper(seqs):
+        def timed(fn, field):
+            def wrapper(*args):
                 t = time.perf_counter()
-                out = fn(seqs)
-                self.steps[-1][3] = time.perf_counter() - t
+                out = fn(*args)
+                self.steps[-1][field] += time.perf_counter() - t
                 return out
             return wrapper
 
-        scheduler.schedule = timed_schedule
-        runner.prepare_prefill, runner.prepare_decode = timed(prep_prefill), timed(prep_decode)
+        def timed_step():
+            t = time.perf_counter()
+            out = step()
+            if self.steps:
+                self.steps[-1][5] = time.perf_counter() - t
+            return out
 
+        scheduler.schedule = timed_schedule
+        runner.prepare_prefill, runner.prepare_decode = timed(prep_prefill, 3), timed(prep_decode, 3)
+        runner.run = timed(run, 4)
+        llm.step = timed_step
 
     def _profile(self, step: int):
         """Profile the given steps with torch.profiler and print where device and host time go."""
@@ -109,7 +117,7 @@ def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate):
     embed = hf.vocab_size * hf.hidden_size
     matmul_params = params - embed * (1 if hf.tie_word_embeddings else 2)  # per token, excluding vocab
     byte_time = flop_time = 0.0
-    for is_prefill, shape, _, _ in steps:
+    for is_prefill, shape, *_ in steps:
         kv_read = sum(ctx - q for q, ctx in shape) * kv_per_token  # cached context each step reads
         byte_time += (weight_bytes + kv_read + sum(q for q, _ in shape) * kv_per_token) / bandwidth
         if is_prefill:
@@ -167,12 +175,14 @@ def main():
           f"steps: {len(steps)} ({len(steps) - len(decode)} prefill, {len(decode)} decode), "
           f"preemptions: {llm.scheduler.num_preemptions}")
     print(f"Total: {out_tokens}tok, Time: {t:.2f}s, Throughput: {out_tokens / t:.2f}tok/s")
-    big = [s for s in decode if len(s[1]) >= min(200, args.num_seqs)]
-    if big:
-        host = sum(s[2] + s[3] for s in big) / len(big)
-        print(f"decode steps with >= {min(200, args.num_seqs)} sequences: {len(big)}, host time per step "
-              f"(schedule + input prep): {host * 1e3:.2f} ms, mean step time over the whole run: "
-              f"{t / len(steps) * 1e3:.2f} ms")
+    for lo, hi in ((200, 10**9), (64, 200), (1, 64)):
+        group = [s for s in decode if lo <= len(s[1]) < hi]
+        if group:
+            mean = [sum(s[i] for s in group) / len(group) * 1e3 for i in (2, 3, 4, 5)]
+            print(f"decode steps with {lo}..{min(hi, args.num_seqs + 1) - 1} seqs: {len(group):4d} steps, per step: "
+                  f"schedule {mean[0]:.2f} ms, input prep {mean[1]:.2f} ms, runner call {mean[2]:.2f} ms "
+                  f"(incl. prep, launch, device, wait), whole step {mean[3]:.2f} ms")
+    print(f"mean step time over the whole run: {t / len(steps) * 1e3:.2f} ms")
     if cuda:
         hf = llm.config.hf_config
         dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
