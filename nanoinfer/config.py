@@ -22,6 +22,7 @@ class Config:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    async_scheduling: bool = True  # overlap host bookkeeping with the device's next decode step (tp=1)
     load_format: str = "auto"  # "dummy": random weights, no checkpoint read (benchmarks, as in vLLM)
     # Filled in by __post_init__, not user options.
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
@@ -65,8 +66,9 @@ class Config:
             raise TypeError("gpu_memory_utilization must be a float")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not isinstance(self.enforce_eager, bool):
-            raise TypeError("enforce_eager must be a bool")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, _DTYPES))}; got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):

@@ -41,6 +41,27 @@ def test_forced_preemption_gives_identical_results(tiny_qwen3, reference):
         llm.exit()
 
 
+def test_async_scheduling_gives_identical_results(tiny_qwen3, reference):
+    """Overlapped decode plans a step before the previous one's tokens are known; with EOS stops
+    (not ignore_eos), chunked prefill and a tight pool, results must equal the synchronous loop."""
+    prompts, expected = reference
+    # mid-stream stops: a token each of some greedy completions becomes a stop token id
+    stops = [[e[k]] if k else None for e, k in zip(expected, (7, 0, 12, 0, 3, 20, 0, 9, 0, 15))]
+    sp = [SamplingParams(temperature=0, max_tokens=m, stop_token_ids=st)
+          for m, st in zip((5, 40, 17, 33, 1, 40, 2, 29, 40, 11), stops)]
+    outs = {}
+    for mode in (True, False):
+        llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=14,
+                  max_num_batched_tokens=40, async_scheduling=mode)
+        outs[mode] = [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert llm.is_finished()
+        bm = llm.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+        llm.exit()
+    assert outs[True] == outs[False]
+    assert any(len(o) < p.max_tokens for o, p in zip(outs[True], sp)), "no request stopped early"
+
+
 def test_warm_prefix_cache_gives_identical_results(tiny_qwen3, reference):
     prompts, expected = reference
     llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=256)
@@ -70,20 +91,24 @@ def test_chunked_prefill_gives_identical_results(tiny_qwen3, reference):
         llm.exit()
 
 
-def test_hand_loop_and_step_outputs(tiny_qwen3):
-    llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=128)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_hand_loop_and_step_outputs(tiny_qwen3, async_scheduling):
+    llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=128, async_scheduling=async_scheduling)
     try:
+        prompt_len = len(llm.tokenizer.encode("Hello, my name is")) + 4
         ids = [llm.add_request("Hello, my name is", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
                llm.add_request([1, 2, 3, 4], SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True))]
         assert len(set(ids)) == 2
-        finished, steps = {}, 0
+        finished, prefill_tokens, decode_tokens = {}, 0, 0
         while not llm.is_finished():
             outputs, num_tokens = llm.step()
-            assert num_tokens != 0
+            prefill_tokens += max(num_tokens, 0)
+            decode_tokens -= min(num_tokens, 0)
             finished.update(outputs)
-            steps += 1
         assert set(finished) == set(ids)
         assert len(finished[ids[0]]) == 5 and len(finished[ids[1]]) == 3
+        # each prompt token once; each completion token after the first (sampled by the prefill) once
+        assert prefill_tokens == prompt_len and decode_tokens == (5 - 1) + (3 - 1)
         assert llm.step() == ([], 0)
     finally:
         llm.exit()

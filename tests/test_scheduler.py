@@ -67,7 +67,7 @@ def run_workload(requests, num_blocks, max_num_seqs, max_num_batched_tokens, rng
         batch, is_prefill = sched.schedule()
         check_invariants(sched, batch, is_prefill)
         tokens = [fake_next_token(s.token_ids) for s in batch]
-        sched.postprocess(batch, tokens)
+        sched.postprocess(batch, tokens, is_prefill)
         steps += 1
         assert steps < 10_000
     bm = sched.block_manager
@@ -123,7 +123,7 @@ def test_long_prompt_is_chunked():
         batch, is_prefill = sched.schedule()
         assert is_prefill and batch == [seq]
         chunks.append(seq.num_scheduled_tokens)
-        sched.postprocess(batch, [7])
+        sched.postprocess(batch, [7], True)
     assert chunks == [32, 32, 32, 4]
     assert seq.completion_token_ids == [7]
 
@@ -133,8 +133,8 @@ def test_prefix_cache_hit_across_requests():
     prompt = list(range(40))
     a = Sequence(prompt, SamplingParams(max_tokens=1), BS)
     sched.add(a)
-    batch, _ = sched.schedule()
-    sched.postprocess(batch, [5])
+    batch, is_prefill = sched.schedule()
+    sched.postprocess(batch, [5], is_prefill)
     b = Sequence(prompt + [1, 2], SamplingParams(max_tokens=1), BS)
     sched.add(b)
     batch, is_prefill = sched.schedule()

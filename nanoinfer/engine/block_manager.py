@@ -112,8 +112,9 @@ class BlockManager:
         """Whether the sequence's newest token has a slot or one free block can give it one."""
         return len(seq) <= len(seq.block_table) * self.block_size or self.num_free_blocks > 0
 
-    def append_slot(self, seq: Sequence):
-        if len(seq) > len(seq.block_table) * self.block_size:
+    def append_slot(self, seq: Sequence, ahead: int = 0):
+        """Make sure the block table covers the newest token (and `ahead` tokens not yet appended)."""
+        if len(seq) + ahead > len(seq.block_table) * self.block_size:
             seq.block_table.append(self._take_free_block())
 
     def commit(self, seq: Sequence):

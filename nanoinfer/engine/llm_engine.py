@@ -22,6 +22,7 @@ class LLMEngine:
         config.eos_token_ids = tuple(sorted(self._eos_token_ids(config.model)))
         self.vocab_size = config.hf_config.vocab_size
         self._exited = False
+        self.pending = None  # a launched, uncollected decode step (overlapped decode)
         # tp > 1: rank 0 here plus spawned workers; its num_blocks is the minimum over ranks
         self.model_runner = ModelRunner(config) if config.tensor_parallel_size == 1 else TensorParallelRunner(config)
         num_blocks = self.model_runner.num_blocks
@@ -133,25 +134,68 @@ class LLMEngine:
             if self.requests.pop(seq.seq_id, None) is not None:
                 self.scheduler.abort(seq)
         self.output_processor.aborted(seqs)
+        self._drop_wasted_pending()
 
     # ---- loop -----------------------------------------------------------------------------------
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
         """Run one batch. Returns the (request_id, completion_token_ids) pairs that finished, and
         the tokens processed: positive for a prefill step, minus the batch size for a decode step
-        (nano-vllm's convention, which its throughput display relies on)."""
+        (nano-vllm's convention, which its throughput display relies on).
+
+        Overlapped decode (async_scheduling, one rank): a decode step is launched and collected in
+        the next call, after that call has launched the following decode step, so the host's
+        bookkeeping of step N runs while the device computes step N+1. The tokens counted are
+        those launched in the call."""
+        if self.pending is not None:
+            pending = self.pending
+            nxt = None
+            if self._overlappable(pending.seqs):
+                batch = self.scheduler.schedule_ahead(pending.seqs)
+                if batch:
+                    nxt = self.model_runner.launch_decode(batch, pending)
+            self.pending = nxt
+            token_ids = self.model_runner.collect(pending)
+            outputs = self._postprocess(pending.seqs, token_ids, False)
+            self._drop_wasted_pending()
+            return outputs, -len(nxt.seqs) if nxt else 0
         if self.scheduler.is_finished():
             return [], 0
         seqs, is_prefill = self.scheduler.schedule()
+        if not is_prefill and self._overlappable(seqs):
+            self.pending = self.model_runner.launch_decode(seqs, None)
+            return [], -len(seqs)
         num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
         token_ids = self.model_runner.run(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
+        return self._postprocess(seqs, token_ids, is_prefill), num_tokens
+
+    def _drop_wasted_pending(self):
+        """A launched step whose every row has stopped meanwhile is wasted: wait for it and drop
+        it, so that is_finished() is true as soon as no request is left."""
+        if self.pending is not None and all(s.is_finished for s in self.pending.seqs):
+            self.model_runner.collect(self.pending)
+            self.pending = None
+
+    def _overlappable(self, seqs: list[Sequence]) -> bool:
+        """Overlap needs one rank, and requests whose sampling does not read their own latest token
+        (penalties, seeds, min_tokens) and that want no logprobs."""
+        if not self.config.async_scheduling or self.config.tensor_parallel_size > 1:
+            return False
+        for seq in seqs:
+            sp = seq.sampling_params
+            if sp.seed is not None or sp.min_tokens or sp.logprobs is not None or sp.presence_penalty \
+                    or sp.frequency_penalty or sp.repetition_penalty != 1.0:
+                return False
+        return True
+
+    def _postprocess(self, seqs, token_ids, is_prefill) -> list[tuple[int, list[int]]]:
+        finished = self.scheduler.postprocess(seqs, token_ids, is_prefill)
         finished = self.output_processor.process(seqs, token_ids, finished)  # logprobs, stop strings
         for seq in finished:
             self.requests.pop(seq.seq_id, None)
-        return [(s.seq_id, s.completion_token_ids) for s in finished], num_tokens
+        return [(s.seq_id, s.completion_token_ids) for s in finished]
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.pending is None and self.scheduler.is_finished()
 
     def decode(self, token_ids: list[int]) -> str:
         """Detokenize, skipping ids past the tokenizer's vocabulary (checkpoints pad the embedding)."""

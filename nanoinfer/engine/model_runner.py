@@ -2,6 +2,7 @@
 batch of sequences into flat input tensors, runs the forward (eagerly, or by replaying a CUDA graph
 for decode), and samples on rank 0."""
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,16 @@ from nanoinfer.utils.loader import init_dummy_weights, load_model
 logger = logging.getLogger("nanoinfer")
 
 CPU_KV_BUDGET_BYTES = 1 << 30
+
+
+@dataclass
+class PendingDecode:
+    """A decode step launched but not yet collected (overlapped decode)."""
+    seqs: list[Sequence]
+    tokens: torch.Tensor          # [B] sampled ids, on the device
+    host: torch.Tensor            # [B] pinned host copy, valid once `event` has completed
+    event: "torch.cuda.Event | None"
+    row_of: dict[int, int]        # seq_id -> row
 
 
 class ModelRunner:
@@ -142,15 +153,17 @@ class ModelRunner:
                     query_lens_cpu=query_lens, context_lens_cpu=context_lens)
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64)
 
-    def prepare_decode(self, seqs: list[Sequence]):
+    def prepare_decode(self, seqs: list[Sequence], ahead: int = 0):
+        """ahead=1 (overlapped decode): each sequence has one sampled token the host has not seen
+        yet; this step computes that token, at position len(seq), and its id comes from the device."""
         input_ids, positions, slot_mapping, context_lens = [], [], [], []
         bs = self.block_size
         for seq in seqs:
-            pos = len(seq) - 1
+            pos = len(seq) - 1 + ahead
             input_ids.append(seq.last_token)
             positions.append(pos)
             slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
-            context_lens.append(len(seq))
+            context_lens.append(pos + 1)
         set_context(is_prefill=False, slot_mapping=self._to_device(slot_mapping, torch.int64),
                     context_lens=self._to_device(context_lens, torch.int32),
                     block_tables=self._to_device(self._block_tables(seqs), torch.int32),
@@ -190,6 +203,34 @@ class ModelRunner:
         finally:
             reset_context()
         return token_ids
+
+    @torch.inference_mode()
+    def launch_decode(self, seqs: list[Sequence], prev: "PendingDecode | None") -> "PendingDecode":
+        """Overlapped decode (one rank): enqueue a decode step and return without waiting for it.
+        With `prev`, the step's input tokens are `prev`'s sampled tokens, gathered on the device,
+        so the host can plan this step before it has seen them."""
+        input_ids, positions = self.prepare_decode(seqs, ahead=1 if prev is not None else 0)
+        if prev is not None:
+            rows = self._to_device([prev.row_of[s.seq_id] for s in seqs], torch.int64)
+            input_ids = prev.tokens.index_select(0, rows)
+        sample_args = self.prepare_sample(seqs)
+        try:
+            tokens, _ = self.sampler.sample(self.run_model(input_ids, positions, False), sample_args)
+        finally:
+            reset_context()
+        host = torch.empty(len(seqs), dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
+        host.copy_(tokens, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingDecode(seqs, tokens, host, event, {s.seq_id: i for i, s in enumerate(seqs)})
+
+    def collect(self, pending: "PendingDecode") -> list[int]:
+        """Wait for a launched decode step and return its sampled token ids."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        return pending.host.tolist()
 
     @torch.inference_mode()
     def _capture_cuda_graphs(self):

@@ -85,6 +85,33 @@ class Scheduler:
         self.running.extendleft(reversed(batch))
         return batch
 
+    def schedule_ahead(self, inflight: list[Sequence]) -> list[Sequence] | None:
+        """Overlapped decode: plan the next decode step while `inflight` (the running decode batch)
+        is still computing one token each, assuming none of them stops on EOS or a stop string (a
+        row that does is wasted work, discarded in postprocess). Sequences that reach their length
+        limit with the in-flight token are left out. Returns None when the step cannot be planned
+        without the in-flight tokens: prompts are waiting, or a sequence would need preemption."""
+        if self.waiting or self.held:
+            return None
+        batch = []
+        for seq in inflight:
+            if seq.is_finished:
+                continue
+            sp, length = seq.sampling_params, len(seq) + 1  # counting the in-flight token
+            if (sp.max_tokens is not None and seq.num_completion_tokens + 1 >= sp.max_tokens) \
+                    or length >= self.max_model_len:
+                continue
+            batch.append(seq)
+        if sum(1 for s in inflight if not s.is_finished) != len(self.running):
+            return None  # running sequences outside the in-flight batch
+        bs = self.block_manager.block_size
+        needed = sum(1 for s in batch if len(s) + 1 > len(s.block_table) * bs)
+        if not batch or needed > self.block_manager.num_free_blocks:
+            return None
+        for seq in batch:
+            self.block_manager.append_slot(seq, ahead=1)
+        return batch
+
     def preempt(self, seq: Sequence):
         """Recompute preemption: drop its KV, put it first in line; it re-prefills prompt + output."""
         self.num_preemptions += 1
@@ -92,11 +119,14 @@ class Scheduler:
         self.block_manager.free(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Advance each sequence by what this step computed; returns the sequences that finished."""
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
+        """Advance each sequence by what this step computed (its scheduled prefill chunk, or the one
+        decode token); returns the sequences that finished."""
         finished = []
         for seq, token_id in zip(seqs, token_ids):
-            seq.num_computed_tokens += seq.num_scheduled_tokens
+            if seq.is_finished:
+                continue  # overlapped decode: it stopped while this step was in flight
+            seq.num_computed_tokens += seq.num_scheduled_tokens if is_prefill else 1
             seq.num_scheduled_tokens = 0
             self.block_manager.commit(seq)
             if seq.num_computed_tokens < len(seq):
