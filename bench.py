@@ -63,6 +63,7 @@ class StepRecorder:
         self.profile_steps, self.profiler = profile_steps or range(0), None
         runner, scheduler = llm.model_runner, llm.scheduler
         schedule, run, step = scheduler.schedule, runner.run, llm.step
+        schedule_ahead = scheduler.schedule_ahead
         prep_prefill, prep_decode = runner.prepare_prefill, runner.prepare_decode
 
         def timed_schedule():
@@ -73,10 +74,18 @@ class StepRecorder:
             self.steps.append([is_prefill, shape, time.perf_counter() - t, 0.0, 0.0, 0.0])
             return seqs, is_prefill
 
+        def timed_schedule_ahead(inflight):
+            self._profile(len(self.steps))
+            t = time.perf_counter()
+            seqs = schedule_ahead(inflight)
+            if seqs:  # overlapped decode: each computes its in-flight token's successor
+                self.steps.append([False, [(1, len(s) + 1) for s in seqs], time.perf_counter() - t, 0.0, 0.0, 0.0])
+            return seqs
+
         def timed(fn, field):
-            def wrapper(*args):
+            def wrapper(*args, **kwargs):
                 t = time.perf_counter()
-                out = fn(*args)
+                out = fn(*args, **kwargs)
                 self.steps[-1][field] += time.perf_counter() - t
                 return out
             return wrapper
@@ -88,9 +97,11 @@ class StepRecorder:
                 self.steps[-1][5] = time.perf_counter() - t
             return out
 
-        scheduler.schedule = timed_schedule
+        scheduler.schedule, scheduler.schedule_ahead = timed_schedule, timed_schedule_ahead
         runner.prepare_prefill, runner.prepare_decode = timed(prep_prefill, 3), timed(prep_decode, 3)
         runner.run = timed(run, 4)
+        if hasattr(runner, "launch_decode"):
+            runner.launch_decode, runner.collect = timed(runner.launch_decode, 4), timed(runner.collect, 4)
         llm.step = timed_step
 
     def _profile(self, step: int):
