@@ -30,7 +30,7 @@ def _kv_offsets(bt_ptr, pos, n_mask, BLOCK_SIZE: tl.constexpr, stride_kb, stride
 
 
 # --------------------------------------------------------------------------------------- decode
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
                    stride_ob, stride_oh, qk_scale,
@@ -206,7 +206,9 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: flo
 
 
 # -------------------------------------------------------------------------------------- prefill
-@triton.jit
+# Integer arguments that change from step to step are not specialised on (==1, %16), which would
+# JIT-compile a new variant in the middle of serving.
+@triton.jit(do_not_specialize=["stride_btb"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
                     stride_ot, stride_oh, qk_scale,
