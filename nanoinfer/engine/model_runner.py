@@ -21,6 +21,13 @@ logger = logging.getLogger("nanoinfer")
 CPU_KV_BUDGET_BYTES = 1 << 30
 
 
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """CUDA-graph buckets: 1, 2, 4, 8, then every 16, and max_num_seqs itself, so that every batch
+    size up to max_num_seqs replays the smallest graph that holds it."""
+    return sorted({b for b in (1, 2, 4, 8) if b < max_num_seqs} | set(range(16, max_num_seqs, 16))
+                  | {max_num_seqs})
+
+
 @dataclass
 class PendingDecode:
     """A decode step launched but not yet collected (overlapped decode)."""
@@ -237,7 +244,7 @@ class ModelRunner:
         """Decode graphs for batch buckets covering 1..max_num_seqs, block tables as wide as
         max_model_len needs; padded rows have slot -1 and context length 0."""
         max_bs = self.config.max_num_seqs
-        self.graph_bs = sorted({b for b in [1, 2, 4, 8] if b < max_bs} | set(range(16, max_bs, 16)) | {max_bs})
+        self.graph_bs = graph_batch_sizes(max_bs)
         hidden = self.config.hf_config.hidden_size
         dev = self.device
         g = self.graph_vars = dict(
