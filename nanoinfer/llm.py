@@ -1,5 +1,6 @@
 """User conveniences over the engine loop: generate, chat, stream (vLLM's offline `LLM` API)."""
 from collections.abc import Iterator
+from numbers import Integral
 
 from tqdm.auto import tqdm
 
@@ -9,7 +10,8 @@ from nanoinfer.sampling_params import SamplingParams
 
 
 def _is_token_ids(x) -> bool:
-    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    return isinstance(x, (list, tuple)) and len(x) > 0 and \
+        all(isinstance(t, Integral) and not isinstance(t, bool) for t in x)
 
 
 class LLM(LLMEngine):

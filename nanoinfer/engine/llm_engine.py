@@ -1,5 +1,6 @@
 """The engine loop: validate and queue requests, schedule a batch, run it, record the results."""
 import atexit
+from numbers import Integral
 import json
 import os
 from dataclasses import replace
@@ -61,9 +62,9 @@ class LLMEngine:
                 raise ValueError("prompt is an empty string")
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
                 raise TypeError("a token-id prompt must be a list of ints")
-            token_ids = list(prompt)
+            token_ids = [int(t) for t in prompt]  # numpy / torch integers too
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")

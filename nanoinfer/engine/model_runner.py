@@ -278,7 +278,8 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.layers = []
         self.model = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.world_size == 1:
+            # (with tensor parallel a dead peer can leave a collective hanging: don't wait on it)
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         if self.world_size > 1 and dist.is_initialized():
