@@ -116,6 +116,12 @@ class LLM(LLMEngine):
                 if unknown or not p:
                     raise ValueError(f"a prompt dict takes 'prompt' and/or 'prompt_token_ids', got keys {sorted(p)}")
                 text = p.get("prompt")
+                # checked here: make_sequence would tokenize a str of ids, and keep a non-str prompt
+                if text is not None and not isinstance(text, str):
+                    raise TypeError(f"a prompt dict's 'prompt' must be a str, got {type(text).__name__}")
+                if "prompt_token_ids" in p and not isinstance(p["prompt_token_ids"], (list, tuple)):
+                    raise TypeError(f"a prompt dict's 'prompt_token_ids' must be a list of ints, "
+                                    f"got {type(p['prompt_token_ids']).__name__}")
                 items.append((text, p["prompt_token_ids"] if "prompt_token_ids" in p else text))
             else:
                 items.append((p if isinstance(p, str) else None, p))

@@ -275,6 +275,19 @@ def test_bad_batch_adds_nothing(llm):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("prompt, match", [
+    ({"prompt_token_ids": "hello"}, "prompt_token_ids"),       # text where ids belong: not tokenized
+    ({"prompt": 123, "prompt_token_ids": [1, 2]}, "'prompt'"),  # would become the output's prompt
+    ({"prompt": [1, 2]}, "'prompt'"),
+])
+def test_bad_prompt_dict_types(llm, prompt, match):
+    with pytest.raises(TypeError, match=match):
+        llm.generate(["ok", prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_all_blocks_free(llm)
+    assert llm.generate({"prompt": "a", "prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2),
+                        use_tqdm=False)[0].prompt == "a"
+
+
 def test_max_tokens_none_runs_to_max_model_len(llm):
     out = llm.generate([[1] * 200], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
     assert len(out["token_ids"]) == 56 and out["finish_reason"] == "length"
