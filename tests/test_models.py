@@ -10,6 +10,7 @@ SHAPES = {
     "qwen3-single-kv-head": dict(num_heads=4, num_kv_heads=1),
     "qwen3-gqa4-headdim32": dict(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim=32, num_layers=3),
     "qwen3-padded-vocab": dict(vocab_size=500, tie_word_embeddings=False),
+    "qwen3-attention-bias": dict(attention_bias=True, num_heads=4, num_kv_heads=2),
     "qwen2-bias": dict(arch="qwen2", num_heads=4, num_kv_heads=2),
     "qwen2-single-kv-untied": dict(arch="qwen2", num_heads=4, num_kv_heads=1, tie_word_embeddings=False),
 }

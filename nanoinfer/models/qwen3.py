@@ -1,5 +1,5 @@
-"""Qwen3 decoder (q/k RMSNorm, no attention bias); Qwen2/Qwen2.5 checkpoints share it (bias on, no
-q/k norm). Projections are fused (qkv, gate_up) and tensor-parallel."""
+"""Qwen3 decoder (q/k RMSNorm; q/k/v/o biases only with attention_bias); Qwen2/Qwen2.5 checkpoints
+share it (q/k/v biases, no o bias, no q/k norm). Projections are fused (qkv, gate_up) and tensor-parallel."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -18,13 +18,13 @@ def rope_theta(config: PretrainedConfig) -> float:
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool):
+    def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool, o_bias: bool):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         self.qk_norm = qk_norm
@@ -60,9 +60,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool):
+    def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool, o_bias: bool):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, qk_norm, bias)
+        self.self_attn = Qwen3Attention(config, qk_norm, bias, o_bias)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -79,10 +79,10 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool):
+    def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool, o_bias: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, qk_norm, bias) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, qk_norm, bias, o_bias) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions):
@@ -99,12 +99,12 @@ class Qwen3ForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
-    qk_norm, attention_bias = True, False
+    qk_norm, attention_bias, o_proj_bias = True, False, True  # o_proj_bias: follows attention_bias
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         bias = getattr(config, "attention_bias", self.attention_bias)
-        self.model = Qwen3Model(config, self.qk_norm, bias)
+        self.model = Qwen3Model(config, self.qk_norm, bias, bias and self.o_proj_bias)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -118,4 +118,4 @@ class Qwen3ForCausalLM(nn.Module):
 
 
 class Qwen2ForCausalLM(Qwen3ForCausalLM):
-    qk_norm, attention_bias = False, True
+    qk_norm, attention_bias, o_proj_bias = False, True, False

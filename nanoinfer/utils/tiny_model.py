@@ -36,7 +36,7 @@ def build_tiny_checkpoint(path: str, arch: str = "qwen3", hidden_size: int = 64,
                           num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None,
                           intermediate_size: int = 128, vocab_size: int | None = None,
                           tie_word_embeddings: bool = True, max_position_embeddings: int = 4096,
-                          seed: int = 0, dtype: str = "float32") -> str:
+                          seed: int = 0, dtype: str = "float32", attention_bias: bool = False) -> str:
     """Write an HF checkpoint (config, safetensors, tokenizer, generation_config) to `path`.
     vocab_size defaults to the tokenizer's size; a larger one pads the embedding like real models."""
     import torch
@@ -50,7 +50,7 @@ def build_tiny_checkpoint(path: str, arch: str = "qwen3", hidden_size: int = 64,
                   initializer_range=0.1, rms_norm_eps=1e-6, rope_theta=10000.0,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=tokenizer.pad_token_id)
     if arch == "qwen3":
-        config = Qwen3Config(head_dim=head_dim or hidden_size // num_heads, **common)
+        config = Qwen3Config(head_dim=head_dim or hidden_size // num_heads, attention_bias=attention_bias, **common)
         model_cls = Qwen3ForCausalLM
     elif arch == "qwen2":
         config = Qwen2Config(**common)
@@ -59,7 +59,7 @@ def build_tiny_checkpoint(path: str, arch: str = "qwen3", hidden_size: int = 64,
         raise ValueError(f"arch must be 'qwen3' or 'qwen2', got {arch!r}")
     torch.manual_seed(seed)
     model = model_cls(config).to(getattr(torch, dtype))
-    if arch == "qwen2":  # HF initialises biases to zero; make them matter
+    if arch == "qwen2" or attention_bias:  # HF initialises biases to zero; make them matter
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
