@@ -6,7 +6,6 @@ from tqdm.auto import tqdm
 
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.outputs import RequestOutput, StreamDelta
-from nanoinfer.sampling_params import SamplingParams
 
 
 def _is_token_ids(x) -> bool:

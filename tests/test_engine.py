@@ -211,7 +211,7 @@ def test_bad_model_paths(tmp_path, make_checkpoint):
         LLM(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="config.json"):
         LLM(str(tmp_path))
-    import json, os, shutil
+    import json, shutil
     path = tmp_path / "llama"
     shutil.copytree(make_checkpoint(), path)
     cfg = json.loads((path / "config.json").read_text())

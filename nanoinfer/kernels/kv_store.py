@@ -3,7 +3,6 @@
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], so slot s is row s of the cache
 viewed as [num_blocks * block_size, num_kv_heads * head_dim].
 """
-import torch
 import triton
 import triton.language as tl
 

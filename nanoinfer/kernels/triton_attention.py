@@ -13,7 +13,6 @@ among the splits at run time, so short contexts in a wide block table still spre
 With one split the kernel normalises and writes the output; else it writes (o, lse) partials and a
 small kernel merges them.
 """
-import math
 
 import torch
 import triton
