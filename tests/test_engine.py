@@ -211,7 +211,7 @@ def test_bad_model_paths(tmp_path, make_checkpoint):
         LLM(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="config.json"):
         LLM(str(tmp_path))
-    import json, shutil
+    import json, os, shutil
     path = tmp_path / "llama"
     shutil.copytree(make_checkpoint(), path)
     cfg = json.loads((path / "config.json").read_text())
@@ -219,3 +219,8 @@ def test_bad_model_paths(tmp_path, make_checkpoint):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
         LLM(str(path))
+    no_tokenizer = tmp_path / "no_tokenizer"
+    no_tokenizer.mkdir()
+    shutil.copy(os.path.join(make_checkpoint(), "config.json"), no_tokenizer)
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(str(no_tokenizer))

@@ -1,9 +1,9 @@
 """The engine loop: validate and queue requests, schedule a batch, run it, record the results."""
 import atexit
-from numbers import Integral
 import json
 import os
 from dataclasses import replace
+from numbers import Integral
 
 from transformers import AutoTokenizer
 
@@ -19,7 +19,10 @@ from nanoinfer.sampling_params import SamplingParams
 class LLMEngine:
     def __init__(self, model: str, **options):
         self.config = config = Config.from_options(model, **options)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"could not load a tokenizer from {config.model!r}: {e}") from e
         config.eos_token_ids = tuple(sorted(self._eos_token_ids(config.model)))
         self.vocab_size = config.hf_config.vocab_size
         self._exited = False
