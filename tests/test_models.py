@@ -12,6 +12,9 @@ SHAPES = {
     "qwen3-padded-vocab": dict(vocab_size=500, tie_word_embeddings=False),
     "qwen3-attention-bias": dict(attention_bias=True, num_heads=4, num_kv_heads=2),
     "qwen2-bias": dict(arch="qwen2", num_heads=4, num_kv_heads=2),
+    "llama-gqa2-untied": dict(arch="llama", num_heads=4, num_kv_heads=2, tie_word_embeddings=False),
+    "llama3-rope-biases": dict(arch="llama", num_heads=4, num_kv_heads=1, llama3_rope=True, attention_bias=True,
+                               mlp_bias=True),
     "qwen2-single-kv-untied": dict(arch="qwen2", num_heads=4, num_kv_heads=1, tie_word_embeddings=False),
 }
 

@@ -4,6 +4,7 @@ from transformers import PretrainedConfig
 MODELS = {
     "Qwen3ForCausalLM": ("nanoinfer.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen2ForCausalLM": ("nanoinfer.models.qwen3", "Qwen2ForCausalLM"),
+    "LlamaForCausalLM": ("nanoinfer.models.llama", "LlamaForCausalLM"),
 }
 
 
@@ -20,8 +21,8 @@ def check_architecture(config: PretrainedConfig) -> str:
 def _check_supported_options(config: PretrainedConfig):
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default' RoPE is implemented")
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}: 'default' and 'llama3' RoPE are implemented")
     if getattr(config, "use_sliding_window", False):
         raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
 

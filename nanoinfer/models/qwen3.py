@@ -17,6 +17,10 @@ def rope_theta(config: PretrainedConfig) -> float:
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
+def rope_scaling(config: PretrainedConfig) -> dict | None:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+
+
 class Qwen3Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool, o_bias: bool):
         super().__init__()
@@ -25,7 +29,8 @@ class Qwen3Attention(nn.Module):
                                           config.num_key_value_heads, bias=bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config),
+                                          rope_scaling(config))
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         self.qk_norm = qk_norm
         if qk_norm:
@@ -51,8 +56,9 @@ class Qwen3MLP(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' is implemented")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        bias = bool(getattr(config, "mlp_bias", False))  # Llama's option; Qwen has none
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x):

@@ -36,11 +36,13 @@ def build_tiny_checkpoint(path: str, arch: str = "qwen3", hidden_size: int = 64,
                           num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None,
                           intermediate_size: int = 128, vocab_size: int | None = None,
                           tie_word_embeddings: bool = True, max_position_embeddings: int = 4096,
-                          seed: int = 0, dtype: str = "float32", attention_bias: bool = False) -> str:
+                          seed: int = 0, dtype: str = "float32", attention_bias: bool = False,
+                          mlp_bias: bool = False, llama3_rope: bool = False) -> str:
     """Write an HF checkpoint (config, safetensors, tokenizer, generation_config) to `path`.
     vocab_size defaults to the tokenizer's size; a larger one pads the embedding like real models."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     tokenizer = train_tokenizer()
     vocab_size = vocab_size or len(tokenizer)
@@ -55,11 +57,19 @@ def build_tiny_checkpoint(path: str, arch: str = "qwen3", hidden_size: int = 64,
     elif arch == "qwen2":
         config = Qwen2Config(**common)
         model_cls = Qwen2ForCausalLM
+    elif arch == "llama":
+        rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=64) if llama3_rope else None
+        config = LlamaConfig(head_dim=head_dim or hidden_size // num_heads, attention_bias=attention_bias,
+                             mlp_bias=mlp_bias, **common)
+        if rope:
+            config.rope_parameters = rope
+        model_cls = LlamaForCausalLM
     else:
-        raise ValueError(f"arch must be 'qwen3' or 'qwen2', got {arch!r}")
+        raise ValueError(f"arch must be 'qwen3', 'qwen2' or 'llama', got {arch!r}")
     torch.manual_seed(seed)
     model = model_cls(config).to(getattr(torch, dtype))
-    if arch == "qwen2" or attention_bias:  # HF initialises biases to zero; make them matter
+    if arch == "qwen2" or attention_bias or mlp_bias:  # HF initialises biases to zero; make them matter
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
