@@ -162,7 +162,8 @@ class ModelRunner:
 
     def prepare_decode(self, seqs: list[Sequence], ahead: int = 0):
         """ahead=1 (overlapped decode): each sequence has one sampled token the host has not seen
-        yet; this step computes that token, at position len(seq), and its id comes from the device."""
+        yet; this step computes that token, at position len(seq), and its id comes from the device
+        (the returned input ids are then None)."""
         input_ids, positions, slot_mapping, context_lens = [], [], [], []
         bs = self.block_size
         for seq in seqs:
@@ -175,7 +176,8 @@ class ModelRunner:
                     context_lens=self._to_device(context_lens, torch.int32),
                     block_tables=self._to_device(self._block_tables(seqs), torch.int32),
                     context_lens_cpu=context_lens)
-        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64)
+        ids = None if ahead else self._to_device(input_ids, torch.int64)
+        return ids, self._to_device(positions, torch.int64)
 
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingTensors:
         """The batch's sampling options as device tensors (rank 0 only)."""
