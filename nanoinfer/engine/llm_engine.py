@@ -201,11 +201,6 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.pending is None and self.scheduler.is_finished()
 
-    def decode(self, token_ids: list[int]) -> str:
-        """Detokenize, skipping ids past the tokenizer's vocabulary (checkpoints pad the embedding)."""
-        n = len(self.tokenizer)
-        return self.tokenizer.decode([t for t in token_ids if t < n])
-
     def exit(self):
         if self._exited:
             return

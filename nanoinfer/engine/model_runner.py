@@ -126,8 +126,8 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda")
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs: list[Sequence], width: int | None = None):
-        width = width or max(len(s.block_table) for s in seqs)
+    def _block_tables(self, seqs: list[Sequence]):
+        width = max(len(s.block_table) for s in seqs)
         return [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:

@@ -168,9 +168,7 @@ def hashed_exponential(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, t: SamplingTensors | torch.Tensor, all_greedy: bool = False) -> SamplerOutput:
-        if isinstance(t, torch.Tensor):  # the old (temperatures, all_greedy) call
-            t = SamplingTensors(t, all_greedy=all_greedy)
+    def forward(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         tokens, lp = self.sample(logits, t)
         out = SamplerOutput(tokens.tolist())
         if lp is not None:
