@@ -58,9 +58,9 @@ class StepRecorder:
     time goes: schedule, input preparation, the runner call (launch + device + wait), and the rest
     (postprocess, outputs)."""
 
-    def __init__(self, llm: LLM, profile_steps: range | None = None):
+    def __init__(self, llm: LLM, profile_windows: list[range] = ()):
         self.steps = []  # [is_prefill, [(query_len, context_len)], schedule_s, prepare_s, run_s, step_s]
-        self.profile_steps, self.profiler = profile_steps or range(0), None
+        self.profile_windows, self.profiler = list(profile_windows), None
         runner, scheduler = llm.model_runner, llm.scheduler
         schedule, run, step = scheduler.schedule, runner.run, llm.step
         schedule_ahead = scheduler.schedule_ahead
@@ -105,19 +105,23 @@ class StepRecorder:
         llm.step = timed_step
 
     def _profile(self, step: int):
-        """Profile the given steps with torch.profiler and print where device and host time go."""
-        if step == self.profile_steps.start and len(self.profile_steps):
+        """Profile the given windows of steps with torch.profiler; print where device and host time go."""
+        window = next((w for w in self.profile_windows if step in (w.start, w.stop)), None)
+        if window is None:
+            return
+        if step == window.start and self.profiler is None:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=acts)
             self.profiler.__enter__()
-        elif step == self.profile_steps.stop and self.profiler is not None:
+        elif step == window.stop and self.profiler is not None:
             self.profiler.__exit__(None, None, None)
             table = self.profiler.key_averages()
-            print(f"--- profile of steps {self.profile_steps.start}..{self.profile_steps.stop - 1}")
+            sizes = sorted({len(s[1]) for s in self.steps[window.start:window.stop]})
+            print(f"--- profile of steps {window.start}..{window.stop - 1} (batch sizes {sizes[0]}..{sizes[-1]})")
             if torch.cuda.is_available():
-                print(table.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+                print(table.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
             print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
             self.profiler = None
 
@@ -153,8 +157,8 @@ def main():
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", type=int, nargs=2, metavar=("FIRST", "LAST"),
-                   help="profile steps FIRST..LAST with torch.profiler (perturbs the timing)")
+    p.add_argument("--profile", type=int, nargs=2, metavar=("FIRST", "LAST"), action="append", default=[],
+                   help="profile steps FIRST..LAST with torch.profiler (perturbs the timing); repeatable")
     args = p.parse_args()
 
     seed(args.seed)
@@ -166,7 +170,7 @@ def main():
     params = [SamplingParams(temperature=0.6, ignore_eos=True,
                              max_tokens=randint(args.min_output_len, args.max_output_len)) for _ in prompts]
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
-    recorder = StepRecorder(llm, range(args.profile[0], args.profile[1] + 1) if args.profile else None)
+    recorder = StepRecorder(llm, [range(first, last + 1) for first, last in args.profile])
     cuda = llm.config.device == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -186,20 +190,24 @@ def main():
           f"steps: {len(steps)} ({len(steps) - len(decode)} prefill, {len(decode)} decode), "
           f"preemptions: {llm.scheduler.num_preemptions}")
     print(f"Total: {out_tokens}tok, Time: {t:.2f}s, Throughput: {out_tokens / t:.2f}tok/s")
-    for lo, hi in ((200, 10**9), (64, 200), (1, 64)):
-        group = [s for s in decode if lo <= len(s[1]) < hi]
-        if group:
-            mean = [sum(s[i] for s in group) / len(group) * 1e3 for i in (2, 3, 4, 5)]
-            print(f"decode steps with {lo}..{min(hi, args.num_seqs + 1) - 1} seqs: {len(group):4d} steps, per step: "
-                  f"schedule {mean[0]:.2f} ms, input prep {mean[1]:.2f} ms, runner call {mean[2]:.2f} ms "
-                  f"(incl. prep, launch, device, wait), whole step {mean[3]:.2f} ms")
-    print(f"mean step time over the whole run: {t / len(steps) * 1e3:.2f} ms")
+    bound_of = None
     if cuda:
         hf = llm.config.hf_config
         dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
         weight_bytes = sum(p.numel() for p in llm.model_runner.model.parameters()) * dtype_bytes
         bandwidth, flops_rate = measure_ceilings(llm.model_runner.device)
-        bound = lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate)
+        bound_of = lambda group: lower_bound(group, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate)  # noqa: E731
+    for lo, hi in ((200, 10**9), (64, 200), (1, 64)):
+        group = [s for s in decode if lo <= len(s[1]) < hi]
+        if group:
+            mean = [sum(s[i] for s in group) / len(group) * 1e3 for i in (2, 3, 4, 5)]
+            bound = f", bound {bound_of(group) / len(group) * 1e3:.2f} ms" if bound_of else ""
+            print(f"decode steps with {lo}..{min(hi, args.num_seqs + 1) - 1} seqs: {len(group):4d} steps, per step: "
+                  f"schedule {mean[0]:.2f} ms, input prep {mean[1]:.2f} ms, runner call {mean[2]:.2f} ms "
+                  f"(incl. prep, launch, device, wait), whole step {mean[3]:.2f} ms{bound}")
+    print(f"mean step time over the whole run: {t / len(steps) * 1e3:.2f} ms")
+    if cuda:
+        bound = bound_of(steps)
         print(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s")
         print(f"lower bound for this run: {bound:.2f}s ({out_tokens / bound:.0f} tok/s); "
               f"measured time is {bound / t * 100:.1f}% of the bound's speed")
