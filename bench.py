@@ -197,14 +197,16 @@ def main():
         weight_bytes = sum(p.numel() for p in llm.model_runner.model.parameters()) * dtype_bytes
         bandwidth, flops_rate = measure_ceilings(llm.model_runner.device)
         bound_of = lambda group: lower_bound(group, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate)  # noqa: E731
+    groups = [("prefill steps", [s for s in steps if s[0]])]
     for lo, hi in ((200, 10**9), (64, 200), (1, 64)):
-        group = [s for s in decode if lo <= len(s[1]) < hi]
+        groups.append((f"decode steps with {lo}..{min(hi, args.num_seqs + 1) - 1} seqs",
+                       [s for s in decode if lo <= len(s[1]) < hi]))
+    for name, group in groups:
         if group:
             mean = [sum(s[i] for s in group) / len(group) * 1e3 for i in (2, 3, 4, 5)]
             bound = f", bound {bound_of(group) / len(group) * 1e3:.2f} ms" if bound_of else ""
-            print(f"decode steps with {lo}..{min(hi, args.num_seqs + 1) - 1} seqs: {len(group):4d} steps, per step: "
-                  f"schedule {mean[0]:.2f} ms, input prep {mean[1]:.2f} ms, runner call {mean[2]:.2f} ms "
-                  f"(incl. prep, launch, device, wait), whole step {mean[3]:.2f} ms{bound}")
+            print(f"{name}: {len(group):4d} steps, per step: schedule {mean[0]:.2f} ms, input prep {mean[1]:.2f} ms, "
+                  f"runner call {mean[2]:.2f} ms (incl. prep, launch, device, wait), whole step {mean[3]:.2f} ms{bound}")
     print(f"mean step time over the whole run: {t / len(steps) * 1e3:.2f} ms")
     if cuda:
         bound = bound_of(steps)

@@ -79,6 +79,45 @@ def decode_inputs(batch, ctx, width_tokens=None):
     return q, k, v, ctx_t, bt, nbytes
 
 
+def ragged_decode_inputs(batch, lo, hi, width_tokens=4096):
+    """A decode step as the engine sees it: context lengths U[lo, hi], the block table as wide as
+    max_model_len (4096), every row padded to a graph bucket of 16 with context 0."""
+    real = batch - batch % 16 if batch > 16 else batch
+    lens = torch.randint(lo, hi + 1, (real,)).tolist() + [0] * (batch - real)
+    width = width_tokens // BS
+    need = [(c + BS - 1) // BS for c in lens]
+    k = torch.randn(sum(need), BS, KVH, D, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    perm = torch.randperm(sum(need)).tolist()
+    bt = torch.full((batch, width), -1, dtype=torch.int32)
+    pos = 0
+    for i, n in enumerate(need):
+        bt[i, :n] = torch.tensor(perm[pos:pos + n], dtype=torch.int32)
+        pos += n
+    q = torch.randn(batch, H, D, device="cuda", dtype=DTYPE)
+    nbytes = 2 * sum(lens) * KVH * D * 2 + 2 * q.numel() * 2
+    return q, k, v, torch.tensor(lens, dtype=torch.int32, device="cuda"), bt.cuda(), nbytes
+
+
+def sweep_ragged(copy_bw):
+    """Splits per (sequence, KV head) for ragged batches like bench.py's decode phases, CUDA-graph
+    timed: with one split, a few waves of unequal programs leave SMs idle at the tail."""
+    print("\n## ragged decode steps (width 4096 tokens), CUDA graph: % of copy bandwidth per splits")
+    for batch, lo, hi in [(256, 100, 1300), (208, 300, 1700), (144, 400, 2000), (96, 600, 2000),
+                          (48, 900, 2048), (32, 900, 2048), (16, 1000, 2048)]:
+        sets = [ragged_decode_inputs(batch, lo, hi) for _ in range(3)]
+        row = []
+        for ns in (1, 2, 4, 8, 16):
+            fns = [lambda s=s: ta.decode_attention(s[0], s[1], s[2], s[3], s[4], D ** -0.5, num_splits=ns)
+                   for s in sets]
+            t = bench_graph(fns)
+            nbytes = sum(s[5] for s in sets) / len(sets)
+            row.append(f"{ns}:{100 * nbytes / (t * 1e-3) / copy_bw:.0f}")
+        heuristic = ta.decode_num_splits(batch, KVH, 4096 // ta.DECODE_CFG["block_n"], 132)
+        print(f"  {batch} seqs, ctx U[{lo},{hi}] (heuristic {heuristic}): " + " ".join(row))
+        del sets
+
+
 def check_decode(q, k, v, ctx_t, bt, out, n=4):
     ref = paged_attention_torch(q[:n].float(), k, v, [1] * n, ctx_t[:n].tolist(), bt[:n], D ** -0.5)
     return ((out[:n].float() - ref).norm() / ref.norm()).item()
@@ -222,6 +261,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--splits", action="store_true")
     ap.add_argument("--graph-splits", action="store_true")
+    ap.add_argument("--ragged", action="store_true", help="splits sweep on engine-like ragged decode steps")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
@@ -238,6 +278,8 @@ def main():
                 row.append(f"{ns}:{100 * run_decode(batch, ctx, copy_bw, num_splits=ns, graph=True)[2]:.0f}")
             print(f"  {batch}x{ctx} (heuristic {ta.decode_num_splits(batch, KVH, ctx // 64, 132)}): "
                   + " ".join(row))
+    if args.ragged:
+        sweep_ragged(copy_bw)
     if args.sweep:
         sweep_decode(copy_bw)
         sweep_prefill(sdpa_best)

@@ -45,13 +45,15 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache = self.v_cache = torch.tensor([])  # bound by the model runner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [N, num_heads, head_dim]; k, v: [N, num_kv_heads, head_dim]. Returns [N, num_heads * head_dim]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [N, num_heads, head_dim]; k, v: [N, num_kv_heads, head_dim], or None when the step's K/V
+        are already in the cache (kernels/qkv_epilogue.py). Returns [N, num_heads * head_dim]."""
         ctx = get_context()
         if not self.k_cache.numel():
             # The memory-profiling warm-up runs before the cache exists; its output is discarded.
             return torch.zeros_like(q).reshape(q.shape[0], -1)
-        store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if k is not None:
+            store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         if _BACKEND == "torch":
             query_lens = ctx.query_lens_cpu if ctx.is_prefill else [1] * q.shape[0]
             o = paged_attention_torch(q, self.k_cache, self.v_cache, query_lens, ctx.context_lens_cpu,

@@ -10,6 +10,7 @@ from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoinfer.layers.rotary_embedding import RotaryEmbedding
+from nanoinfer.utils.context import get_context
 
 
 def rope_theta(config: PretrainedConfig) -> float:
@@ -40,6 +41,14 @@ class Qwen3Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if qkv.is_cuda:  # q/k norm, RoPE and the K/V store in one kernel; attention reads K/V from the cache
+            from nanoinfer.kernels.qkv_epilogue import qkv_epilogue
+            q = qkv_epilogue(qkv, positions, self.rotary_emb.cos_sin_cache,
+                             self.q_norm.weight if self.qk_norm else None,
+                             self.k_norm.weight if self.qk_norm else None,
+                             self.q_norm.eps if self.qk_norm else 0.0, self.attn.k_cache, self.attn.v_cache,
+                             get_context().slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+            return self.o_proj(self.attn(q))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
