@@ -11,7 +11,9 @@ logprob requests). `Sampler.forward` then runs, all batched:
       -> / temperature -> min_p -> top_k -> top_p         (skipped when no row uses them)
       -> Gumbel-max sample: argmax(logits / T + G), G = -log(E), E ~ Exp(1)
 
-Requests that use none of the features take the fast path: one division, the noise and an argmax.
+Requests that use none of the features take the fast path: on CUDA, a fused Triton kernel
+(kernels/sampling.py) that reads the logits once for temperature, Gumbel noise and argmax; on CPU,
+one division, the noise and an argmax.
 Seeded rows draw their noise from a counter-based hash of (seed, step, token id) instead of the
 global generator, so a seeded request gets the same tokens whatever else is in the batch, wherever it
 sits in it, on CPU and GPU alike. The step is the number of tokens the request generated so far.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanoinfer.kernels.sampling import sample_gumbel_argmax
 from nanoinfer.sampling_params import SAMPLING_EPS
 
 _M32 = 0xFFFFFFFF
@@ -55,6 +58,12 @@ class SamplingTensors:
     lp_rows_list: list[int] | None = None
     lp_counts: list[int] | None = None         # per lp row, its own N
     lp_max: int | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Only temperature / greedy rows: what the fused kernel does on its own."""
+        return (self.top_k is None and self.top_p is None and self.min_p is None and self.pen_tokens is None
+                and self.suppress_rows is None and self.seeded_rows is None and self.lp_max is None)
 
     @classmethod
     def build(cls, seqs, vocab_size: int, eos_token_ids, device: torch.device) -> "SamplingTensors":
@@ -178,6 +187,9 @@ class Sampler(nn.Module):
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, t: SamplingTensors):
         """Returns (token ids [B], logprob tensors or None), on the device."""
+        if logits.is_cuda and t.plain:
+            # the seed from the CPU generator: torch.manual_seed still makes runs repeatable, no sync
+            return sample_gumbel_argmax(logits, t.temperatures, int(torch.randint(0, 2**31 - 1, (1,)))), None
         raw = logits
         logits = logits.float()
         if logits is raw and (t.suppress_rows is not None or t.pen_tokens is not None):

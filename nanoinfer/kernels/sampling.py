@@ -1,0 +1,158 @@
+"""Temperature + Gumbel-max sampling fused in Triton: each logit is read once, all math in fp32
+registers, no vocabulary-sized buffer.
+
+A sampled row's token is argmax(x / T - log E), E ~ Exp(1) per entry (a sample of softmax(x / T));
+a greedy row (T < SAMPLING_EPS) takes argmax(x). Ties go to the smallest index.
+
+Grid (B, num_chunks): a program scans one chunk of its row's vocabulary tile by tile, keeping a
+per-lane running (max, index) in registers, and reduces it once at the end; a tiny kernel then picks
+each row's best chunk. The number of chunks comes from shapes only (no host sync), enough programs to
+fill the SMs.
+
+Noise: Philox-4x32-10 (tl.randint4x), four 32-bit words per call, one for each quarter of a tile.
+Key = the per-call seed; counter = (row << 32) + tile * quarter + lane: every row has its own stream,
+no counter can overflow whatever B * V, and the noise depends on (seed, row, column) only, not on the
+batch size or the chunking.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from nanoinfer.kernels.triton_attention import _num_sms
+from nanoinfer.sampling_params import SAMPLING_EPS
+
+_EPS = tl.constexpr(SAMPLING_EPS)
+_INT_MAX = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def _log(x, FAST: tl.constexpr):
+    if FAST:  # lg2.approx: halves the kernel's time (precise logf is most of its math)
+        return libdevice.fast_logf(x)
+    else:  # the interpreter has no libdevice
+        return tl.log(x)
+
+
+@triton.jit
+def _log_exponential(r, FAST: tl.constexpr):
+    """log E, E ~ Exp(1), from 32 random bits. E = -log(1 - W), W uniform in (0, 1): for small W
+    (large Gumbel noise, where a rare token can win) E ~= W keeps all 32 bits of resolution, which
+    -log(U) of a float U near 1 (steps of 2^-24) would lose."""
+    w = (r.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # / 2^32
+    w = tl.minimum(w, 0.99999994)  # r near 2^32 rounds to 1.0
+    e = tl.where(w < 0.0078125, w * (1.0 + w * (0.5 + w * 0.33333334)), -_log(1.0 - w, FAST))
+    return _log(e, FAST)
+
+
+@triton.jit
+def _keep_max(best_v, best_i, v, cols):
+    # strict: a lane sees its columns in increasing order, so ties keep the smaller index
+    better = v > best_v
+    return tl.where(better, v, best_v), tl.where(better, cols, best_i)
+
+
+# The seed changes every step and the chunking with the batch size: never specialised on (==1, %16),
+# which would JIT-compile a new variant in the middle of serving.
+@triton.jit(do_not_specialize=["seed", "tiles_per_chunk"])
+def _sample_kernel(logits_ptr, temp_ptr, out_ptr, part_v_ptr, part_i_ptr, stride_b, V, seed,
+                   tiles_per_chunk, QUARTER: tl.constexpr, FAST_LOG: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    t = tl.load(temp_ptr + row)
+    sampled = t >= _EPS
+    inv_t = 1.0 / tl.where(sampled, t, 1.0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_b
+    ctr_row = row.to(tl.int64) << 32
+    offs = tl.arange(0, QUARTER)
+
+    best_v = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_i = tl.zeros([QUARTER], tl.int32)  # an all -inf row still returns a valid index
+    t_start = chunk * tiles_per_chunk
+    t_end = tl.minimum(t_start + tiles_per_chunk, tl.cdiv(V, 4 * QUARTER))
+    for tile in range(t_start, t_end):
+        c0 = tile * (4 * QUARTER) + offs
+        c1 = c0 + QUARTER
+        c2 = c1 + QUARTER
+        c3 = c2 + QUARTER
+        x0 = tl.load(row_ptr + c0, mask=c0 < V, other=float("-inf")).to(tl.float32)
+        x1 = tl.load(row_ptr + c1, mask=c1 < V, other=float("-inf")).to(tl.float32)
+        x2 = tl.load(row_ptr + c2, mask=c2 < V, other=float("-inf")).to(tl.float32)
+        x3 = tl.load(row_ptr + c3, mask=c3 < V, other=float("-inf")).to(tl.float32)
+        if sampled:
+            r0, r1, r2, r3 = tl.randint4x(seed, ctr_row + (tile * QUARTER + offs))
+            x0 = x0 * inv_t - _log_exponential(r0, FAST_LOG)
+            x1 = x1 * inv_t - _log_exponential(r1, FAST_LOG)
+            x2 = x2 * inv_t - _log_exponential(r2, FAST_LOG)
+            x3 = x3 * inv_t - _log_exponential(r3, FAST_LOG)
+        best_v, best_i = _keep_max(best_v, best_i, x0, c0)
+        best_v, best_i = _keep_max(best_v, best_i, x1, c1)
+        best_v, best_i = _keep_max(best_v, best_i, x2, c2)
+        best_v, best_i = _keep_max(best_v, best_i, x3, c3)
+
+    m = tl.max(best_v, 0)
+    idx = tl.min(tl.where(best_v == m, best_i, _INT_MAX), 0)
+    if num_chunks == 1:
+        tl.store(out_ptr + row, idx.to(tl.int64))
+    else:
+        tl.store(part_v_ptr + row * num_chunks + chunk, m)
+        tl.store(part_i_ptr + row * num_chunks + chunk, idx)
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _pick_chunk_kernel(part_v_ptr, part_i_ptr, out_ptr, num_chunks, MAX_CHUNKS: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, MAX_CHUNKS)
+    mask = offs < num_chunks
+    v = tl.load(part_v_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
+    i = tl.load(part_i_ptr + row * num_chunks + offs, mask=mask, other=_INT_MAX)
+    m = tl.max(v, 0)
+    tl.store(out_ptr + row, tl.min(tl.where(v == m, i, _INT_MAX), 0).to(tl.int64))
+
+
+# Tunables. A tile is 4 * quarter logits; programs_per_sm: programs (B * chunks) per SM aimed for.
+SAMPLE_CFG = {"quarter": 1024, "num_warps": 8, "programs_per_sm": 4, "max_chunks": 64}
+_INTERPRET_CFG = {"quarter": 32, "num_warps": 1, "programs_per_sm": 4, "max_chunks": 64}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv costs microseconds per call on the host: this runs every step
+
+
+def sample_num_chunks(batch: int, num_tiles: int, num_sms: int, programs_per_sm: int,
+                      max_chunks: int) -> tuple[int, int]:
+    """(num_chunks, tiles_per_chunk) from shapes only: enough programs to fill the SMs, no empty chunk."""
+    chunks = min(num_tiles, max_chunks, max(1, _cdiv(num_sms * programs_per_sm, batch)))
+    per_chunk = _cdiv(num_tiles, chunks)
+    return _cdiv(num_tiles, per_chunk), per_chunk
+
+
+def sample_gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
+                         config: dict | None = None) -> torch.Tensor:
+    """logits [B, V] bf16/fp16/fp32 (last dim contiguous, any row stride); temperatures [B] float32
+    (rows < SAMPLING_EPS are greedy); seed in [0, 2^31). Returns the token ids [B] int64 on the
+    logits' device. Enqueue-only: no host sync."""
+    B, V = logits.shape
+    assert logits.stride(1) == 1 and temperatures.shape == (B,) and temperatures.dtype == torch.float32
+    assert 0 <= seed < 2**31
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B == 0:
+        return out
+    base = SAMPLE_CFG if logits.is_cuda else _INTERPRET_CFG  # interpreter: small tiles, quick tests
+    cfg = dict(base, **(config or {}))
+    quarter = cfg["quarter"]
+    num_chunks, tiles_per_chunk = sample_num_chunks(B, _cdiv(V, 4 * quarter), _num_sms(logits.device),
+                                                    cfg["programs_per_sm"], cfg["max_chunks"])
+    # allocated even when unused (one chunk): a pointer of another dtype would compile another variant
+    part_v = torch.empty((B, num_chunks), dtype=torch.float32, device=logits.device)
+    part_i = torch.empty((B, num_chunks), dtype=torch.int32, device=logits.device)
+    _sample_kernel[(B, num_chunks)](logits, temperatures, out, part_v, part_i, logits.stride(0), V, seed,
+                                    tiles_per_chunk, QUARTER=quarter,
+                                    FAST_LOG=logits.is_cuda and torch.version.hip is None,  # NVIDIA libdevice
+                                    num_warps=cfg["num_warps"])
+    if num_chunks > 1:
+        _pick_chunk_kernel[(B,)](part_v, part_i, out, num_chunks,
+                                 MAX_CHUNKS=1 << (cfg["max_chunks"] - 1).bit_length(), num_warps=1)
+    return out
