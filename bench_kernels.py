@@ -106,15 +106,19 @@ def sweep_ragged(copy_bw):
     for batch, lo, hi in [(256, 100, 1300), (208, 300, 1700), (144, 400, 2000), (96, 600, 2000),
                           (48, 900, 2048), (32, 900, 2048), (16, 1000, 2048)]:
         sets = [ragged_decode_inputs(batch, lo, hi) for _ in range(3)]
-        row = []
-        for ns in (1, 2, 4, 8, 16):
-            fns = [lambda s=s: ta.decode_attention(s[0], s[1], s[2], s[3], s[4], D ** -0.5, num_splits=ns)
-                   for s in sets]
-            t = bench_graph(fns)
-            nbytes = sum(s[5] for s in sets) / len(sets)
-            row.append(f"{ns}:{100 * nbytes / (t * 1e-3) / copy_bw:.0f}")
+        orders = [torch.argsort(s[3], descending=True).int() for s in sets]  # longest first, as the engine
+        nbytes = sum(s[5] for s in sets) / len(sets)
+        rows = {}
+        for ordered in (False, True):
+            row = rows[ordered] = []
+            for ns in (1, 2, 4, 8):
+                fns = [lambda s=s, o=o: ta.decode_attention(s[0], s[1], s[2], s[3], s[4], D ** -0.5, num_splits=ns,
+                                                            order=o if ordered else None)
+                       for s, o in zip(sets, orders)]
+                row.append(f"{ns}:{100 * nbytes / (bench_graph(fns) * 1e-3) / copy_bw:.0f}")
         heuristic = ta.decode_num_splits(batch, KVH, 4096 // ta.DECODE_CFG["block_n"], 132)
-        print(f"  {batch} seqs, ctx U[{lo},{hi}] (heuristic {heuristic}): " + " ".join(row))
+        print(f"  {batch} seqs, ctx U[{lo},{hi}] (heuristic {heuristic}): as given " + " ".join(rows[False])
+              + " | longest first " + " ".join(rows[True]))
         del sets
 
 

@@ -58,14 +58,19 @@ def run_prefill(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size,
 
 
 def run_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, width=None,
-               num_splits=None, config=None, device=DEV):
+               num_splits=None, config=None, device=DEV, ordered=False):
     num_blocks = sum((c + block_size - 1) // block_size for c in ctx_lens) + 2
     k_cache, v_cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     bt = make_block_tables(ctx_lens, block_size, num_blocks, width=width, device=device)
     q = torch.randn(len(ctx_lens), num_heads, head_dim, dtype=dtype, device=device)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     scale = head_dim ** -0.5
-    out = decode_attention(q, k_cache, v_cache, ctx, bt, scale, num_splits=num_splits, config=config)
+    order = None
+    if ordered:  # longest first, as the model runner passes it
+        order = torch.tensor(sorted(range(len(ctx_lens)), key=lambda i: -ctx_lens[i]), dtype=torch.int32,
+                             device=device)
+    out = decode_attention(q, k_cache, v_cache, ctx, bt, scale, num_splits=num_splits, config=config,
+                           order=order)
     keep = [i for i, c in enumerate(ctx_lens) if c > 0]
     ref = paged_attention_torch(q[keep].float(), k_cache.float(), v_cache.float(), [1] * len(keep),
                                 [ctx_lens[i] for i in keep], bt[keep], scale)
@@ -130,6 +135,14 @@ def test_decode_no_dot_path_and_page_256():
     assert err < 2e-3, err
     err = run_decode([45, 17], 2, 1, 24, 16, torch.float16, config={"dot_min_group": 99})
     assert err < 2e-3, err
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_longest_first_order(splits):
+    """With an order the programs visit sequences in that order; every row still gets its own output."""
+    torch.manual_seed(6)
+    err = run_decode([5, 70, 0, 33, 128, 1], 4, 2, 16, 16, torch.float32, num_splits=splits, ordered=True)
+    assert err < 1e-5, err
 
 
 def test_decode_all_padding_rows_writes_zeros():

@@ -172,10 +172,14 @@ class ModelRunner:
             positions.append(pos)
             slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
             context_lens.append(pos + 1)
+        order = None
+        if self.backend == "triton":  # the decode kernel starts the longest contexts first
+            order = self._to_device(sorted(range(len(seqs)), key=context_lens.__getitem__, reverse=True),
+                                    torch.int32)
         set_context(is_prefill=False, slot_mapping=self._to_device(slot_mapping, torch.int64),
                     context_lens=self._to_device(context_lens, torch.int32),
                     block_tables=self._to_device(self._block_tables(seqs), torch.int32),
-                    context_lens_cpu=context_lens)
+                    decode_order=order, context_lens_cpu=context_lens)
         ids = None if ahead else self._to_device(input_ids, torch.int64)
         return ids, self._to_device(positions, torch.int64)
 
@@ -198,6 +202,10 @@ class ModelRunner:
         g["context_lens"].zero_()
         g["context_lens"][:n] = ctx.context_lens
         g["block_tables"][:n, :ctx.block_tables.shape[1]] = ctx.block_tables
+        if ctx.decode_order is not None:
+            g["decode_order"][:n] = ctx.decode_order
+            if bucket > n:  # padded rows (context 0) last
+                g["decode_order"][n:bucket] = g["rows"][n:bucket]
         self.graphs[bucket].replay()
         return self.model.compute_logits(g["outputs"][:n])
 
@@ -256,12 +264,15 @@ class ModelRunner:
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
             block_tables=torch.full((max_bs, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
             outputs=torch.zeros(max_bs, hidden, dtype=self.config.torch_dtype, device=dev),
+            rows=torch.arange(max_bs, dtype=torch.int32, device=dev),
         )
+        g["decode_order"] = g["rows"].clone()
+        order = g["decode_order"] if self.backend == "triton" else None
         pool = None
         for bs in reversed(self.graph_bs):
             graph = torch.cuda.CUDAGraph()
             set_context(is_prefill=False, slot_mapping=g["slot_mapping"][:bs], context_lens=g["context_lens"][:bs],
-                        block_tables=g["block_tables"][:bs])
+                        block_tables=g["block_tables"][:bs], decode_order=None if order is None else order[:bs])
             g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])  # warm-up
             with torch.cuda.graph(graph, pool):
                 g["outputs"][:bs] = self.model(g["input_ids"][:bs], g["positions"][:bs])

@@ -6,13 +6,17 @@ block (-1 beyond the used blocks, never read). Token p of a sequence lives in ph
 block_tables[i, p // block_size], row p % block_size. Both kernels look the physical block up per
 token row of a KV tile, so a tile may span several pages (block_size 16) or part of one (256).
 
-Decode: grid (num_seqs, num_kv_heads, num_splits). A program streams one split of one sequence's KV
+Decode: grid (num_kv_heads, num_splits, num_seqs). A program streams one split of one sequence's KV
 for one KV head and serves every query head of that KV head (GQA: K/V are read once per group). The
 number of splits comes from shapes only (CUDA-graph safe); each sequence's context is divided evenly
 among the splits at run time, so short contexts in a wide block table still spread over the splits.
 With one split the kernel normalises and writes the output; else it writes (o, lse) partials and a
-small kernel merges them.
+small kernel merges them. An optional `order` (sequence indices, longest context first) makes the
+GPU start the longest programs first (programs are dispatched roughly in grid order): with ragged
+contexts the last wave then holds short programs instead of a few long ones on idle SMs.
 """
+
+import math
 
 import torch
 import triton
@@ -30,15 +34,18 @@ def _kv_offsets(bt_ptr, pos, n_mask, BLOCK_SIZE: tl.constexpr, stride_kb, stride
 
 # --------------------------------------------------------------------------------------- decode
 @triton.jit(do_not_specialize=["stride_btb"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_ptr, plse_ptr,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
                    stride_ob, stride_oh, qk_scale,
                    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, FP32: tl.constexpr):
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+                   BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, FP32: tl.constexpr,
+                   HAS_ORDER: tl.constexpr):
+    kvh = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
+    if HAS_ORDER:
+        seq = tl.load(order_ptr + seq)
     ctx = tl.load(ctx_ptr + seq)
     n_tiles = tl.cdiv(ctx, BLOCK_N)
     per_split = tl.cdiv(n_tiles, NUM_SPLITS)
@@ -108,7 +115,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, po_ptr, plse_p
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
         # partials: po [B, H, NUM_SPLITS, D_PAD] fp32, plse [B, H, NUM_SPLITS] (log2 domain)
-        row = (seq.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        row = (seq.to(tl.int64) * (tl.num_programs(0) * GROUP) + heads) * NUM_SPLITS + split
         tl.store(po_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(plse_ptr + row, lse, mask=g_mask)
@@ -148,25 +155,30 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-# Tunables (bench_kernels.py sweeps them); programs per SM the split heuristic aims for.
-DECODE_CFG = {"block_n": 64, "num_warps": 2, "num_stages": 3, "programs_per_sm": 2,
+# Tunables (bench_kernels.py sweeps them). programs_per_sm: programs the split heuristic aims for,
+# per SM over the whole launch (2 run at a time: ~8 waves, so that ragged contexts balance out).
+DECODE_CFG = {"block_n": 64, "num_warps": 2, "num_stages": 3, "programs_per_sm": 16,
               "max_splits": 64, "dot_min_group": 1}
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_sms: int,
                       programs_per_sm: int | None = None, max_splits: int | None = None) -> int:
-    """Splits per (sequence, KV head) from shapes only: enough programs to fill the SMs."""
+    """Splits per (sequence, KV head) from shapes only: the power of two nearest to
+    num_sms * programs_per_sm / (batch * num_kv_heads), so that the programs fill the SMs several
+    times over without cutting contexts into needlessly small pieces."""
     programs_per_sm = programs_per_sm or DECODE_CFG["programs_per_sm"]
     max_splits = max_splits or DECODE_CFG["max_splits"]
-    want = triton.cdiv(num_sms * programs_per_sm, max(batch * num_kv_heads, 1))
-    splits = min(triton.next_power_of_2(want), max_splits, triton.next_power_of_2(max(max_tiles, 1)))
-    return max(splits, 1)
+    want = num_sms * programs_per_sm / max(batch * num_kv_heads, 1)
+    nearest = 1 << max(round(math.log2(want)), 0) if want > 1 else 1
+    return max(min(nearest, max_splits, triton.next_power_of_2(max(max_tiles, 1))), 1)
 
 
 def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: float,
-                     num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, config: dict | None = None,
+                     order: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, num_heads, head_dim] (last dim contiguous); one query per sequence at position
-    context_lens[i] - 1. Returns [B, num_heads, head_dim] contiguous. No host syncs: CUDA-graph safe."""
+    context_lens[i] - 1. order: None, or a permutation of range(B) (int32), longest context first.
+    Returns [B, num_heads, head_dim] contiguous. No host syncs: CUDA-graph safe."""
     cfg = dict(DECODE_CFG, **(config or {}))
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -190,13 +202,13 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: flo
         plse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         po = plse = out  # unused
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, po, plse,
+    _decode_kernel[(num_kv_heads, num_splits, batch)](
+        q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order, out, po, plse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, USE_DOT=use_dot, FP32=q.dtype == torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        HAS_ORDER=order is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             po, plse, out, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,

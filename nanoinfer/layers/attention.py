@@ -66,7 +66,7 @@ class Attention(nn.Module):
                                                        ctx.max_seqlen_q, self.scale)
             else:
                 o = triton_attention.decode_attention(q, self.k_cache, self.v_cache, ctx.context_lens,
-                                                      ctx.block_tables, self.scale)
+                                                      ctx.block_tables, self.scale, order=ctx.decode_order)
         else:
             o = self._flash_attn(q, ctx)
         return o.reshape(q.shape[0], self.num_heads * self.head_dim)

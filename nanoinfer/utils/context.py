@@ -15,6 +15,7 @@ class Context:
     slot_mapping: torch.Tensor | None = None   # [num_tokens] cache slot of each new token, -1 = skip
     context_lens: torch.Tensor | None = None   # [num_seqs] tokens in the cache after this step
     block_tables: torch.Tensor | None = None   # [num_seqs, width] int32, -1 padded
+    decode_order: torch.Tensor | None = None   # [num_seqs] int32, longest context first (Triton decode)
     # host copies of the lengths, for the CPU reference path (no device sync)
     query_lens_cpu: list[int] | None = None
     context_lens_cpu: list[int] | None = None
