@@ -16,8 +16,6 @@ GPU start the longest programs first (programs are dispatched roughly in grid or
 contexts the last wave then holds short programs instead of a few long ones on idle SMs.
 """
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -155,22 +153,20 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-# Tunables (bench_kernels.py sweeps them). programs_per_sm: programs the split heuristic aims for,
-# per SM over the whole launch (2 run at a time: ~8 waves, so that ragged contexts balance out).
-DECODE_CFG = {"block_n": 64, "num_warps": 2, "num_stages": 3, "programs_per_sm": 16,
+# Tunables (bench_kernels.py sweeps them); programs per SM the split heuristic aims for.
+DECODE_CFG = {"block_n": 64, "num_warps": 2, "num_stages": 3, "programs_per_sm": 2,
               "max_splits": 64, "dot_min_group": 1}
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_sms: int,
                       programs_per_sm: int | None = None, max_splits: int | None = None) -> int:
-    """Splits per (sequence, KV head) from shapes only: the power of two nearest to
-    num_sms * programs_per_sm / (batch * num_kv_heads), so that the programs fill the SMs several
-    times over without cutting contexts into needlessly small pieces."""
+    """Splits per (sequence, KV head) from shapes only: enough programs to fill the SMs. (Ragged
+    batches need no more than that once the programs run longest first: bench_kernels.py --ragged.)"""
     programs_per_sm = programs_per_sm or DECODE_CFG["programs_per_sm"]
     max_splits = max_splits or DECODE_CFG["max_splits"]
-    want = num_sms * programs_per_sm / max(batch * num_kv_heads, 1)
-    nearest = 1 << max(round(math.log2(want)), 0) if want > 1 else 1
-    return max(min(nearest, max_splits, triton.next_power_of_2(max(max_tiles, 1))), 1)
+    want = triton.cdiv(num_sms * programs_per_sm, max(batch * num_kv_heads, 1))
+    splits = min(triton.next_power_of_2(want), max_splits, triton.next_power_of_2(max(max_tiles, 1)))
+    return max(splits, 1)
 
 
 def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: float,
