@@ -53,7 +53,7 @@ class Config:
             raise TypeError(f"model must be a path or a Hugging Face repo id, got {type(self.model).__name__}")
         self.model = os.fspath(self.model)
         check_int("max_num_batched_tokens", 1)
-        check_int("max_num_seqs", 1)
+        check_int("max_num_seqs", 1, 65535)  # the attention kernels put sequences on a CUDA grid axis (<= 65535)
         check_int("max_model_len", 2)
         check_int("tensor_parallel_size", 1)
         check_int("kvcache_block_size", 16)

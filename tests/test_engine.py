@@ -187,6 +187,7 @@ def test_bad_sampling_params(params, error, match):
 
 @pytest.mark.parametrize("options, error, match", [
     (dict(max_num_seqs=0), ValueError, "max_num_seqs"),
+    (dict(max_num_seqs=65536), ValueError, r"max_num_seqs must be \[1, 65535\]"),
     (dict(max_num_batched_tokens=0), ValueError, "max_num_batched_tokens"),
     (dict(gpu_memory_utilization=0.0), ValueError, "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=1.5), ValueError, "gpu_memory_utilization"),

@@ -2,7 +2,8 @@
 registers, no vocabulary-sized buffer.
 
 A sampled row's token is argmax(x / T - log E), E ~ Exp(1) per entry (a sample of softmax(x / T));
-a greedy row (T < SAMPLING_EPS) takes argmax(x). Ties go to the smallest index.
+a greedy row (T < SAMPLING_EPS) takes argmax(x). Ties go to the smallest index. NaN logits are
+never chosen (the torch path, like torch.argmax, would pick a NaN): a row that is all NaN gives 0.
 
 Grid (B, num_chunks): a program scans one chunk of its row's vocabulary tile by tile, keeping a
 per-lane running (max, index) in registers, and reduces it once at the end; a tiny kernel then picks
