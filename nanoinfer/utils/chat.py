@@ -1,0 +1,89 @@
+"""Render a chat conversation to a prompt through the tokenizer's chat template (shared by
+`LLM.chat` and the OpenAI-compatible server)."""
+from collections.abc import Mapping
+
+import jinja2
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+# Arguments render_chat passes to apply_chat_template itself, or that would change what it returns,
+# plus the names the template renderer sets: chat_template_kwargs may not override them.
+_RESERVED_KWARGS = frozenset({
+    "conversation", "conversations", "messages", "chat_template", "tools", "add_generation_prompt",
+    "continue_final_message", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
+    "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def render_chat(tokenizer, messages, chat_template: str | None = None, add_generation_prompt: bool = True,
+                chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                continue_final_message: bool = False) -> dict:
+    """One conversation (a list of {"role", "content"} messages; content a str or a list of OpenAI
+    text parts) -> {"prompt": the rendered text, "prompt_token_ids": its token ids}. The ids are
+    encoded without adding special tokens: the template writes them. `tools` (JSON schemas) and
+    `chat_template_kwargs` (extra template variables) reach the template. Bad input raises
+    ValueError / TypeError naming the message and field; a template error raises ValueError."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template: pass chat_template=... (a Jinja template) "
+                         "or use plain prompts")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise TypeError(f"chat_template must be a str (a Jinja template), got {type(chat_template).__name__}")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
+    conversation = [_message(m, i) for i, m in enumerate(messages)]
+    if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools)):
+        raise TypeError(f"tools must be a list of dicts (JSON schemas), got {tools!r:.200}")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be set: "
+                         "continue the last message, or start a new assistant message")
+    kwargs = _template_kwargs(chat_template_kwargs)
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, tools=None if tools is None else [dict(t) for t in tools],
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=False, **kwargs)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def _message(message, i: int) -> dict:
+    """A validated copy of message i, its content parts joined into one string."""
+    if not isinstance(message, Mapping):
+        raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise ValueError(f"messages[{i}]['role'] must be one of {', '.join(ROLES)}; got {role!r}")
+    out = dict(message)
+    content = message.get("content")
+    if isinstance(content, (list, tuple)):
+        out["content"] = "\n".join(_text_part(part, i, j) for j, part in enumerate(content))  # as vLLM joins them
+    elif content is None:
+        if not (role == "assistant" and message.get("tool_calls")):  # only a tool-calling turn may have none
+            raise TypeError(f"messages[{i}]['content'] is missing or None; it must be a str or a list of text parts")
+    elif not isinstance(content, str):
+        raise TypeError(f"messages[{i}]['content'] must be a str or a list of text parts, "
+                        f"got {type(content).__name__}")
+    return out
+
+
+def _text_part(part, i: int, j: int) -> str:
+    where = f"messages[{i}]['content'][{j}]"
+    if not isinstance(part, Mapping) or "type" not in part:
+        raise TypeError(f"{where} must be a content part {{'type': 'text', 'text': ...}}, got {part!r:.100}")
+    if part["type"] != "text":
+        raise ValueError(f"{where} has type {part['type']!r}; only 'text' content parts are supported")
+    if not isinstance(part.get("text"), str):
+        raise TypeError(f"{where}['text'] must be a str, got {type(part.get('text')).__name__}")
+    return part["text"]
+
+
+def _template_kwargs(chat_template_kwargs) -> dict:
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, Mapping) or not all(isinstance(k, str) for k in chat_template_kwargs):
+        raise TypeError(f"chat_template_kwargs must be a dict with str keys, got {chat_template_kwargs!r:.200}")
+    reserved = sorted(set(chat_template_kwargs) & _RESERVED_KWARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}: render_chat sets them itself "
+                         "(pass tools / add_generation_prompt / continue_final_message as arguments)")
+    return dict(chat_template_kwargs)
