@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.linear import tp_rank_and_size
+from nanoinfer.utils.loader import check_shape
 from nanoinfer.utils.context import get_context
 
 
@@ -12,12 +13,14 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.num_embeddings = num_embeddings
         self.shard_size = num_embeddings // self.tp_size
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        check_shape(loaded, [self.num_embeddings, param.shape[1]])  # before narrow cuts a larger vocabulary
         param.data.copy_(loaded.narrow(0, self.vocab_start, self.shard_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""Tensor-parallel linear layers. Each holds only its rank's shard; `weight_loader` cuts the shard
-out of the full checkpoint tensor. With one rank they are plain linear layers."""
+"""Tensor-parallel linear layers. Each holds only its rank's shard; `weight_loader` checks the full
+checkpoint tensor's shape, then cuts the shard out of it. With one rank they are plain linear layers.
+Fused layers declare their shards in `param.shard_ids` (see utils/loader.py)."""
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from nanoinfer.utils.loader import check_shape
 
 
 _TP_OVERRIDE: tuple[int, int] | None = None
@@ -44,7 +47,15 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard):
+    def full_shape(self, param: nn.Parameter) -> list[int]:
+        """The checkpoint's (unsharded) shape of `param`: the split dimension times the ranks."""
+        shape = list(param.shape)
+        if self.tp_dim is not None and self.tp_dim < param.dim():  # a row-parallel bias is not split
+            shape[self.tp_dim] *= self.tp_size
+        return shape
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        check_shape(loaded, self.full_shape(param))
         if self.tp_dim == 0:  # column parallel: weight rows and bias are both split
             size = param.shape[0]
             loaded = loaded.narrow(0, self.tp_rank * size, size)
@@ -76,8 +87,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
+        for param in self.parameters():
+            param.shard_ids = tuple(range(len(output_sizes)))
 
     def weight_loader(self, param, loaded, shard_id: int):
+        check_shape(loaded, [self.output_sizes[shard_id], *param.shape[1:]])
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         loaded = loaded.narrow(0, self.tp_rank * size, size)
@@ -91,12 +105,17 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         tp_size = tp_rank_and_size()[1]
         self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = num_heads // tp_size
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.kv_replicas = max(1, tp_size // num_kv_heads)
         LinearBase.__init__(self, hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, 0)
+        for param in self.parameters():
+            param.shard_ids = ("q", "k", "v")
 
     def weight_loader(self, param, loaded, shard_id: str):
+        heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        check_shape(loaded, [heads * self.head_dim, *param.shape[1:]])
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
             offset, size, start = 0, q_size, self.tp_rank * q_size
@@ -114,7 +133,8 @@ class RowParallelLinear(LinearBase):
         tp_size = tp_rank_and_size()[1]
         super().__init__(input_size // tp_size, output_size, bias, 1)
 
-    def weight_loader(self, param, loaded, *shard):
+    def weight_loader(self, param, loaded):
+        check_shape(loaded, self.full_shape(param))
         if param.dim() == 2:
             size = param.shape[1]
             loaded = loaded.narrow(1, self.tp_rank * size, size)

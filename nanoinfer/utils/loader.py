@@ -1,46 +1,95 @@
-"""Load safetensors checkpoints into our (fused, tensor-parallel) parameters."""
+"""Load safetensors checkpoints into our (fused, tensor-parallel) parameters.
+
+Every checkpoint tensor goes to one parameter, through the parameter's `weight_loader(param, tensor)`
+or, for a fused parameter, `weight_loader(param, tensor, shard_id)`. A model's
+`packed_modules_mapping` maps a checkpoint name part to (our parameter name part, shard id), for
+example `"q_proj": ("qkv_proj", "q")` or, for experts stacked into one parameter,
+`"experts.3.gate_proj": ("experts.gate_up_proj", (3, 0))`. Shard ids are any hashable values.
+
+Nothing loads silently wrong:
+- A fused parameter declares the shards it expects as `param.shard_ids` (QKV: ("q", "k", "v"),
+  gate_up: (0, 1), stacked experts: every (expert, shard) tuple); a plain parameter expects one
+  unnamed load. Every declared shard of every parameter must be loaded exactly once, else a
+  ValueError names the missing (or repeated) checkpoint tensor.
+- Weight loaders compare the full, unsharded checkpoint tensor's shape with the one the config
+  implies (`check_shape`) before cutting their tensor-parallel shard out of it, and raise a
+  ValueError, which `load_model` prefixes with the checkpoint tensor's name.
+"""
 import glob
 import os
+from collections.abc import Hashable, Sequence
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 
+def check_shape(loaded: torch.Tensor, expected: Sequence[int]):
+    """Refuse a tensor whose shape is not `expected` (the full, unsharded shape): copy_ would
+    broadcast a smaller one and narrow would silently cut a larger one."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"size mismatch: expected shape {list(expected)} (full, unsharded), "
+                         f"found {list(loaded.shape)}")
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
+    check_shape(loaded, param.shape)
     param.data.copy_(loaded)
 
 
+def _rename(name: str, old: str, new: str) -> str:
+    return name.replace(f".{old}.", f".{new}.", 1)
+
+
 def load_model(model: nn.Module, path: str):
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {path!r}")
     packed = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(model, "tie_word_embeddings", False)
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded_names = set()
+    loaded: set[tuple[int, Hashable]] = set()  # (id(param), shard id or None); tied names share one param
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
-                if getattr(model, "tie_word_embeddings", False) and name == "lm_head.weight":
+                if tied and name == "lm_head.weight":
                     continue  # tied: the embedding is the head
                 target, shard = name, None
                 for ckpt_key, (ours, shard_id) in packed.items():
                     if f".{ckpt_key}." in name:
-                        target, shard = name.replace(ckpt_key, ours), shard_id
+                        target, shard = _rename(name, ckpt_key, ours), shard_id
                         break
                 param = params.get(target)
                 if param is None:
                     if "rotary_emb.inv_freq" in name:
                         continue
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+                if shard not in getattr(param, "shard_ids", (None,)):
+                    raise ValueError(f"checkpoint tensor {name!r} maps to shard {shard!r} of {target!r}, which "
+                                     f"expects shards {getattr(param, 'shard_ids', None)!r}")
+                if (id(param), shard) in loaded:
+                    raise ValueError(f"checkpoint tensor {name!r} appears more than once in {path!r}")
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 tensor = f.get_tensor(name)
-                loader(param, tensor) if shard is None else loader(param, tensor, shard)
-                loaded_names.add(target)
-    missing = [n for n in params if n not in loaded_names
-               and not (n == "lm_head.weight" and getattr(model, "tie_word_embeddings", False))]
+                try:
+                    loader(param, tensor) if shard is None else loader(param, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {name!r} in {file!r}: {e}") from e
+                loaded.add((id(param), shard))
+    missing = [_checkpoint_name(name, shard, packed)
+               for name, param in model.named_parameters()  # tied parameters once, under the embedding's name
+               for shard in getattr(param, "shard_ids", (None,)) if (id(param), shard) not in loaded]
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        raise ValueError(f"checkpoint {path!r} lacks tensor(s) {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+def _checkpoint_name(name: str, shard: Hashable, packed: dict) -> str:
+    """The checkpoint tensor that should have filled shard `shard` of our parameter `name`."""
+    if shard is not None:
+        for ckpt_key, (ours, shard_id) in packed.items():
+            if shard_id == shard and f".{ours}." in name:
+                return _rename(name, ours, ckpt_key)
+    return name
 
 
 @torch.no_grad()
