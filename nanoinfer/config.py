@@ -1,27 +1,40 @@
 """Every engine option, validated once, plus the Hugging Face config it loaded."""
 import os
 from dataclasses import dataclass, field, fields
+from numbers import Integral, Real
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM's dtype names, "half" and "float" included
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+# A sequence holds whole blocks and the prefix cache shares only full ones, so a block is useful up to
+# about one context (vLLM offers <= 256; flash-attn wants multiples of 256); 2**16 tokens leaves room
+# for the longest contexts while keeping one block's K/V per layer (256 MiB at 8 KV heads x 128 bf16)
+# allocatable. 2**24 took 15.7 s for 3 tokens on CPU.
+MAX_KVCACHE_BLOCK_SIZE = 1 << 16
+_MAX_SEED = 2**64 - 1  # torch.manual_seed takes at most an unsigned 64-bit seed
 
 
 @dataclass
 class Config:
     model: str
+    tokenizer: str | None = None  # a tokenizer path or repo id; None: the model's
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
-    kvcache_block_size: int = 256
+    kvcache_block_size: int | None = None  # 256 unless given (here or as block_size)
+    block_size: int | None = None  # vLLM's name for kvcache_block_size; both hold the same value after init
     num_kvcache_blocks: int | None = None
+    enable_prefix_caching: bool = True
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    trust_remote_code: bool = False  # accepted for vLLM compatibility; True is refused
     async_scheduling: bool = True  # overlap host bookkeeping with the device's next decode step (tp=1)
     load_format: str = "auto"  # "dummy": random weights, no checkpoint read (benchmarks, as in vLLM)
     # Filled in by __post_init__, not user options.
@@ -43,33 +56,36 @@ class Config:
     def __post_init__(self):
         def check_int(name, low, high=None):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not isinstance(value, Integral) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            value = int(value)  # numpy integers too
             if value < low or (high is not None and value > high):
                 bound = f"[{low}, {high}]" if high is not None else f">= {low}"
                 raise ValueError(f"{name} must be {bound}, got {value}")
+            setattr(self, name, value)
 
-        if not isinstance(self.model, (str, os.PathLike)):
-            raise TypeError(f"model must be a path or a Hugging Face repo id, got {type(self.model).__name__}")
-        self.model = os.fspath(self.model)
+        self.model = _path("model", self.model)
+        if self.tokenizer is not None:
+            self.tokenizer = _path("tokenizer", self.tokenizer)
         check_int("max_num_batched_tokens", 1)
         check_int("max_num_seqs", 1, 65535)  # the attention kernels put sequences on a CUDA grid axis (<= 65535)
         check_int("max_model_len", 2)
         check_int("tensor_parallel_size", 1)
-        check_int("kvcache_block_size", 16)
-        check_int("seed", 0)
-        if self.kvcache_block_size & (self.kvcache_block_size - 1):
-            raise ValueError(f"kvcache_block_size must be a power of two >= 16, got {self.kvcache_block_size}")
+        check_int("seed", 0, _MAX_SEED)
+        self._check_block_size(check_int)
         if self.num_kvcache_blocks is not None:
             check_int("num_kvcache_blocks", 1)
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool):
-            raise TypeError("gpu_memory_utilization must be a float")
+        if not isinstance(self.gpu_memory_utilization, Real) or isinstance(self.gpu_memory_utilization, bool):
+            raise TypeError(f"gpu_memory_utilization must be a float, got {type(self.gpu_memory_utilization).__name__}")
+        self.gpu_memory_utilization = float(self.gpu_memory_utilization)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("enforce_eager", "async_scheduling"):
+        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.dtype not in ("auto", *_DTYPES):
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code=True is not supported: nanoinfer never runs code from a checkpoint")
+        if not isinstance(self.dtype, str) or self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, _DTYPES))}; got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
@@ -85,7 +101,8 @@ class Config:
 
         if self.hf_config is None:
             self.model = resolve_model_path(self.model)
-            self.hf_config = AutoConfig.from_pretrained(self.model)
+            self.hf_config = load_hf_config(self.model)
+        self.tokenizer = self.model if self.tokenizer is None else resolve_model_path(self.tokenizer, "tokenizer")
         hf = self.hf_config
         from nanoinfer.models import check_architecture
         check_architecture(hf)
@@ -115,18 +132,47 @@ class Config:
         else:
             self.torch_dtype = _DTYPES[self.dtype]
 
+    def _check_block_size(self, check_int):
+        """kvcache_block_size, or its vLLM name block_size: a power of two in [16, 2**16]."""
+        for name in ("kvcache_block_size", "block_size"):
+            if getattr(self, name) is not None:
+                check_int(name, 16, MAX_KVCACHE_BLOCK_SIZE)
+        if None not in (self.kvcache_block_size, self.block_size) and self.kvcache_block_size != self.block_size:
+            raise ValueError(f"block_size={self.block_size} and kvcache_block_size={self.kvcache_block_size} "
+                             "name the same option; give one")
+        size = self.kvcache_block_size or self.block_size or 256
+        if size & (size - 1):
+            raise ValueError(f"kvcache_block_size must be a power of two in [16, {MAX_KVCACHE_BLOCK_SIZE}], got {size}")
+        self.kvcache_block_size = self.block_size = size
 
-def resolve_model_path(model: str) -> str:
-    """A local checkpoint directory, or a Hugging Face repo id fetched into the local HF cache."""
+
+def _path(name: str, value) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path or a Hugging Face repo id, got {type(value).__name__}")
+    return os.path.expanduser(os.fspath(value))
+
+
+def load_hf_config(path: str) -> PretrainedConfig:
+    """The checkpoint's config.json, never running code from the checkpoint (transformers would
+    otherwise ask on stdin whether to run an auto_map's code)."""
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:  # unreadable, custom code, or refused by transformers' own validators
+        raise ValueError(f"could not load the model config of {path!r} (nanoinfer runs no code from a "
+                         f"checkpoint: trust_remote_code=False): {e}") from e
+
+
+def resolve_model_path(model: str, what: str = "model") -> str:
+    """A local checkpoint (or tokenizer) directory, or a Hugging Face repo id fetched into the local HF cache."""
     if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
+        if what == "model" and not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"model directory {model!r} has no config.json")
         return model
     if os.path.exists(model) or model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise ValueError(f"model {model!r} is neither a checkpoint directory nor a Hugging Face repo id")
+        raise ValueError(f"{what} {model!r} is neither a directory nor a Hugging Face repo id")
     from huggingface_hub import snapshot_download
     try:
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
-                                                        "tokenizer*", "generation_config.json"])
+        weights = ["*.safetensors"] if what == "model" else []
+        return snapshot_download(model, allow_patterns=["*.json", *weights, "*.txt", "*.model", "tokenizer*"])
     except Exception as e:  # network or missing repo: say which model
-        raise ValueError(f"could not fetch model {model!r} from the Hugging Face Hub: {e}") from e
+        raise ValueError(f"could not fetch {what} {model!r} from the Hugging Face Hub: {e}") from e
