@@ -14,6 +14,7 @@ from nanoinfer.config import Config
 from nanoinfer.layers.embed_head import VocabParallelEmbedding
 from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, tp_shard
 from nanoinfer.models import get_model_class
+from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
 from nanoinfer.utils.loader import load_model
 
 LAYER = "model.layers.0."
@@ -210,3 +211,78 @@ def test_generic_shard_ids_every_one_accounted_for(tmp_path):
     save_file(tensors, tmp_path / "partial" / "model.safetensors")
     with pytest.raises(ValueError, match=r"lacks.*'layer\.experts\.1\.up_proj\.weight'"):
         load_model(StackedExperts(), str(tmp_path / "partial"))
+
+
+# ---- tokenizer and EOS ids (utils/hf_files.py) -------------------------------------------------------
+
+def without_tokenizer(src, dst):
+    """The checkpoint with its config, weights and generation_config but no tokenizer files."""
+    dst.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(f"{src}/{name}", dst)
+    return dst
+
+
+def test_checkpoint_without_tokenizer_is_refused(tiny_qwen3, tmp_path):
+    """transformers hands back a one-token tokenizer for such a directory (replaces the old
+    test_bad_model_paths case, whose error came from the missing safetensors, not the tokenizer)."""
+    path = without_tokenizer(tiny_qwen3, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="no usable tokenizer.*1 token"):
+        load_tokenizer(str(path))
+    assert len(load_tokenizer(tiny_qwen3)) > 1
+
+
+def test_tokenizer_needing_custom_code_is_refused_without_prompting(tiny_qwen3, tmp_path, monkeypatch):
+    prompts = []
+    monkeypatch.setattr("builtins.input", lambda *a: prompts.append(a) or "n")
+    path = copy_checkpoint(tiny_qwen3, tmp_path / "custom", edit_config=lambda c: c.update(
+        model_type="my_custom_lm", auto_map={"AutoConfig": "configuration_custom.MyConfig"}))
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg.update(tokenizer_class="MyTokenizer", auto_map={"AutoTokenizer": ["tokenization_custom.MyTokenizer", None]})
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="could not load a tokenizer.*runs no code"):
+        load_tokenizer(str(path))
+    assert prompts == []
+
+
+def test_eos_ids_from_tokenizer_and_generation_config(tiny_qwen3, tmp_path):
+    tokenizer = load_tokenizer(tiny_qwen3)
+    eos, endoftext = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert load_eos_token_ids(tiny_qwen3, tokenizer) == frozenset({eos, endoftext})
+    path = copy_checkpoint(tiny_qwen3, tmp_path / "ckpt")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert load_eos_token_ids(str(path), tokenizer) == frozenset({eos, 7})
+    (path / "generation_config.json").unlink()
+    assert load_eos_token_ids(str(path), tokenizer) == frozenset({eos})
+    tokenizer.eos_token = None  # EOS stated only in generation_config.json is enough
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
+    assert load_eos_token_ids(str(path), tokenizer) == frozenset({5, 6})
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "could not read"),
+    ('{"eos_token_id": "2"}', "eos_token_id must be an int or a list of ints, got '2'"),
+    ('{"eos_token_id": [2, "3"]}', "eos_token_id must be an int or a list of ints"),
+    ('{"eos_token_id": true}', "eos_token_id must be an int or a list of ints"),
+    ('{"eos_token_id": 2.0}', "eos_token_id must be an int or a list of ints"),
+    ("[2, 3]", "must hold a JSON object, got a list"),
+    ('{"eos_token_id": 100000}', r"EOS token id\(s\) \[100000\].*outside the tokenizer's vocabulary \[0, 384\)"),
+    ('{"eos_token_id": -1}', r"EOS token id\(s\) \[-1\]"),
+    (b"\xff\xfe{}", "could not read"),
+])
+def test_bad_generation_config_is_named(tiny_qwen3, tmp_path, text, match):
+    path = copy_checkpoint(tiny_qwen3, tmp_path / "ckpt")
+    gen = path / "generation_config.json"
+    gen.write_bytes(text) if isinstance(text, bytes) else gen.write_text(text)
+    with pytest.raises(ValueError, match=match) as err:
+        load_eos_token_ids(str(path), load_tokenizer(str(path)))
+    assert "generation_config.json" in str(err.value)
+
+
+def test_no_eos_at_all_is_refused(tiny_qwen3, tmp_path):
+    path = copy_checkpoint(tiny_qwen3, tmp_path / "ckpt")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
+    tokenizer = load_tokenizer(str(path))
+    tokenizer.eos_token = None
+    with pytest.raises(ValueError, match="no EOS token"):
+        load_eos_token_ids(str(path), tokenizer)
