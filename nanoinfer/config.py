@@ -77,9 +77,9 @@ class Config:
             check_int("num_kvcache_blocks", 1)
         if not isinstance(self.gpu_memory_utilization, Real) or isinstance(self.gpu_memory_utilization, bool):
             raise TypeError(f"gpu_memory_utilization must be a float, got {type(self.gpu_memory_utilization).__name__}")
-        self.gpu_memory_utilization = float(self.gpu_memory_utilization)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.gpu_memory_utilization = float(self.gpu_memory_utilization)  # numpy floats too
         for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")

@@ -4,18 +4,27 @@ Fields, defaults and rules follow vLLM's `SamplingParams` (except `max_tokens`, 
 as in nano-vllm). Every violation raises a ValueError naming the field, the value and the allowed
 range, or a TypeError naming the field and the expected type.
 """
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by them could overflow.
 SAMPLING_EPS = 1e-5
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, Integral) and not isinstance(v, bool)  # numpy / torch integers too
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, Real) and not isinstance(v, bool)
+
+
+def _to_float(v: Real) -> float:
+    try:
+        return float(v)
+    except OverflowError:  # an int beyond float range
+        return math.inf if v > 0 else -math.inf
 
 
 @dataclass
@@ -59,21 +68,25 @@ class SamplingParams:
             self.stop = []
         else:
             self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self.stop_token_ids = [] if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
         if self.temperature < SAMPLING_EPS:  # greedy: the filters mean nothing (as vLLM resets them)
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _check_types(self):
+        """Any numbers.Integral (not bool) for ints and numbers.Real for floats, stored as int / float."""
         for name in ("n", "top_k", "min_tokens"):
             if not _is_int(getattr(self, name)):
                 raise TypeError(f"{name} must be an int, got {type(getattr(self, name)).__name__}")
+            setattr(self, name, int(getattr(self, name)))
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
             if not _is_number(getattr(self, name)):
                 raise TypeError(f"{name} must be a float, got {type(getattr(self, name)).__name__}")
+            setattr(self, name, _to_float(getattr(self, name)))
         for name in ("seed", "max_tokens", "logprobs"):
             v = getattr(self, name)
             if v is not None and not _is_int(v):
                 raise TypeError(f"{name} must be an int or None, got {type(v).__name__}")
+            setattr(self, name, None if v is None else int(v))
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")

@@ -39,6 +39,7 @@ def test_dtype_names(tiny_qwen3, name, dtype):
     (dict(max_num_seqs=np.bool_(True)), TypeError, "max_num_seqs"),
     (dict(max_num_seqs=True), TypeError, "max_num_seqs"),
     (dict(gpu_memory_utilization="0.5"), TypeError, "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=10**400), ValueError, r"gpu_memory_utilization must be in \(0, 1\]"),
     (dict(dtype="double"), ValueError, "'half'"),
     (dict(dtype=["half"]), ValueError, "dtype"),
     (dict(tokenizer=3), TypeError, "tokenizer must be a path"),

@@ -81,3 +81,24 @@ def test_type_errors(field, value):
 def test_unknown_field():
     with pytest.raises(TypeError):
         SamplingParams(best_of_everything=3)
+
+
+def test_numpy_numbers_are_accepted_and_converted():
+    """numbers.Integral (not bool) for every int field and numbers.Real for every float field, as
+    token-id prompts accept them; stored as plain int / float."""
+    import numpy as np
+    sp = SamplingParams(n=np.int64(2), top_k=np.int32(5), min_tokens=np.uint8(1), seed=np.int64(7),
+                        max_tokens=np.int16(9), logprobs=np.int64(3), stop_token_ids=[np.int64(4), 5],
+                        temperature=np.float32(0.5), top_p=np.float64(0.9), min_p=np.float16(0.25),
+                        presence_penalty=np.int64(1), frequency_penalty=np.float32(-0.5),
+                        repetition_penalty=np.float64(1.5))
+    for name in ("n", "top_k", "min_tokens", "seed", "max_tokens", "logprobs"):
+        assert type(getattr(sp, name)) is int, name
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        assert type(getattr(sp, name)) is float, name
+    assert [type(t) for t in sp.stop_token_ids] == [int, int] and sp.stop_token_ids == [4, 5]
+    assert (sp.n, sp.seed, sp.temperature, sp.min_p) == (2, 7, 0.5, 0.25)
+    with pytest.raises(TypeError, match="n must be an int"):
+        SamplingParams(n=np.bool_(True))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=10**400)  # beyond float range: infinite, not an OverflowError
