@@ -121,3 +121,23 @@ def test_cuda_graph_replay_follows_new_routing():
         x.normal_()
         graph.replay()
         torch.testing.assert_close(out, fused_moe(x, w13, w2, weights, ids), atol=0, rtol=0)
+
+
+def test_benchmark_runs_and_counts_routed_experts(capsys):
+    """python -m nanoinfer.bench_moe end to end on tiny shapes with a stub timer (it needs a GPU to time),
+    and the bytes/FLOPs it gives bench.py's lower bound."""
+    from types import SimpleNamespace
+
+    from nanoinfer import bench_moe
+    args = bench_moe.parse_args("--tokens 1 5 --hidden 32 --inter 16 --experts 4 --top-k 2".split())
+    bench_moe.bench(args, torch.device(DEV), torch.float32, timer=lambda fn, graph: (fn(), 1.0)[1],
+                    ceilings=lambda device: (4e12, 7e14))
+    out = capsys.readouterr().out
+    assert "M = 5 tokens" in out and "torch loop" in out
+
+    hf = SimpleNamespace(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, hidden_size=2048,
+                         num_hidden_layers=48, decoder_sparse_step=2, mlp_only_layers=[1])
+    expert = 3 * 2048 * 768
+    nbytes, flops = bench_moe.moe_step_costs(hf, 2, tokens=1)  # 23 sparse layers (3, 5, ..., 47), 8 experts each
+    assert nbytes == pytest.approx(23 * 8 * expert * 2) and flops == 23 * 2 * 8 * expert
+    assert bench_moe.moe_step_costs(hf, 2, tokens=10**6)[0] == pytest.approx(23 * 128 * expert * 2)

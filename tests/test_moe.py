@@ -176,13 +176,13 @@ def test_unsupported_configs_are_refused(moe_checkpoint, tmp_path, arch, kwargs,
 
 @pytest.mark.timeout(180)
 def test_tp2_matches_tp1(moe_checkpoint):
-    """Experts' intermediate dimension split over 2 ranks (gloo), a dense layer too."""
+    """Experts' intermediate dimension split over 2 ranks (gloo, on CPU everywhere), a dense layer too."""
     path = moe_checkpoint(num_layers=3, mlp_only_layers=(1,), num_experts=8, top_k=3)
     prompts = [[(i * 7 + j) % 300 for i in range(5 + 3 * j)] for j in range(4)]
-    llm = LLM(path, kvcache_block_size=16, max_model_len=128)
+    llm = LLM(path, device="cpu", kvcache_block_size=16, max_model_len=128)
     expected = generate(llm, prompts, 12)
     llm.exit()
-    llm = LLM(path, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
+    llm = LLM(path, device="cpu", tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
     try:
         assert generate(llm, prompts, 12) == expected
     finally:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.linear import ReplicatedLinear, tp_rank_and_size
+from nanoinfer.utils.loader import check_shape
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -48,12 +49,6 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     return out
 
 
-def _check_shape(loaded: torch.Tensor, expected: tuple[int, int]):
-    # copy_ would broadcast a smaller tensor and narrow silently cut a larger one
-    if tuple(loaded.shape) != tuple(expected):
-        raise ValueError(f"size mismatch: expected an expert tensor of shape {list(expected)}, found {list(loaded.shape)}")
-
-
 class ExpertsGateUp(nn.Module):
     """Every expert's gate and up projections, stacked: weight [E, 2 * I / tp, H]."""
 
@@ -67,7 +62,7 @@ class ExpertsGateUp(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]):
         expert, part = shard_id  # part 0: gate, 1: up
-        _check_shape(loaded, (self.local * self.tp_size, param.shape[2]))
+        check_shape(loaded, (self.local * self.tp_size, param.shape[2]))
         rows = loaded.narrow(0, self.tp_rank * self.local, self.local)
         param.data[expert].narrow(0, part * self.local, self.local).copy_(rows)
 
@@ -84,7 +79,7 @@ class ExpertsDown(nn.Module):
         self.weight.shard_ids = list(range(num_experts))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert: int):
-        _check_shape(loaded, (param.shape[1], self.local * self.tp_size))
+        check_shape(loaded, (param.shape[1], self.local * self.tp_size))
         param.data[expert].copy_(loaded.narrow(1, self.tp_rank * self.local, self.local))  # loaded [H, I]
 
 
