@@ -20,12 +20,13 @@ import torch
 
 def expected_experts_hit(num_experts: int, top_k: int, tokens: int) -> float:
     """Distinct experts a step of `tokens` tokens routes to, in expectation, under uniform routing."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens) if tokens != float("inf") else num_experts
 
 
-def moe_step_costs(hf, dtype_bytes: int, tokens: int) -> tuple[float, float]:
+def moe_step_costs(hf, dtype_bytes: int, tokens: int, tp_size: int = 1) -> tuple[float, float]:
     """(expert weight bytes a step of `tokens` tokens reads, expert matmul FLOPs per token) summed over
-    the sparse layers; (0, 0) for a dense model. Non-expert weights are not included."""
+    the sparse layers, per rank (each holds 1/tp_size of every expert); (0, 0) for a dense model.
+    Non-expert weights are not included; tokens=float("inf") gives every expert's bytes."""
     num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
     if not num_experts:
         return 0.0, 0.0
@@ -35,7 +36,8 @@ def moe_step_costs(hf, dtype_bytes: int, tokens: int) -> tuple[float, float]:
     layers = sum(1 for i in range(hf.num_hidden_layers) if i not in only and (i + 1) % step == 0)
     expert_params = 3 * hf.hidden_size * inter
     hit = expected_experts_hit(num_experts, hf.num_experts_per_tok, tokens)
-    return layers * hit * expert_params * dtype_bytes, layers * 2.0 * hf.num_experts_per_tok * expert_params
+    return (layers * hit * expert_params * dtype_bytes / tp_size,
+            layers * 2.0 * hf.num_experts_per_tok * expert_params / tp_size)
 
 
 def measure_ceilings(device) -> tuple[float, float]:
@@ -77,7 +79,7 @@ def parse_args(argv=None):
 
 
 def bench(args, device, dtype=torch.bfloat16, timer=time_ms, ceilings=measure_ceilings):
-    from nanoinfer.kernels.fused_moe import default_config, fused_moe
+    from nanoinfer.kernels.fused_moe import default_config, fused_moe, moe_align
     from nanoinfer.layers.fused_moe import fused_moe_torch, select_experts
 
     h, inter, num_experts, top_k = args.hidden, args.inter, args.experts, args.top_k
@@ -107,7 +109,10 @@ def bench(args, device, dtype=torch.bfloat16, timer=time_ms, ceilings=measure_ce
 
         print(f"M = {m} tokens: {hit} experts hit, {nbytes / 1e6:.1f} MB read, {flops / 1e9:.2f} GFLOP"
               f"{' (CUDA graph replays)' if graph else ''}")
-        report(f"fused_moe {default_config(m)}", timer(lambda: fused_moe(x, w13, w2, weights, ids), graph))
+        cfg = default_config(m, dtype)
+        report(f"fused_moe {cfg}", timer(lambda: fused_moe(x, w13, w2, weights, ids), graph))
+        align_ms = timer(lambda: moe_align(ids, num_experts, cfg["BLOCK_M"]), graph)
+        print(f"    of which moe_align (3 kernels): {align_ms * 1e3:.1f} us")
         if not args.no_torch:
             report("torch loop of per-expert GEMMs (eager)",
                    timer(lambda: fused_moe_torch(x, w13, w2, weights, ids), False))

@@ -140,4 +140,6 @@ def test_benchmark_runs_and_counts_routed_experts(capsys):
     expert = 3 * 2048 * 768
     nbytes, flops = bench_moe.moe_step_costs(hf, 2, tokens=1)  # 23 sparse layers (3, 5, ..., 47), 8 experts each
     assert nbytes == pytest.approx(23 * 8 * expert * 2) and flops == 23 * 2 * 8 * expert
-    assert bench_moe.moe_step_costs(hf, 2, tokens=10**6)[0] == pytest.approx(23 * 128 * expert * 2)
+    assert bench_moe.moe_step_costs(hf, 2, tokens=float("inf"))[0] == 23 * 128 * expert * 2
+    hit = 128 * (1 - (120 / 128) ** 16)  # expected distinct experts for 16 tokens x top-8 of 128
+    assert bench_moe.moe_step_costs(hf, 2, tokens=16, tp_size=2)[0] == pytest.approx(23 * hit * expert)
