@@ -11,10 +11,12 @@ vLLM's fused_moe: tokens grouped by expert, then each projection is one grouped 
 4. the top_k rows of each token are summed (accumulated in float32).
 
 CUDA-graph safe: every grid and buffer size comes from M, top_k, E and the weight shapes. The real
-number of padded rows stays on the device (`num_padded`): programs past it return at once. Nothing
-is specialised on M (a per-step integer), so serving never JIT-compiles mid-run.
+number of padded rows stays on the device (`num_padded`): programs past it return at once. No kernel
+is specialised on M (a per-step integer); the tile sizes come in three sets chosen by M
+(`default_config`), all compiled at start-up on CUDA (the warm-up forward and the graph captures).
 
-Each row's result depends on that row alone, so sorting, padding and block sizes never change it.
+Each row's result depends on that row alone, so the sorting and padding (BLOCK_M) never change it;
+BLOCK_K sets the accumulation order. Partial sums stay in float32 until the final rounding.
 The torch reference is layers/fused_moe.py `fused_moe_torch`.
 """
 import torch
