@@ -1,0 +1,133 @@
+"""The engine's outputs (RequestOutput, StreamDelta) as OpenAI response bodies and stream chunks.
+Prompt i's completion j is choice i * n + j, as in vLLM."""
+import time
+from collections.abc import AsyncIterator
+
+from nanoinfer.outputs import Logprob, RequestOutput, StreamDelta
+from nanoinfer.serve.engine_loop import Submission
+from nanoinfer.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                      ChatLogProbs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
+                                      CompletionChunk, CompletionLogProbs, CompletionResponse, DeltaMessage,
+                                      TopLogprob, UsageInfo, random_id)
+
+
+def usage(outputs: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+# ---- logprobs -----------------------------------------------------------------------------------
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], offset: int = 0) -> CompletionLogProbs:
+    """Completions' shape: per token its text, logprob, text offset, and top entries (the sampled
+    token's among them, so up to logprobs + 1, as OpenAI and vLLM return)."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for tid, entries in zip(token_ids, logprobs):
+        token = entries[tid].decoded_token or ""
+        tokens.append(token)
+        token_logprobs.append(entries[tid].logprob)
+        top = {}
+        for lp in sorted(entries.values(), key=lambda lp: lp.rank or 0):
+            top.setdefault(lp.decoded_token or "", lp.logprob)  # tokens with the same text: the likeliest
+        top_logprobs.append(top)
+        text_offset.append(offset)
+        offset += len(token)
+    return CompletionLogProbs(text_offset=text_offset, token_logprobs=token_logprobs, tokens=tokens,
+                              top_logprobs=top_logprobs)
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> ChatLogProbs:
+    """Chat's shape: per token its text, logprob, UTF-8 bytes and the top_n most likely tokens."""
+    content = []
+    for tid, entries in zip(token_ids, logprobs):
+        top = sorted((lp for t, lp in entries.items() if t != tid or (lp.rank or top_n + 1) <= top_n),
+                     key=lambda lp: lp.rank or 0)[:top_n]
+        content.append(ChatTokenLogprob(**_top(entries[tid]), top_logprobs=[TopLogprob(**_top(lp)) for lp in top]))
+    return ChatLogProbs(content=content)
+
+
+def _top(lp: Logprob) -> dict:
+    token = lp.decoded_token or ""
+    return dict(token=token, logprob=lp.logprob, bytes=list(token.encode("utf-8", errors="replace")))
+
+
+# ---- whole responses ----------------------------------------------------------------------------
+def completion_response(outputs: list[RequestOutput], model: str) -> CompletionResponse:
+    choices = []
+    for i, out in enumerate(outputs):
+        for c in out.outputs:
+            lps = None if c.logprobs is None else completion_logprobs(c.token_ids, c.logprobs)
+            choices.append(CompletionChoice(index=i * len(out.outputs) + c.index, text=c.text, logprobs=lps,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    return CompletionResponse(model=model, choices=choices, usage=usage(outputs))
+
+
+def chat_response(out: RequestOutput, model: str, top_logprobs: int | None) -> ChatCompletionResponse:
+    choices = []
+    for c in out.outputs:
+        lps = None if c.logprobs is None or top_logprobs is None else \
+            chat_logprobs(c.token_ids, c.logprobs, top_logprobs)
+        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=lps,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    return ChatCompletionResponse(model=model, choices=choices, usage=usage([out]))
+
+
+# ---- streams ------------------------------------------------------------------------------------
+async def completion_chunks(sub: Submission, model: str, include_usage: bool) -> AsyncIterator[CompletionChunk]:
+    head = dict(id=random_id("cmpl"), object="text_completion", created=int(time.time()), model=model)
+    n = sub.params.n
+    offsets: dict[int, int] = {}  # choice -> text offset of its next token
+    outputs = []
+    async for i, item in _with_final_deltas(sub):
+        if isinstance(item, RequestOutput):
+            outputs.append(item)
+            continue
+        d: StreamDelta = item
+        index = i * n + d.completion_index
+        lps = None
+        if d.logprobs is not None:
+            lps = completion_logprobs(d.token_ids, d.logprobs, offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(map(len, lps.tokens))
+        yield CompletionChunk(**head, choices=[CompletionChoice(
+            index=index, text=d.text, logprobs=lps, finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+    if include_usage:
+        yield CompletionChunk(**head, choices=[], usage=usage(outputs))
+
+
+async def chat_chunks(sub: Submission, model: str, include_usage: bool,
+                      top_logprobs: int | None) -> AsyncIterator[ChatCompletionChunk]:
+    head = dict(id=random_id("chatcmpl"), object="chat.completion.chunk", created=int(time.time()), model=model)
+    for j in range(sub.params.n):  # first the role of every choice, as OpenAI and vLLM send it
+        yield ChatCompletionChunk(**head, choices=[ChatStreamChoice(
+            index=j, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)])
+    outputs = []
+    async for _, item in _with_final_deltas(sub):
+        if isinstance(item, RequestOutput):
+            outputs.append(item)
+            continue
+        d: StreamDelta = item
+        lps = None if d.logprobs is None or top_logprobs is None else \
+            chat_logprobs(d.token_ids, d.logprobs, top_logprobs)
+        yield ChatCompletionChunk(**head, choices=[ChatStreamChoice(
+            index=d.completion_index, delta=DeltaMessage(content=d.text), logprobs=lps,
+            finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+    if include_usage:
+        yield ChatCompletionChunk(**head, choices=[], usage=usage(outputs))
+
+
+async def _with_final_deltas(sub: Submission):
+    """The submission's events, without deltas that carry nothing to send, plus a closing delta for
+    each completion whose stream ended without one (aborted), so that every choice ends with its
+    finish_reason."""
+    done = set()
+    async for i, item in sub.results():
+        if isinstance(item, RequestOutput):
+            for c in item.outputs:
+                if (i, c.index) not in done:
+                    yield i, StreamDelta(i, c.index, item.request_id, "", [], None, True,
+                                         c.finish_reason or "abort", c.stop_reason)
+        elif item.finished:
+            done.add((i, item.completion_index))
+        elif not item.text and item.logprobs is None:
+            continue  # tokens whose text is held back (a partial character, a possible stop string)
+        yield i, item
