@@ -78,7 +78,7 @@ async def completion_chunks(sub: Submission, model: str, include_usage: bool) ->
     n = sub.params.n
     offsets: dict[int, int] = {}  # choice -> text offset of its next token
     outputs = []
-    async for i, item in _with_final_deltas(sub):
+    async for i, item in _stream_events(sub):
         if isinstance(item, RequestOutput):
             outputs.append(item)
             continue
@@ -101,7 +101,7 @@ async def chat_chunks(sub: Submission, model: str, include_usage: bool,
         yield ChatCompletionChunk(**head, choices=[ChatStreamChoice(
             index=j, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)])
     outputs = []
-    async for _, item in _with_final_deltas(sub):
+    async for _, item in _stream_events(sub):
         if isinstance(item, RequestOutput):
             outputs.append(item)
             continue
@@ -115,19 +115,37 @@ async def chat_chunks(sub: Submission, model: str, include_usage: bool,
         yield ChatCompletionChunk(**head, choices=[], usage=usage(outputs))
 
 
-async def _with_final_deltas(sub: Submission):
-    """The submission's events, without deltas that carry nothing to send, plus a closing delta for
-    each completion whose stream ended without one (aborted), so that every choice ends with its
-    finish_reason."""
+async def _stream_events(sub: Submission):
+    """The submission's (prompt index, StreamDelta | RequestOutput) events for a stream: a
+    completion's deltas queued meanwhile merged into one (so a client, or an event loop, that falls
+    behind gets fewer, larger chunks), deltas with nothing to send dropped, and a closing delta
+    for each completion whose stream ended without one (aborted), so that every choice ends with
+    its finish_reason."""
     done = set()
-    async for i, item in sub.results():
-        if isinstance(item, RequestOutput):
-            for c in item.outputs:
+    async for batch in sub.batches():
+        deltas: dict[tuple[int, int], StreamDelta] = {}  # (prompt, completion) -> merged delta
+        finals = []
+        for i, item in batch:
+            if isinstance(item, RequestOutput):
+                finals.append((i, item))
+            else:
+                key = (i, item.completion_index)
+                deltas[key] = _merge(deltas[key], item) if key in deltas else item
+        for (i, j), d in deltas.items():
+            if d.finished:
+                done.add((i, j))
+            elif not d.text and d.logprobs is None:
+                continue  # tokens whose text is held back (a partial character, a possible stop string)
+            yield i, d
+        for i, out in finals:
+            for c in out.outputs:
                 if (i, c.index) not in done:
-                    yield i, StreamDelta(i, c.index, item.request_id, "", [], None, True,
+                    yield i, StreamDelta(i, c.index, out.request_id, "", [], None, True,
                                          c.finish_reason or "abort", c.stop_reason)
-        elif item.finished:
-            done.add((i, item.completion_index))
-        elif not item.text and item.logprobs is None:
-            continue  # tokens whose text is held back (a partial character, a possible stop string)
-        yield i, item
+            yield i, out
+
+
+def _merge(a: StreamDelta, b: StreamDelta) -> StreamDelta:
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return StreamDelta(a.index, a.completion_index, a.request_id, a.text + b.text, a.token_ids + b.token_ids,
+                       logprobs, b.finished, b.finish_reason, b.stop_reason)

@@ -33,15 +33,25 @@ class Submission:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_ids: list[int] = field(default_factory=list)
 
-    async def results(self):
-        """Yields the events until every prompt's RequestOutput has arrived."""
+    async def batches(self):
+        """Lists of the events queued since the previous list (waiting for at least one), until
+        every prompt's RequestOutput has arrived."""
         left = len(self.prompts)
         while left:
-            event = await self.events.get()
-            if isinstance(event, BaseException):
-                raise event
-            left -= isinstance(event[1], RequestOutput)
-            yield event
+            batch = [await self.events.get()]
+            while not self.events.empty():
+                batch.append(self.events.get_nowait())
+            for event in batch:
+                if isinstance(event, BaseException):
+                    raise event
+                left -= isinstance(event[1], RequestOutput)
+            yield batch
+
+    async def results(self):
+        """The events one by one."""
+        async for batch in self.batches():
+            for event in batch:
+                yield event
 
 
 class EngineLoop:
