@@ -286,3 +286,29 @@ def test_no_eos_at_all_is_refused(tiny_qwen3, tmp_path):
     tokenizer.eos_token = None
     with pytest.raises(ValueError, match="no EOS token"):
         load_eos_token_ids(str(path), tokenizer)
+
+
+# ---- end to end: the engine loads its tokenizer and EOS ids through utils/hf_files.py ----------------
+
+def test_llm_refuses_a_checkpoint_without_tokenizer(tiny_qwen3, tmp_path):
+    from nanoinfer import LLM
+    with pytest.raises(ValueError, match="no usable tokenizer"):
+        LLM(str(without_tokenizer(tiny_qwen3, tmp_path / "ckpt")))
+
+
+def test_llm_refuses_a_bad_generation_config(tiny_qwen3, tmp_path):
+    from nanoinfer import LLM
+    path = copy_checkpoint(tiny_qwen3, tmp_path / "ckpt")
+    (path / "generation_config.json").write_text('{"eos_token_id": "2"}')
+    with pytest.raises(ValueError, match=r"generation_config\.json.*eos_token_id"):
+        LLM(str(path))
+
+
+def test_llm_takes_its_tokenizer_from_the_tokenizer_option(tiny_qwen3, tmp_path):
+    from nanoinfer import LLM
+    path = without_tokenizer(tiny_qwen3, tmp_path / "ckpt")
+    llm = LLM(str(path), tokenizer=tiny_qwen3, num_kvcache_blocks=8, kvcache_block_size=16, max_model_len=64)
+    try:
+        assert llm.tokenizer.decode(llm.tokenizer.encode("Hello")) == "Hello"
+    finally:
+        llm.exit()
