@@ -53,60 +53,15 @@ def measure_ceilings(device) -> tuple[float, float]:
     return bandwidth, 2 * 8192 ** 3 / (ms * 1e-3)
 
 
-class StepRecorder:
-    """Wraps the engine's step, scheduler and runner to record each step's shape and where its wall
-    time goes: schedule, input preparation, the runner call (launch + device + wait), and the rest
-    (postprocess, outputs)."""
+class Profiler:
+    """Profile the given windows of steps with torch.profiler; print where device and host time go."""
 
-    def __init__(self, llm: LLM, profile_windows: list[range] = ()):
-        self.steps = []  # [is_prefill, [(query_len, context_len)], schedule_s, prepare_s, run_s, step_s]
-        self.profile_windows, self.profiler = list(profile_windows), None
-        runner, scheduler = llm.model_runner, llm.scheduler
-        schedule, run, step = scheduler.schedule, runner.run, llm.step
-        schedule_ahead = scheduler.schedule_ahead
-        prep_prefill, prep_decode = runner.prepare_prefill, runner.prepare_decode
+    def __init__(self, llm: LLM, windows: list[range]):
+        self.llm, self.windows, self.profiler = llm, windows, None
 
-        def timed_schedule():
-            self._profile(len(self.steps))
-            t = time.perf_counter()
-            seqs, is_prefill = schedule()
-            shape = [(s.num_scheduled_tokens, s.num_computed_tokens + s.num_scheduled_tokens) for s in seqs]
-            self.steps.append([is_prefill, shape, time.perf_counter() - t, 0.0, 0.0, 0.0])
-            return seqs, is_prefill
-
-        def timed_schedule_ahead(inflight):
-            self._profile(len(self.steps))
-            t = time.perf_counter()
-            seqs = schedule_ahead(inflight)
-            if seqs:  # overlapped decode: each computes its in-flight token's successor
-                self.steps.append([False, [(1, len(s) + 1) for s in seqs], time.perf_counter() - t, 0.0, 0.0, 0.0])
-            return seqs
-
-        def timed(fn, field):
-            def wrapper(*args, **kwargs):
-                t = time.perf_counter()
-                out = fn(*args, **kwargs)
-                self.steps[-1][field] += time.perf_counter() - t
-                return out
-            return wrapper
-
-        def timed_step():
-            t = time.perf_counter()
-            out = step()
-            if self.steps:
-                self.steps[-1][5] = time.perf_counter() - t
-            return out
-
-        scheduler.schedule, scheduler.schedule_ahead = timed_schedule, timed_schedule_ahead
-        runner.prepare_prefill, runner.prepare_decode = timed(prep_prefill, 3), timed(prep_decode, 3)
-        runner.run = timed(run, 4)
-        if hasattr(runner, "launch_decode"):
-            runner.launch_decode, runner.collect = timed(runner.launch_decode, 4), timed(runner.collect, 4)
-        llm.step = timed_step
-
-    def _profile(self, step: int):
-        """Profile the given windows of steps with torch.profiler; print where device and host time go."""
-        window = next((w for w in self.profile_windows if step in (w.start, w.stop)), None)
+    def __call__(self):
+        step = len(self.llm.step_log)
+        window = next((w for w in self.windows if step in (w.start, w.stop)), None)
         if window is None:
             return
         if step == window.start and self.profiler is None:
@@ -118,7 +73,7 @@ class StepRecorder:
         elif step == window.stop and self.profiler is not None:
             self.profiler.__exit__(None, None, None)
             table = self.profiler.key_averages()
-            sizes = sorted({len(s[1]) for s in self.steps[window.start:window.stop]})
+            sizes = sorted({len(r.rows) for r in self.llm.step_log[window.start:window.stop]})
             print(f"--- profile of steps {window.start}..{window.stop - 1} (batch sizes {sizes[0]}..{sizes[-1]})")
             if torch.cuda.is_available():
                 print(table.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60))
@@ -132,16 +87,75 @@ def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate):
     embed = hf.vocab_size * hf.hidden_size
     matmul_params = params - embed * (1 if hf.tie_word_embeddings else 2)  # per token, excluding vocab
     byte_time = flop_time = 0.0
-    for is_prefill, shape, *_ in steps:
+    for step in steps:
+        shape = step.rows
         kv_read = sum(ctx - q for q, ctx in shape) * kv_per_token  # cached context each step reads
         byte_time += (weight_bytes + kv_read + sum(q for q, _ in shape) * kv_per_token) / bandwidth
-        if is_prefill:
-            tokens = sum(q for q, _ in shape)
-            attn = sum(q * (ctx - q) + q * (q + 1) / 2 for q, ctx in shape)  # causal query-key pairs
-            flops = 2 * matmul_params * tokens + 2 * embed * len(shape) \
+        prefill = shape[step.num_decode:]  # (decode rows are counted by the bytes they read)
+        if prefill:
+            tokens = sum(q for q, _ in prefill)
+            attn = sum(q * (ctx - q) + q * (q + 1) / 2 for q, ctx in prefill)  # causal query-key pairs
+            flops = 2 * matmul_params * tokens + 2 * embed * len(prefill) \
                 + 4 * hf.num_hidden_layers * hf.num_attention_heads * hf.head_dim * attn
             flop_time += flops / flops_rate
     return byte_time + flop_time
+
+
+def run(llm: LLM, prompts, params, before_step=None) -> tuple[list, float]:
+    """Run the requests to completion through the engine's public loop, as generate() does; returns
+    its step log and the elapsed time."""
+    if llm.config.device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    rids = llm.add_requests(prompts, params, keep_output=True)
+    llm.step_log = []
+    while not llm.is_finished():
+        if before_step is not None:
+            before_step()
+        llm.advance()
+    if llm.config.device == "cuda":
+        torch.cuda.synchronize()
+    for rid in rids:
+        llm.pop_output(rid)
+    t = time.perf_counter() - t
+    steps, llm.step_log = llm.step_log, None
+    return steps, t
+
+
+def long_prompt_arrivals(llm: LLM, args):
+    """Decode speed of running sequences while long prompts arrive (an online server's life): 64
+    sequences (128-token prompts, 512 output tokens) stream; after 20 steps, then every 40, a
+    long prompt arrives, 4 in all. Prints the running sequences' inter-token latency and tokens/s,
+    alone and with the arrivals. Uses only the public API (stream, add_request), so it also runs
+    against older engines."""
+    def once(with_long: bool):
+        short = [[randint(0, 10000) for _ in range(128)] for _ in range(64)]
+        sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=512)
+        long_sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
+        gaps, last, count, arrivals = [], {}, 0, [20, 60, 100, 140] if with_long else []
+        t0 = time.perf_counter()
+        for step, delta in enumerate(llm.stream(short, sp)):
+            now = time.perf_counter()
+            if delta.token_ids:
+                if delta.index in last:
+                    gaps.append(now - last[delta.index])
+                last[delta.index] = now
+                count += len(delta.token_ids)
+            if arrivals and step // 64 >= arrivals[0]:  # about one delta per sequence per step
+                arrivals.pop(0)
+                llm.add_request([randint(0, 10000) for _ in range(args.long_prompt_len)], long_sp)
+        elapsed = time.perf_counter() - t0
+        while not llm.is_finished():
+            llm.step()
+        gaps.sort()
+        q = lambda f: gaps[min(int(f * len(gaps)), len(gaps) - 1)] * 1e3  # noqa: E731
+        print(f"{'with 4 long prompts' if with_long else 'alone':>20}: running sequences {count / elapsed:8.0f} tok/s, "
+              f"inter-token latency p50 {q(0.5):.2f} ms, p99 {q(0.99):.2f} ms, max {gaps[-1] * 1e3:.2f} ms")
+
+    print(f"long-prompt arrivals: 64 running sequences, 4 prompts of {args.long_prompt_len} tokens, "
+          f"max_num_batched_tokens={llm.config.max_num_batched_tokens}")
+    once(False)
+    once(True)
 
 
 def main():
@@ -156,38 +170,40 @@ def main():
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--long-prompts", action="store_true",
+                   help="measure running sequences' decode while long prompts arrive (try --max-num-batched-tokens 2048)")
+    p.add_argument("--long-prompt-len", type=int, default=8000)
     p.add_argument("--profile", type=int, nargs=2, metavar=("FIRST", "LAST"), action="append", default=[],
                    help="profile steps FIRST..LAST with torch.profiler (perturbs the timing); repeatable")
     args = p.parse_args()
 
     seed(args.seed)
     model = args.model or make_random_model_dir(args.config)
-    llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+    max_model_len = max(args.max_model_len, args.long_prompt_len + 1) if args.long_prompts else args.max_model_len
+    llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, load_format="auto" if args.model else "dummy")
+    if args.long_prompts:
+        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
+        long_prompt_arrivals(llm, args)
+        return llm.exit()
     prompts = [[randint(0, 10000) for _ in range(randint(args.min_input_len, args.max_input_len))]
                for _ in range(args.num_seqs)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True,
                              max_tokens=randint(args.min_output_len, args.max_output_len)) for _ in prompts]
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
-    recorder = StepRecorder(llm, [range(first, last + 1) for first, last in args.profile])
     cuda = llm.config.device == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    if cuda:
-        torch.cuda.synchronize()
-    t = time.perf_counter() - t
+    steps, t = run(llm, prompts, params, Profiler(llm, [range(first, last + 1) for first, last in args.profile]))
     out_tokens = sum(sp.max_tokens for sp in params)
     in_tokens = sum(len(p) for p in prompts)
-    steps = recorder.steps
-    decode = [s for s in steps if not s[0]]
+    decode = [s for s in steps if s.num_decode == len(s.rows)]
     print(f"model: {args.model or 'random Qwen3-' + args.config}, device: {llm.config.device}, "
           f"tp={args.tensor_parallel_size}, backend: {llm.model_runner.backend}, "
           f"cuda graphs: {bool(llm.model_runner.graphs)}, kv blocks: {llm.scheduler.block_manager.num_blocks}")
     print(f"Requests: {len(prompts)}, prompt tokens: {in_tokens}, output tokens: {out_tokens}, "
-          f"steps: {len(steps)} ({len(steps) - len(decode)} prefill, {len(decode)} decode), "
+          f"steps: {len(steps)} ({len(steps) - len(decode)} with prefill, {len(decode)} decode only), "
           f"preemptions: {llm.scheduler.num_preemptions}")
     print(f"Total: {out_tokens}tok, Time: {t:.2f}s, Throughput: {out_tokens / t:.2f}tok/s")
     bound_of = None
@@ -197,16 +213,22 @@ def main():
         weight_bytes = sum(p.numel() for p in llm.model_runner.model.parameters()) * dtype_bytes
         bandwidth, flops_rate = measure_ceilings(llm.model_runner.device)
         bound_of = lambda group: lower_bound(group, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate)  # noqa: E731
-    groups = [("prefill steps", [s for s in steps if s[0]])]
+    # a step's wall time: from its start to the next step's start (the device work it launched
+    # overlaps the next call's host work)
+    walls = [b.start - a.start for a, b in zip(steps, steps[1:])] + [steps[-1].end - steps[-1].start]
+    groups = [("steps with prefill", [i for i, s in enumerate(steps) if s.num_decode < len(s.rows)])]
     for lo, hi in ((200, 10**9), (64, 200), (1, 64)):
         groups.append((f"decode steps with {lo}..{min(hi, args.num_seqs + 1) - 1} seqs",
-                       [s for s in decode if lo <= len(s[1]) < hi]))
-    for name, group in groups:
-        if group:
-            mean = [sum(s[i] for s in group) / len(group) * 1e3 for i in (2, 3, 4, 5)]
+                       [i for i, s in enumerate(steps) if s.num_decode == len(s.rows) and lo <= len(s.rows) < hi]))
+    for name, idx in groups:
+        if idx:
+            group = [steps[i] for i in idx]
+            mean = lambda f: sum(map(f, group)) / len(group) * 1e3  # noqa: E731
             bound = f", bound {bound_of(group) / len(group) * 1e3:.2f} ms" if bound_of else ""
-            print(f"{name}: {len(group):4d} steps, per step: schedule {mean[0]:.2f} ms, input prep {mean[1]:.2f} ms, "
-                  f"runner call {mean[2]:.2f} ms (incl. prep, launch, device, wait), whole step {mean[3]:.2f} ms{bound}")
+            print(f"{name}: {len(group):4d} steps, per step: schedule {mean(lambda s: s.scheduled - s.start):.2f} ms, "
+                  f"launch {mean(lambda s: s.launched - s.scheduled):.2f} ms, "
+                  f"process {mean(lambda s: s.end - s.launched):.2f} ms (incl. waiting for the device), "
+                  f"whole step {sum(walls[i] for i in idx) / len(idx) * 1e3:.2f} ms{bound}")
     print(f"mean step time over the whole run: {t / len(steps) * 1e3:.2f} ms")
     if cuda:
         bound = bound_of(steps)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine.tp_worker import encode_step
+from nanoinfer.engine.step_message import StepInput
 from nanoinfer.utils.tiny_model import build_tiny_checkpoint
 
 
@@ -27,10 +27,8 @@ def decode_step_times(llm, batch: int, steps: int) -> tuple[list[float], int]:
         _, num_tokens = llm.step()
         if num_tokens < 0:  # decode
             times.append(time.perf_counter() - t)
-    running = [llm.make_sequence([1] * 100, params) for _ in range(batch)]
-    for s in running:
-        s.block_table = list(range(8))
-    msg_bytes = len(pickle.dumps(("run", encode_step(running, False)), protocol=pickle.HIGHEST_PROTOCOL))
+    step = StepInput([(99, [1], list(range(8)))] * batch, batch)  # a decode row at position 99
+    msg_bytes = len(pickle.dumps(("execute", (step,)), protocol=pickle.HIGHEST_PROTOCOL))
     return times, msg_bytes
 
 

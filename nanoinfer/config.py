@@ -35,16 +35,15 @@ class Config:
     device: str = "auto"
     seed: int = 0
     trust_remote_code: bool = False  # accepted for vLLM compatibility; True is refused
-    async_scheduling: bool = True  # overlap host bookkeeping with the device's next decode step (tp=1)
+    async_scheduling: bool = True  # process each step on the host while the device computes the next (tp=1)
     load_format: str = "auto"  # "dummy": random weights, no checkpoint read (benchmarks, as in vLLM)
     # Filled in by __post_init__, not user options.
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
-    eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def option_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)} - {"model", "hf_config", "torch_dtype", "eos_token_ids"}
+        return {f.name for f in fields(cls)} - {"model", "hf_config", "torch_dtype"}
 
     @classmethod
     def from_options(cls, model: str, **options) -> "Config":

@@ -27,7 +27,7 @@ def assert_all_blocks_free(llm):
     assert llm.is_finished()
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
-    assert not llm.requests and not llm.output_processor.requests and not llm.output_processor.by_seq
+    assert not llm.requests  # the one request registry
 
 
 def greedy(llm, prompt, max_tokens=24, **kw):
@@ -153,27 +153,28 @@ def test_min_tokens_suppresses_eos(llm):
     sp = SamplingParams(temperature=2.0, max_tokens=12, min_tokens=12, seed=3, stop_token_ids=[5, 6])
     for out in llm.generate(PROMPTS * 4, sp, use_tqdm=False):
         ids = out["token_ids"]
-        assert len(ids) == 12 and not set(ids) & (set(llm.config.eos_token_ids) | {5, 6, eos})
+        assert len(ids) == 12 and not set(ids) & (set(llm.eos_token_ids) | {5, 6, eos})
 
 
 def test_n_shares_prompt_blocks(llm):
     prompt = list(range(20, 60))  # 40 tokens: 2 full blocks + 8 tokens
     sp = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
     rid = llm.add_request(prompt, sp)
-    seqs = llm.output_processor.sequences(rid)
+    seqs = llm.requests[rid].seqs
     assert len(seqs) == 3
-    prefill_tokens, max_refs = 0, 0
+    max_refs = 0
     bm = llm.scheduler.block_manager
+    llm.step_log = []
     while not llm.is_finished():
-        _, num_tokens = llm.step()
-        prefill_tokens += max(num_tokens, 0)
+        llm.step()
         if seqs[0].block_table:
             max_refs = max(max_refs, bm.blocks[seqs[0].block_table[0]].ref_count)
+    prefill_tokens = sum(q for r in llm.step_log for q, _ in r.rows[r.num_decode:])
+    llm.step_log = None
     assert prefill_tokens == 40 + 2 * 8  # the siblings computed only the last partial block
     assert max_refs == 3
     assert [s.num_cached_tokens for s in seqs] == [0, 32, 32]
     assert len({tuple(s.completion_token_ids) for s in seqs}) > 1
-    llm.output_processor.drop(rid)
     assert_all_blocks_free(llm)
 
     outs = llm.generate([prompt, PROMPTS[0]], SamplingParams(n=2, max_tokens=5, ignore_eos=True, seed=1),
@@ -260,7 +261,7 @@ def test_abort_request_frees_blocks(llm):
     assert set(finished) == {ids[0], ids[2]} and all(len(v) == 30 for v in finished.values())
     bm = llm.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
-    assert not llm.requests and not llm.output_processor.requests
+    assert not llm.requests
 
 
 def test_bad_batch_adds_nothing(llm):

@@ -17,7 +17,7 @@ def seq_of(tokens):
 def compute_all(bm: BlockManager, seq: Sequence):
     """Pretend a forward computed every token of the sequence."""
     seq.num_computed_tokens = len(seq)
-    bm.commit(seq)
+    bm.commit(seq, len(seq))
 
 
 def assert_all_free(bm: BlockManager):
@@ -127,12 +127,25 @@ def test_append_slot():
     s = seq_of(range(16))
     assert bm.allocate(s)
     s.append_token(7)  # 17 tokens: needs a second block
-    assert bm.can_append(s)
-    bm.append_slot(s)
+    assert bm.append_slot(s)
     assert len(s.block_table) == 2
     s.append_token(8)
-    bm.append_slot(s)
+    assert bm.append_slot(s)
     assert len(s.block_table) == 2
+    s.num_inflight = 15  # 33 tokens counting those in flight: a third block
+    assert bm.append_slot(s) and len(s.block_table) == 3
+    s.num_inflight = 31  # a fourth block: none is free, nothing changes
+    assert not bm.append_slot(s) and len(s.block_table) == 3
+
+
+def test_prefix_caching_off_registers_nothing():
+    bm = BlockManager(8, BS, prefix_caching=False)
+    a = seq_of(range(40))
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    bm.free(a)
+    b = seq_of(range(40))
+    assert bm.allocate(b) and b.num_cached_tokens == 0 and not bm.hash_to_block
 
 
 @settings(max_examples=60, deadline=None)
@@ -155,9 +168,7 @@ def test_random_workload_keeps_accounting(seed, num_blocks, num_ops):
             s = rng.choice(live)
             compute_all(bm, s)
             s.append_token(rng.randrange(50))
-            if bm.can_append(s):
-                bm.append_slot(s)
-            else:
+            if not bm.append_slot(s):
                 bm.free(s)
                 live.remove(s)
         elif live:

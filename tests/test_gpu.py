@@ -48,6 +48,31 @@ def test_float32_preemption_and_chunked_prefill_on_gpu(make_checkpoint):
         tight.exit()
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_float32_mixed_batches_match_hf(make_checkpoint, overlap):
+    """Prompts arriving while others decode, with a small token budget: steps mix decode rows (decode
+    kernel) and prompt chunks (prefill kernel); every greedy token equals HF's teacher-forced argmax."""
+    path = make_checkpoint(num_heads=8, num_kv_heads=2, head_dim=32, hidden_size=128)
+    llm = LLM(path, dtype="float32", kvcache_block_size=16, max_model_len=1024, max_num_batched_tokens=96,
+              max_num_seqs=16, async_scheduling=overlap)
+    try:
+        prompts = prompts_for(llm.vocab_size, n=12, seed=3)
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        llm.step_log = []
+        rids = []
+        for p in prompts:  # one arrival per step
+            rids.append(llm.add_request(p, sp, keep_output=True))
+            llm.step()
+        while not llm.is_finished():
+            llm.step()
+        mixed = sum(1 for r in llm.step_log if 0 < r.num_decode < len(r.rows))
+        assert mixed >= 5, f"only {mixed} mixed steps"
+        for p, rid in zip(prompts, rids):
+            assert_greedy_matches_hf(path, p, llm.pop_output(rid)["token_ids"], tol=1e-3)
+    finally:
+        llm.exit()
+
+
 def test_bf16_graphs_agree_with_eager(make_checkpoint):
     path = make_checkpoint(num_heads=8, num_kv_heads=2, head_dim=32, hidden_size=128)
     prompts = prompts_for(384, n=16, seed=2)

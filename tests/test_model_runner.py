@@ -1,6 +1,7 @@
 import pytest
 
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.step_message import StepInput
 from nanoinfer.engine.model_runner import graph_batch_sizes
 from nanoinfer.utils.context import Context, get_context
 
@@ -26,24 +27,35 @@ def test_context_is_cleared_after_every_forward(tiny_qwen3):
 
 
 def test_slot_mapping_and_block_tables(tiny_qwen3):
-    """Inputs the runner builds for a prefill chunk over a cached prefix and for a decode."""
+    """Inputs the runner builds for a prefill chunk over a cached prefix, a decode row, a decode row
+    whose token is still on the device, and a mixed step (decode rows first)."""
     llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=64)
     try:
         runner = llm.model_runner
-        seq = llm.make_sequence(list(range(1, 41)), SamplingParams(max_tokens=4))
-        seq.block_table = [7, 2, 5]
-        seq.num_computed_tokens, seq.num_scheduled_tokens = 16, 20  # positions 16..35
-        input_ids, positions = runner.prepare_prefill([seq])
+        table = [7, 2, 5]
+        tokens = list(range(1, 41))
+        input_ids, positions = runner.prepare(StepInput([(16, tokens[16:36], table)], 0))  # positions 16..35
         ctx = get_context()
+        assert ctx.is_prefill and ctx.num_decode == 0
         assert input_ids.tolist() == list(range(17, 37)) and positions.tolist() == list(range(16, 36))
         assert ctx.slot_mapping.tolist() == [2 * 16 + i for i in range(16)] + [5 * 16 + i for i in range(4)]
         assert ctx.cu_seqlens_q.tolist() == [0, 20] and ctx.context_lens.tolist() == [36]
         assert ctx.block_tables.tolist() == [[7, 2, 5]]
-        input_ids, positions = runner.prepare_decode([seq])  # 40 tokens: the last is at position 39
+        input_ids, positions = runner.prepare(StepInput([(39, [40], table)], 1))  # the last of 40 tokens
         ctx = get_context()
+        assert not ctx.is_prefill
         assert input_ids.tolist() == [40] and positions.tolist() == [39]
         assert ctx.slot_mapping.tolist() == [5 * 16 + 7] and ctx.context_lens.tolist() == [40]
-        runner.prepare_decode([seq], ahead=1)  # one in-flight token: position 40
+        runner.prepare(StepInput([(40, None, table)], 1))  # an in-flight token: position 40
         assert get_context().slot_mapping.tolist() == [5 * 16 + 8]
+        # mixed: two decode rows, then a 3-token chunk of a prompt in block 9
+        input_ids, positions = runner.prepare(StepInput([(39, [40], table), (3, [4], [1]), (0, [5, 6, 7], [9])], 2))
+        ctx = get_context()
+        assert ctx.is_prefill and ctx.num_decode == 2
+        assert input_ids.tolist() == [40, 4, 5, 6, 7] and positions.tolist() == [39, 3, 0, 1, 2]
+        assert ctx.slot_mapping.tolist() == [5 * 16 + 7, 16 + 3, 9 * 16, 9 * 16 + 1, 9 * 16 + 2]
+        assert ctx.cu_seqlens_q.tolist() == [0, 1, 2, 5] and ctx.context_lens.tolist() == [40, 4, 3]
+        assert ctx.prefill_cu_seqlens_q.tolist() == [0, 3] and ctx.prefill_max_seqlen_q == 3
+        assert ctx.block_tables.tolist() == [[7, 2, 5], [1, -1, -1], [9, -1, -1]]
     finally:
         llm.exit()

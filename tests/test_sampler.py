@@ -16,6 +16,7 @@ class FakeSeq:
 
     def __init__(self, sp, prompt=(1, 2, 3), output=()):
         self.sampling_params = sp
+        self.num_inflight = 0
         self.token_ids = list(prompt) + list(output)
         self.num_prompt_tokens = len(prompt)
 

@@ -147,6 +147,7 @@ def test_row_stride():
 class FakeSeq:
     def __init__(self, sp, output=()):
         self.sampling_params = sp
+        self.num_inflight = 0
         self.token_ids = [1, 2, 3] + list(output)
         self.num_prompt_tokens = 3
 

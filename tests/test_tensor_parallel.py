@@ -37,13 +37,13 @@ def generate(llm, prompts, params=GREEDY):
 
 
 def run_by_hand(llm, prompts, params=GREEDY):
-    """Like generate, but returns the Sequences too (for their cache counters)."""
-    seqs = [llm.make_sequence(p, params) for p in prompts]
-    for s in seqs:
-        llm.add_sequence(s)
+    """Like generate, through the engine's public loop; returns the RequestOutputs too (for their
+    prefix-cache counters)."""
+    rids = [llm.add_request(p, params, keep_output=True) for p in prompts]
     while not llm.is_finished():
         llm.step()
-    return [s.completion_token_ids for s in seqs], seqs
+    outs = [llm.pop_output(rid) for rid in rids]
+    return [o["token_ids"] for o in outs], outs
 
 
 def reference(path, prompt_sets, params=GREEDY, **options):
@@ -109,9 +109,9 @@ def test_tp2_matches_tp1_with_preemption_and_warm_cache(make_checkpoint, arch, s
         assert generate(llm, busy) == expected_busy
         assert llm.scheduler.num_preemptions > 0, "the small pool should have forced preemption"
         assert generate(llm, shared[:1]) == expected_shared[:1]       # warms the cache
-        outs, seqs = run_by_hand(llm, shared)
+        outs, results = run_by_hand(llm, shared)
         assert outs == expected_shared
-        assert all(s.num_cached_tokens >= 32 for s in seqs[1:]), [s.num_cached_tokens for s in seqs]
+        assert all(r.num_cached_tokens >= 32 for r in results[1:]), [r.num_cached_tokens for r in results]
         bm = llm.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks
     finally:
@@ -154,12 +154,13 @@ def test_kv_head_replication_and_a_worker_raising_in_forward(kv1, monkeypatch, s
         assert llm.model_runner.runner.num_kv_heads == 1
         assert generate(llm, prompts) == expected
 
-        def bad_block_tables(seqs, is_prefill):  # the worker's KV store indexes out of its cache
-            is_prefill, rows = encode_step(seqs, is_prefill)
-            return is_prefill, [row[:-1] + ([10**6] * len(row[-1]),) for row in rows]
+        def bad_block_tables(batch):  # the worker's KV store indexes out of its cache
+            step = from_batch(batch)
+            step.rows = [(start, ids, [10**6] * len(table)) for start, ids, table in step.rows]
+            return step
 
-        encode_step = tp_worker.encode_step
-        monkeypatch.setattr(tp_worker, "encode_step", bad_block_tables)
+        from_batch = tp_worker.StepInput.from_batch
+        monkeypatch.setattr(tp_worker.StepInput, "from_batch", bad_block_tables)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"(?s)rank 1: Traceback.*IndexError"):
             generate(llm, prompts)

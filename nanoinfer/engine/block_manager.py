@@ -33,12 +33,14 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         self.block_size = block_size
+        self.prefix_caching = prefix_caching  # off: no hash is registered, so nothing is ever hit
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        self.num_hits = 0  # blocks served by the prefix cache so far
 
     @property
     def num_blocks(self) -> int:
@@ -82,6 +84,7 @@ class BlockManager:
         revived = sum(1 for block_id, _ in hits if self.blocks[block_id].ref_count == 0)
         if seq.num_blocks - len(hits) + revived > self.num_free_blocks:
             return False
+        self.num_hits += len(hits)
         for block_id, h in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -108,18 +111,22 @@ class BlockManager:
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the sequence's newest token has a slot or one free block can give it one."""
-        return len(seq) <= len(seq.block_table) * self.block_size or self.num_free_blocks > 0
+    def append_slot(self, seq: Sequence) -> bool:
+        """Make sure the block table covers the sequence's newest token (in-flight ones included).
+        Returns False (and changes nothing) when that needs a block and none is free."""
+        if seq.num_tokens <= len(seq.block_table) * self.block_size:
+            return True
+        if not self.num_free_blocks:
+            return False
+        seq.block_table.append(self._take_free_block())
+        return True
 
-    def append_slot(self, seq: Sequence, ahead: int = 0):
-        """Make sure the block table covers the newest token (and `ahead` tokens not yet appended)."""
-        if len(seq) + ahead > len(seq.block_table) * self.block_size:
-            seq.block_table.append(self._take_free_block())
-
-    def commit(self, seq: Sequence):
-        """Register the hashes of the sequence's blocks that are now full and computed."""
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+    def commit(self, seq: Sequence, num_computed: int):
+        """Register the hashes of the sequence's blocks that are full within its first `num_computed`
+        tokens, whose K/V a finished step has written."""
+        if not self.prefix_caching:
+            return
+        for i in range(len(seq.block_hashes), num_computed // self.block_size):
             token_ids = seq.block(i)
             h = hash_block(token_ids, seq.block_hashes[-1] if seq.block_hashes else None)
             seq.block_hashes.append(h)

@@ -1,32 +1,41 @@
-"""The engine loop: validate and queue requests, schedule a batch, run it, record the results."""
+"""The engine loop. Every step runs the same sequence:
+
+    schedule step N+1  ->  launch it on the device  ->  process step N on the host
+
+Processing (append the sampled tokens, finish sequences, register full blocks in the prefix cache,
+detokenize, record logprobs) runs while the device computes step N+1. Without overlap
+(`async_scheduling=False`, or tensor parallel) the same path processes the step it just launched.
+
+Requests live in one registry, `requests` (request id -> Request). Only `abort_request` may be
+called from another thread: the abort is applied between steps.
+"""
 import atexit
-import json
-import os
-from dataclasses import replace
+import signal
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from numbers import Integral
 
-from transformers import AutoTokenizer
-
 from nanoinfer.config import Config
-from nanoinfer.engine.model_runner import ModelRunner
-from nanoinfer.engine.output_processor import OutputProcessor
+from nanoinfer.engine.model_runner import InFlight, ModelRunner
+from nanoinfer.engine.output_processor import OutputProcessor, Request
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.engine.tp_worker import TensorParallelRunner
+from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
 
 
 class LLMEngine:
     def __init__(self, model: str, **options):
         self.config = config = Config.from_options(model, **options)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"could not load a tokenizer from {config.model!r}: {e}") from e
-        config.eos_token_ids = tuple(sorted(self._eos_token_ids(config.model)))
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
         self._exited = False
-        self.pending = None  # a launched, uncollected decode step (overlapped decode)
         # tp > 1: rank 0 here plus spawned workers; its num_blocks is the minimum over ranks
         self.model_runner = ModelRunner(config) if config.tensor_parallel_size == 1 else TensorParallelRunner(config)
         num_blocks = self.model_runner.num_blocks
@@ -37,29 +46,37 @@ class LLMEngine:
                 f"{num_blocks * config.kvcache_block_size} tokens, less than one max_model_len={config.max_model_len} "
                 "sequence; raise num_kvcache_blocks / gpu_memory_utilization or lower max_model_len")
         self.model_runner.allocate_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config, num_blocks)
-        self.requests: dict[int, Sequence] = {}
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, config.eos_token_ids)
+        self.scheduler = Scheduler(config, num_blocks, eos_token_ids, config.enable_prefix_caching)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.requests: dict[int, Request] = {}
+        # overlap needs the sampled tokens where the next step's inputs are built: one rank
+        self.overlap = config.async_scheduling and config.tensor_parallel_size == 1
+        self.inflight: InFlight | None = None
+        self.step_log: list | None = None   # set to a list to record each step's StepRecord (bench.py)
+        self._step_lock = threading.Lock()  # held while a step runs
+        self._aborts: deque[int] = deque()  # abort_request ids not applied yet
+        self._finished_ids: list[int] = []  # requests finished outside a step, for the next advance()
+        self._unreported: list[tuple[int, list[int]]] = []  # step()'s pairs not returned yet
         atexit.register(self.exit)
 
-    def _eos_token_ids(self, path: str) -> set[int]:
-        ids = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        gen_path = os.path.join(path, "generation_config.json")
-        if os.path.isfile(gen_path):
-            with open(gen_path) as f:
-                eos = json.load(f).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        return ids
-
     # ---- requests -------------------------------------------------------------------------------
-    def make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams | None) -> Sequence:
-        """Validate one request and build its Sequence, without queueing it."""
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+    def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict."""
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or not prompt:
+                raise ValueError(f"a prompt dict takes 'prompt' and/or 'prompt_token_ids', got keys {sorted(prompt)}")
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"a prompt dict's 'prompt' must be a str, got {type(text).__name__}")
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+                if not isinstance(prompt, (list, tuple)):
+                    raise TypeError(f"a prompt dict's 'prompt_token_ids' must be a list of ints, "
+                                    f"got {type(prompt).__name__}")
+            else:
+                prompt = text
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is an empty string")
@@ -72,9 +89,19 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         else:
-            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+            raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty (no tokens)")
+        return text, token_ids
+
+    def make_request(self, prompt, sampling_params: SamplingParams | None) -> tuple[list[Sequence], str | None]:
+        """Validate one request and build its n sequences (one per sample) without queueing them.
+        With a seed, sample i uses seed + i (as vLLM does), so the samples differ."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        text, token_ids = self._prompt_tokens(prompt)
         sp = sampling_params
         bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
         if bad:
@@ -84,7 +111,7 @@ class LLMEngine:
         # max_tokens=None: up to max_model_len
         total = len(token_ids) + (sp.max_tokens if sp.max_tokens is not None else 1)
         if total > self.config.max_model_len:
-            raise ValueError(f"prompt length {len(token_ids)} + max_tokens {sampling_params.max_tokens} = {total} "
+            raise ValueError(f"prompt length {len(token_ids)} + max_tokens {sp.max_tokens} = {total} "
                              f"exceeds max_model_len={self.config.max_model_len}")
         if sp.max_tokens is None:
             total = self.config.max_model_len
@@ -92,119 +119,224 @@ class LLMEngine:
         if total > capacity:
             raise ValueError(f"prompt length + max_tokens = {total} tokens cannot fit the whole KV cache "
                              f"({capacity} tokens)")
-        return Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
-
-    def make_request(self, prompt: str | list[int], sampling_params: SamplingParams | None) -> list[Sequence]:
-        """Validate one request and build its n sequences (one per sample), without queueing them.
-        With a seed, sample i uses seed + i (as vLLM does), so the samples differ."""
-        first = self.make_sequence(prompt, sampling_params)
-        sp = first.sampling_params
+        bs = self.config.kvcache_block_size
+        first = Sequence(token_ids, sp, bs)
         seqs = [first]
         for i in range(1, sp.n):
             child = sp if sp.seed is None else replace(sp, seed=sp.seed + i)
-            seqs.append(Sequence(first.token_ids, child, self.config.kvcache_block_size))
-        return seqs
+            seqs.append(Sequence(token_ids, child, bs, request_id=first.seq_id, index=i))
+        return seqs, text
 
-    def add_sequences(self, seqs: list[Sequence], prompt: str | None = None, collect: bool = False,
-                      incremental: bool = False) -> int:
-        """Queue the sequences of one request (from make_request); returns the request id (the
-        first sequence's id). The others wait until the first one's prompt is in the KV cache, then
-        reuse its blocks. collect: keep the output state for LLM to read; incremental: detokenize
-        every step (streaming)."""
-        for seq in seqs:
-            self.requests[seq.seq_id] = seq
-        self.scheduler.add(seqs[0])
-        for seq in seqs[1:]:
-            self.scheduler.add(seq, after=seqs[0])
-        self.output_processor.add(seqs, prompt, collect, incremental)
-        return seqs[0].seq_id
+    def add_requests(self, prompts: list, sampling_params: list, *, stream: bool = False,
+                     keep_output: bool = False) -> list[int]:
+        """Validate every request, then queue them all (a bad one queues none; the error names its
+        index). Returns the request ids. stream: detokenize every step (for stream_deltas).
+        keep_output: the request stays in the engine until pop_output(); step() does not report it."""
+        if self._exited:
+            raise RuntimeError("this engine has exited; create a new LLM")
+        made = []
+        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params, strict=True)):
+            try:
+                made.append(self.make_request(prompt, sp))
+            except (ValueError, TypeError) as e:
+                if len(prompts) == 1:
+                    raise
+                raise type(e)(f"prompts[{i}]: {e}") from e
+        rids = []
+        for seqs, text in made:
+            req = self.output_processor.new_request(seqs, text, keep_output, stream)
+            self.requests[req.request_id] = req
+            self.scheduler.add(seqs[0])
+            for seq in seqs[1:]:
+                self.scheduler.add(seq, after=seqs[0])  # waits for the first's prompt, then shares its blocks
+            rids.append(req.request_id)
+        return rids
 
-    def add_sequence(self, seq: Sequence) -> int:
-        return self.add_sequences([seq])
-
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
-        """Queue a request; returns its request id. Raises ValueError/TypeError on bad input.
-        With n > 1, step() reports each sample under its own sequence id (the first is the
-        request id)."""
-        return self.add_sequences(self.make_request(prompt, sampling_params),
-                                  prompt if isinstance(prompt, str) else None)
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = False,
+                    keep_output: bool = False) -> int:
+        """Queue a request (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict);
+        returns its request id. Raises ValueError/TypeError on bad input. With n > 1, step()
+        reports each sample under its own sequence id (the first is the request id)."""
+        return self.add_requests([prompt], [sampling_params], stream=stream, keep_output=keep_output)[0]
 
     def abort_request(self, request_id: int):
-        """Stop a request (all n samples; or one sample, given its sequence id) wherever it is;
-        its blocks are freed, the other requests go on."""
-        seqs = self.output_processor.sequences(request_id) or \
-            [s for s in [self.requests.get(request_id)] if s is not None]
-        for seq in seqs:
-            if self.requests.pop(seq.seq_id, None) is not None:
+        """Stop a request (all n samples; or one sample, given its sequence id) wherever it is; its
+        blocks are freed, the other requests go on. Safe from any thread: while a step is running
+        the abort waits for the step's end."""
+        self._aborts.append(request_id)
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._apply_aborts()
+            finally:
+                self._step_lock.release()
+
+    def _apply_aborts(self):
+        now = time.time()
+        while self._aborts:
+            rid = self._aborts.popleft()
+            req = self.requests.get(rid)
+            seqs = req.seqs if req is not None else \
+                [s for r in self.requests.values() for s in r.seqs if s.seq_id == rid]
+            seqs = [seq for seq in seqs if not seq.is_finished]
+            for seq in seqs:
                 self.scheduler.abort(seq)
-        self.output_processor.aborted(seqs)
-        self._drop_wasted_pending()
+            self._finished(seqs, now)
+        self._drop_wasted_step()
+
+    def _drop_wasted_step(self):
+        """A step in flight whose every row has stopped meanwhile is wasted: wait for it and drop it,
+        so that is_finished() holds as soon as no request is left."""
+        if self.inflight is not None and all(s.is_finished for s in self.inflight.batch.seqs):
+            self.model_runner.collect(self.inflight)
+            self.inflight = None
+
+    def get_output(self, request_id: int) -> RequestOutput:
+        """The request's output so far (text, tokens, logprobs, finish reasons)."""
+        return self.output_processor.request_output(self._request(request_id))
+
+    def pop_output(self, request_id: int) -> RequestOutput:
+        """The request's output; the engine then forgets the request (aborting what still runs)."""
+        req = self._request(request_id)
+        if not req.finished:
+            self.abort_request(request_id)
+        out = self.output_processor.request_output(req)
+        if req.finished:
+            del self.requests[request_id]
+        return out
+
+    def stream_deltas(self, request_id: int, index: int = 0) -> list[StreamDelta]:
+        """For a request added with stream=True: what each of its completions produced since the
+        last call; a completion's last delta has finished=True. `index` fills StreamDelta.index."""
+        return self.output_processor.stream_deltas(self._request(request_id), index)
+
+    def _request(self, request_id: int) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no request {request_id} (unknown, or its output was already taken)")
+        return req
 
     # ---- loop -----------------------------------------------------------------------------------
+    def advance(self) -> tuple[list[int], int]:
+        """Run one step. Returns the ids of the requests whose every sample finished (or was
+        aborted) in it, and the number of tokens the launched step computes (see step())."""
+        if self._exited:
+            raise RuntimeError("this engine has exited; create a new LLM")
+        with self._step_lock, _sigint_deferred():
+            self._apply_aborts()
+            t0 = time.perf_counter()
+            batch = self.scheduler.schedule()
+            if batch is None and self.inflight is None and not self.scheduler.is_finished():
+                batch = self.scheduler.schedule()  # a lone sequence preempted itself: re-admit it now
+                if batch is None:
+                    raise RuntimeError("the scheduler cannot make progress (a request does not fit the KV cache)")
+            t1 = time.perf_counter()
+            launched = self.model_runner.launch(batch, self.inflight) if batch is not None else None
+            t2 = time.perf_counter()
+            prev, self.inflight = self.inflight, launched
+            if prev is not None:
+                self._process(prev)
+            if launched is not None and not self.overlap:
+                self.inflight = None
+                self._process(launched)
+            self._drop_wasted_step()
+            if self.step_log is not None and batch is not None:
+                self.step_log.append(StepRecord.of(batch, t0, t1, t2, time.perf_counter()))
+            finished, self._finished_ids = self._finished_ids, []
+            return finished, batch.num_tokens if batch is not None else 0
+
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
-        """Run one batch. Returns the (request_id, completion_token_ids) pairs that finished, and
-        the tokens processed: positive for a prefill step, minus the batch size for a decode step
-        (nano-vllm's convention, which its throughput display relies on).
+        """Run one step (nano-vllm's contract). Returns the (sequence id, completion token ids) pairs
+        of requests added by add_request() that finished since the last step() call (also those
+        that finished while generate() or stream() drove the engine; aborted ones are not
+        reported), and the tokens of the step launched in this call: minus the number of sequences
+        for a pure decode step, else every token it computes (prefill chunks plus decode rows).
+        With overlap, a step's finished sequences are reported one call after it is launched."""
+        _, num_tokens = self.advance()
+        pairs, self._unreported = self._unreported, []
+        return pairs, num_tokens
 
-        Overlapped decode (async_scheduling, one rank): a decode step is launched and collected in
-        the next call, after that call has launched the following decode step, so the host's
-        bookkeeping of step N runs while the device computes step N+1. The tokens counted are
-        those launched in the call."""
-        if self.pending is not None:
-            pending = self.pending
-            nxt = None
-            if self._overlappable(pending.seqs):
-                batch = self.scheduler.schedule_ahead(pending.seqs)
-                if batch:
-                    nxt = self.model_runner.launch_decode(batch, pending)
-            self.pending = nxt
-            token_ids = self.model_runner.collect(pending)
-            outputs = self._postprocess(pending.seqs, token_ids, False)
-            self._drop_wasted_pending()
-            return outputs, -len(nxt.seqs) if nxt else 0
-        if self.scheduler.is_finished():
-            return [], 0
-        seqs, is_prefill = self.scheduler.schedule()
-        if not is_prefill and self._overlappable(seqs):
-            self.pending = self.model_runner.launch_decode(seqs, None)
-            return [], -len(seqs)
-        num_tokens = sum(s.num_scheduled_tokens for s in seqs) if is_prefill else -len(seqs)
-        token_ids = self.model_runner.run(seqs, is_prefill)
-        return self._postprocess(seqs, token_ids, is_prefill), num_tokens
+    def _process(self, inflight: InFlight):
+        tokens, logprobs = self.model_runner.collect(inflight)
+        now = time.time()
+        requests, on_token = self.requests, self.output_processor.on_token
 
-    def _drop_wasted_pending(self):
-        """A launched step whose every row has stopped meanwhile is wasted: wait for it and drop
-        it, so that is_finished() is true as soon as no request is left."""
-        if self.pending is not None and all(s.is_finished for s in self.pending.seqs):
-            self.model_runner.collect(self.pending)
-            self.pending = None
+        def record(seq, row, stopped_by_token, final):
+            return on_token(requests[seq.request_id], seq, logprobs[row] if logprobs else None,
+                            stopped_by_token, final, now)
 
-    def _overlappable(self, seqs: list[Sequence]) -> bool:
-        """Overlap needs one rank, and requests whose sampling does not read their own latest token
-        (penalties, seeds, min_tokens) and that want no logprobs."""
-        if not self.config.async_scheduling or self.config.tensor_parallel_size > 1:
-            return False
+        self._finished(self.scheduler.update(inflight.batch, tokens, record), now)
+
+    def _finished(self, seqs: list[Sequence], now: float):
+        """Record finished sequences; report their requests once every sample is done."""
+        done = {}
         for seq in seqs:
-            sp = seq.sampling_params
-            if sp.seed is not None or sp.min_tokens or sp.logprobs is not None or sp.presence_penalty \
-                    or sp.frequency_penalty or sp.repetition_penalty != 1.0:
-                return False
-        return True
+            req = self.requests[seq.request_id]
+            self.output_processor.mark_finished(req, seq, now)
+            if not req.keep_output and seq.finish_reason != "abort":
+                self._unreported.append((seq.seq_id, seq.completion_token_ids))
+            if req.finished:
+                done[req.request_id] = req
+        for rid, req in done.items():
+            self._finished_ids.append(rid)
+            if not req.keep_output:
+                del self.requests[rid]
 
-    def _postprocess(self, seqs, token_ids, is_prefill) -> list[tuple[int, list[int]]]:
-        finished = self.scheduler.postprocess(seqs, token_ids, is_prefill)
-        finished = self.output_processor.process(seqs, token_ids, finished)  # logprobs, stop strings
-        for seq in finished:
-            self.requests.pop(seq.seq_id, None)
-        return [(s.seq_id, s.completion_token_ids) for s in finished]
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokenizer's EOS plus the checkpoint's generation_config eos_token_id(s); the scheduler
+        holds them (it decides when a sequence stops)."""
+        return self.scheduler.eos_token_ids
 
     def is_finished(self) -> bool:
-        return self.pending is None and self.scheduler.is_finished()
+        return self.inflight is None and self.scheduler.is_finished()
 
     def exit(self):
         if self._exited:
             return
         self._exited = True
+        self.inflight = None
         if hasattr(self, "model_runner"):
             self.model_runner.exit()
         atexit.unregister(self.exit)
+
+
+@contextmanager
+def _sigint_deferred():
+    """Ctrl-C during a step is raised when the step ends, so that it never lands between two
+    changes of the engine's state (a sequence out of every queue, half its blocks freed). A second
+    Ctrl-C raises at once."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught = []
+
+    def handler(*_):
+        if caught:  # a second Ctrl-C: the step may be stuck, raise now
+            raise KeyboardInterrupt
+        caught.append(True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One step, for benchmarks: its rows as (query_len, context_len), the number of decode rows,
+    and perf_counter times: start, scheduled, launched, and the end of the host's processing."""
+    rows: list[tuple[int, int]]
+    num_decode: int
+    start: float
+    scheduled: float
+    launched: float
+    end: float
+
+    @classmethod
+    def of(cls, batch, t0: float, t1: float, t2: float, t3: float) -> "StepRecord":
+        return cls([(q, start + q) for start, q in zip(batch.starts, batch.query_lens)], batch.num_decode,
+                   t0, t1, t2, t3)

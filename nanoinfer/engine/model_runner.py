@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from nanoinfer.config import Config
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.engine.scheduler import ScheduledBatch
+from nanoinfer.engine.step_message import StepInput
 from nanoinfer.layers.attention import select_backend
 from nanoinfer.layers.linear import tp_shard
 from nanoinfer.layers.sampler import Sampler, SamplingTensors
@@ -31,13 +32,15 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 @dataclass
-class PendingDecode:
-    """A decode step launched but not yet collected (overlapped decode)."""
-    seqs: list[Sequence]
-    tokens: torch.Tensor          # [B] sampled ids, on the device
-    host: torch.Tensor            # [B] pinned host copy, valid once `event` has completed
+class InFlight:
+    """A launched step whose results the host has not collected yet."""
+    batch: ScheduledBatch
+    tokens: torch.Tensor          # [rows] sampled ids, on the device
+    host: torch.Tensor            # [rows] pinned host copy, valid once `event` has completed
     event: "torch.cuda.Event | None"
-    row_of: dict[int, int]        # seq_id -> row
+    row_of: dict[int, int]        # seq_id -> row, for rows that sample
+    sample_args: SamplingTensors
+    logprobs: tuple | None        # device tensors from Sampler.sample, when a row asked
 
 
 class ModelRunner:
@@ -135,72 +138,66 @@ class ModelRunner:
             t = torch.tensor(data, dtype=dtype, pin_memory=pin)
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs: list[Sequence]):
-        width = max(len(s.block_table) for s in seqs)
-        return [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+    @staticmethod
+    def _block_tables(tables: list[list[int]]):
+        width = max(len(t) for t in tables)
+        return [t + [-1] * (width - len(t)) for t in tables]
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        bs, table, slots = self.block_size, seq.block_table, []
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs, slots = self.block_size, []
         for i in range(start // bs, (end - 1) // bs + 1):
             lo, hi = max(start, i * bs), min(end, (i + 1) * bs)
             base = table[i] * bs - i * bs
             slots.extend(range(base + lo, base + hi))
         return slots
 
-    def prepare_prefill(self, seqs: list[Sequence]):
-        input_ids, positions, slot_mapping, query_lens, context_lens = [], [], [], [], []
-        for seq in seqs:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            input_ids.extend(seq.token_ids[start:end])
+    def prepare(self, step: StepInput):
+        """Flat inputs for one step and its attention context. Decode rows (one query token each)
+        come first; a decode-only step can replay a CUDA graph. Returns (input_ids, positions);
+        rows whose token is on the device get a placeholder id, filled in by `launch`."""
+        bs, nd = self.block_size, step.num_decode
+        input_ids, positions, slots, context_lens = [], [], [], []
+        for start, ids, table in step.rows[:nd]:
+            input_ids.append(ids[0] if ids else 0)
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+            context_lens.append(start + 1)
+        order = None
+        if nd and self.backend == "triton":  # the decode kernel starts the longest contexts first
+            order = self._to_device(sorted(range(nd), key=context_lens.__getitem__, reverse=True), torch.int32)
+        tables = self._to_device(self._block_tables([table for _, _, table in step.rows]), torch.int32)
+        i32 = torch.int32
+        if step.is_decode_only:
+            set_context(is_prefill=False, slot_mapping=self._to_device(slots, torch.int64),
+                        context_lens=self._to_device(context_lens, i32), block_tables=tables,
+                        decode_order=order, context_lens_cpu=context_lens)
+            return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64)
+        query_lens = [1] * nd
+        for start, ids, table in step.rows[nd:]:
+            end = start + len(ids)
+            input_ids.extend(ids)
             positions.extend(range(start, end))
-            slot_mapping.extend(self._slots(seq, start, end))
+            slots.extend(self._slots(table, start, end))
             query_lens.append(end - start)
             context_lens.append(end)
         cu_q, cu_k = [0], [0]
         for q_len, k_len in zip(query_lens, context_lens):
             cu_q.append(cu_q[-1] + q_len)
             cu_k.append(cu_k[-1] + k_len)
-        i32 = torch.int32
         set_context(is_prefill=True, cu_seqlens_q=self._to_device(cu_q, i32), cu_seqlens_k=self._to_device(cu_k, i32),
                     max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens),
-                    slot_mapping=self._to_device(slot_mapping, torch.int64),
-                    context_lens=self._to_device(context_lens, i32),
-                    block_tables=self._to_device(self._block_tables(seqs), i32),
-                    query_lens_cpu=query_lens, context_lens_cpu=context_lens)
+                    slot_mapping=self._to_device(slots, torch.int64), context_lens=self._to_device(context_lens, i32),
+                    block_tables=tables, query_lens_cpu=query_lens, context_lens_cpu=context_lens,
+                    num_decode=nd, decode_order=order,
+                    prefill_cu_seqlens_q=self._to_device([c - nd for c in cu_q[nd:]], i32) if nd else None,
+                    prefill_max_seqlen_q=max(query_lens[nd:]))
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64)
-
-    def prepare_decode(self, seqs: list[Sequence], ahead: int = 0):
-        """ahead=1 (overlapped decode): each sequence has one sampled token the host has not seen
-        yet; this step computes that token, at position len(seq), and its id comes from the device
-        (the returned input ids are then None)."""
-        input_ids, positions, slot_mapping, context_lens = [], [], [], []
-        bs = self.block_size
-        for seq in seqs:
-            pos = len(seq) - 1 + ahead
-            input_ids.append(seq.last_token)
-            positions.append(pos)
-            slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
-            context_lens.append(pos + 1)
-        order = None
-        if self.backend == "triton":  # the decode kernel starts the longest contexts first
-            order = self._to_device(sorted(range(len(seqs)), key=context_lens.__getitem__, reverse=True),
-                                    torch.int32)
-        set_context(is_prefill=False, slot_mapping=self._to_device(slot_mapping, torch.int64),
-                    context_lens=self._to_device(context_lens, torch.int32),
-                    block_tables=self._to_device(self._block_tables(seqs), torch.int32),
-                    decode_order=order, context_lens_cpu=context_lens)
-        ids = None if ahead else self._to_device(input_ids, torch.int64)
-        return ids, self._to_device(positions, torch.int64)
-
-    def prepare_sample(self, seqs: list[Sequence]) -> SamplingTensors:
-        """The batch's sampling options as device tensors (rank 0 only)."""
-        return SamplingTensors.build(seqs, self.config.hf_config.vocab_size, self.config.eos_token_ids, self.device)
 
     # ---- forward --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run_model(self, input_ids, positions, is_prefill: bool):
+    def run_model(self, input_ids, positions, decode_only: bool):
         n = input_ids.shape[0]
-        if is_prefill or not self.graphs or n > self.graph_bs[-1]:
+        if not decode_only or not self.graphs or n > self.graph_bs[-1]:
             return self.model.compute_logits(self.model(input_ids, positions))
         bucket = next(b for b in self.graph_bs if b >= n)
         ctx, g = get_context(), self.graph_vars
@@ -218,45 +215,58 @@ class ModelRunner:
         self.graphs[bucket].replay()
         return self.model.compute_logits(g["outputs"][:n])
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
-        """One engine step on this rank; returns sampled token ids on rank 0, None elsewhere."""
-        input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-        sample_args = self.prepare_sample(seqs) if self.rank == 0 else None
+    @torch.inference_mode()
+    def execute(self, step: StepInput):
+        """A tensor-parallel worker's part of a step: the forward (its collectives pair with the
+        other ranks'); sampling is rank 0's."""
+        input_ids, positions = self.prepare(step)
         try:
-            logits = self.run_model(input_ids, positions, is_prefill)
-            # a list of token ids; its .logprobs carries the logprobs rows asked for
-            token_ids = self.sampler(logits, sample_args) if self.rank == 0 else None
+            self.run_model(input_ids, positions, step.is_decode_only)
         finally:
             reset_context()
-        return token_ids
 
     @torch.inference_mode()
-    def launch_decode(self, seqs: list[Sequence], prev: "PendingDecode | None") -> "PendingDecode":
-        """Overlapped decode (one rank): enqueue a decode step and return without waiting for it.
-        With `prev`, the step's input tokens are `prev`'s sampled tokens, gathered on the device,
-        so the host can plan this step before it has seen them."""
-        input_ids, positions = self.prepare_decode(seqs, ahead=1 if prev is not None else 0)
-        if prev is not None:
-            rows = self._to_device([prev.row_of[s.seq_id] for s in seqs], torch.int64)
-            input_ids = prev.tokens.index_select(0, rows)
-        sample_args = self.prepare_sample(seqs)
+    def launch(self, batch: ScheduledBatch, prev: "InFlight | None") -> "InFlight":
+        """Rank 0: enqueue one step (forward and sampling) and return without waiting for the
+        device. Decode rows whose input token `prev` (the step still in flight) sampled read it
+        from prev's device tensor, so the host can plan this step before it has seen those tokens."""
+        step = StepInput.from_batch(batch)
+        input_ids, positions = self.prepare(step)
+        on_device = [(row, prev.row_of[seq.seq_id]) for row, (seq, (_, ids, _)) in
+                     enumerate(zip(batch.seqs, step.rows)) if ids is None]
+        if on_device:
+            dst, src = zip(*on_device)
+            if len(dst) == input_ids.shape[0]:  # every row: one gather
+                input_ids = prev.tokens.index_select(0, self._to_device(list(src), torch.int64))
+            else:
+                input_ids[self._to_device(list(dst), torch.int64)] = \
+                    prev.tokens.index_select(0, self._to_device(list(src), torch.int64))
+        sample_args = SamplingTensors.build(batch.seqs, self.config.hf_config.vocab_size, batch.eos_token_ids,
+                                           self.device, batch.samples, prev)
         try:
-            tokens, _ = self.sampler.sample(self.run_model(input_ids, positions, False), sample_args)
+            tokens, logprobs = self.sampler.sample(self.run_model(input_ids, positions, step.is_decode_only),
+                                                   sample_args)
         finally:
             reset_context()
-        host = torch.empty(len(seqs), dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
+        host = torch.empty(len(batch.seqs), dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
         host.copy_(tokens, non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return PendingDecode(seqs, tokens, host, event, {s.seq_id: i for i, s in enumerate(seqs)})
+        row_of = {seq.seq_id: row for row, seq in enumerate(batch.seqs) if batch.samples[row]}
+        return InFlight(batch, tokens, host, event, row_of, sample_args, logprobs)
 
-    def collect(self, pending: "PendingDecode") -> list[int]:
-        """Wait for a launched decode step and return its sampled token ids."""
-        if pending.event is not None:
-            pending.event.synchronize()
-        return pending.host.tolist()
+    def collect(self, inflight: "InFlight") -> tuple[list[int], list | None]:
+        """Wait for a launched step; returns its sampled token ids (one per row) and, when asked,
+        per-row logprobs (see SamplerOutput)."""
+        if inflight.event is not None:
+            inflight.event.synchronize()
+        tokens = inflight.host.tolist()
+        logprobs = None
+        if inflight.logprobs is not None:
+            logprobs = self.sampler.logprobs_to_host(inflight.sample_args, len(tokens), *inflight.logprobs)
+        return tokens, logprobs
 
     @torch.inference_mode()
     def _capture_cuda_graphs(self):

@@ -1,22 +1,62 @@
-"""Continuous batching: prefill first (chunked when a prompt outgrows the token budget), then decode,
-with recompute preemption of the newest running sequences when decode runs out of blocks."""
+"""Continuous batching with a token budget, vLLM-V1 style: every running sequence gets its decode
+token first, then prefill chunks (of partly prefilled sequences, then of new ones) fill the rest of
+`max_num_batched_tokens`. When a decode token finds no free block, the newest running sequences are
+preempted (their KV freed; they recompute later).
+
+The scheduler also owns the finish decision: `update` appends a finished step's sampled tokens and
+stops sequences on EOS, stop token ids, stop strings (reported by the detokenizer through a
+callback) and length limits; `finish` is the one place that records `finish_reason`.
+
+Steps may overlap: step N+1 is scheduled before step N's tokens reach the host. Progress
+(`num_computed_tokens`, `num_inflight`) is therefore advanced when a step is scheduled, and tokens
+are appended when it is processed. A sequence whose in-flight token reaches a length limit is not
+scheduled again; one that stops on EOS or a stop string meanwhile wastes one row, which `update`
+ignores.
+"""
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
 
 
+@dataclass
+class ScheduledBatch:
+    """One step's rows: decode rows (one query token) first, then prefill chunks."""
+    seqs: list[Sequence]
+    starts: list[int]            # first position each row computes
+    query_lens: list[int]        # tokens each row computes
+    samples: list[bool]          # whether the row's last token samples (False: a prompt chunk short of its end)
+    num_decode: int = 0          # leading rows that generate (one query token past the prompt)
+    eos_token_ids: frozenset = field(default_factory=frozenset)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.query_lens[self.num_decode:])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decode == len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        """What step() reports: minus the rows of a pure decode step (nano-vllm's convention), else
+        every token the step computes (prefill chunks plus decode rows)."""
+        return -self.num_decode if self.is_decode_only else sum(self.query_lens)
+
+
 class Scheduler:
-    def __init__(self, config: Config, num_blocks: int):
+    def __init__(self, config: Config, num_blocks: int, eos_token_ids: frozenset[int],
+                 prefix_caching: bool = True):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
-        self.eos_token_ids = frozenset(config.eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size)
-        # waiting[0] may be a partly prefilled sequence that already holds its blocks
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, prefix_caching)
         self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted (holding blocks), oldest first; some may be mid-prefill
         # n > 1: a prompt's other samples wait here (keyed by the first sample's seq_id) until its
         # prompt K/V are computed, then join waiting and hit the prefix cache for the full blocks
         self.held: dict[int, list[Sequence]] = {}
@@ -28,149 +68,152 @@ class Scheduler:
     def add(self, seq: Sequence, after: Sequence | None = None):
         """Queue a sequence; with `after` (another sample of the same prompt), hold it until
         `after`'s prompt is computed so that it shares `after`'s prompt blocks."""
-        if after is None or after.is_finished:
+        if after is None or after.is_finished or after.num_completion_tokens or after.num_inflight:
             self.waiting.append(seq)
         else:
             self.held.setdefault(after.seq_id, []).append(seq)
 
     def _release_held(self, seq: Sequence):
-        """Queue the samples held for `seq`, ahead of other waiting prompts (after a head that is
-        mid-prefill and already holds blocks)."""
+        """Queue the samples held for `seq` ahead of other waiting prompts."""
         siblings = self.held.pop(seq.seq_id, None)
         if siblings:
-            at = 1 if self.waiting and self.waiting[0].block_table else 0
-            for sibling in reversed(siblings):
-                self.waiting.insert(at, sibling)
+            self.waiting.extendleft(reversed(siblings))
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        batch = self._schedule_prefill()
-        if batch:
-            return batch, True
-        return self._schedule_decode(), False
-
-    def _schedule_prefill(self) -> list[Sequence]:
-        batch, budget = [], self.max_num_batched_tokens
-        while self.waiting and budget > 0:
+    # ---- planning a step ------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [], [], [], eos_token_ids=self.eos_token_ids)
+        preempted = False
+        # 1. one decode token for every running sequence that generates (oldest first)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            i += 1
+            if seq.num_computed_tokens < seq.num_tokens - 1 or self._reaches_limit(seq):
+                continue  # mid-prefill (step 2), or its in-flight token ends it
+            while not self.block_manager.append_slot(seq):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self._add_row(batch, seq, 1)
+                budget -= 1
+        batch.num_decode = len(batch.seqs)
+        # 2. prefill chunks: sequences mid-prefill, then new ones (none after a preemption: memory is short)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.num_computed_tokens < len(seq) - 1:  # (a decode row just scheduled is at num_tokens - 1)
+                budget -= self._add_row(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:  # not started yet: admit it if a slot and its blocks are free
-                if len(self.running) + len(batch) >= self.max_num_seqs:
-                    break
-                if not self.block_manager.allocate(seq):
-                    break
-            num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            seq.num_scheduled_tokens = num_new
-            budget -= num_new
-            batch.append(seq)
-            if seq.num_computed_tokens + num_new < len(seq):
-                break  # chunked: the rest of this prompt goes in the next steps
+            if seq.num_inflight or not self.block_manager.allocate(seq):
+                break  # a preempted sequence's last token is still in flight, or the pool is full
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return batch
+            budget -= self._add_row(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
+        return batch if batch.seqs else None
 
-    def _schedule_decode(self) -> list[Sequence]:
-        batch = []
-        while self.running and len(batch) < self.max_num_seqs:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
-                    self.preempt(seq)
-                    break
-            else:
-                self.block_manager.append_slot(seq)
-                seq.num_scheduled_tokens = 1
-                batch.append(seq)
-        self.running.extendleft(reversed(batch))
-        return batch
+    def _reaches_limit(self, seq: Sequence) -> bool:
+        """Whether the sequence's tokens in flight already end it by length (it will not be scheduled
+        again; processing finishes it)."""
+        if not seq.num_inflight:
+            return False
+        sp = seq.sampling_params
+        return (sp.max_tokens is not None and seq.num_completion_tokens + seq.num_inflight >= sp.max_tokens) \
+            or seq.num_tokens >= self.max_model_len
 
-    def schedule_ahead(self, inflight: list[Sequence]) -> list[Sequence] | None:
-        """Overlapped decode: plan the next decode step while `inflight` (the running decode batch)
-        is still computing one token each, assuming none of them stops on EOS or a stop string (a
-        row that does is wasted work, discarded in postprocess). Sequences that reach their length
-        limit with the in-flight token are left out. Returns None when the step cannot be planned
-        without the in-flight tokens: prompts are waiting, or a sequence would need preemption."""
-        if self.waiting or self.held:
-            return None
-        batch = []
-        for seq in inflight:
-            if seq.is_finished:
-                continue
-            sp, length = seq.sampling_params, len(seq) + 1  # counting the in-flight token
-            if (sp.max_tokens is not None and seq.num_completion_tokens + 1 >= sp.max_tokens) \
-                    or length >= self.max_model_len:
-                continue
-            batch.append(seq)
-        if sum(1 for s in inflight if not s.is_finished) != len(self.running):
-            return None  # running sequences outside the in-flight batch
-        bs = self.block_manager.block_size
-        needed = sum(1 for s in batch if len(s) + 1 > len(s.block_table) * bs)
-        if not batch or needed > self.block_manager.num_free_blocks:
-            return None
-        for seq in batch:
-            self.block_manager.append_slot(seq, ahead=1)
-        return batch
+    @staticmethod
+    def _add_row(batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> int:
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += num_tokens
+        samples = seq.num_computed_tokens == seq.num_tokens
+        if samples:
+            seq.num_inflight += 1
+        batch.seqs.append(seq)
+        batch.starts.append(start)
+        batch.query_lens.append(num_tokens)
+        batch.samples.append(samples)
+        return num_tokens
 
     def preempt(self, seq: Sequence):
-        """Recompute preemption: drop its KV, put it first in line; it re-prefills prompt + output."""
+        """Recompute preemption: drop its KV, put it first in line; it re-prefills prompt + output
+        (once its in-flight tokens, still valid, have been appended)."""
         self.num_preemptions += 1
+        self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
-        self.block_manager.free(seq)
         self.waiting.appendleft(seq)
+        self.block_manager.free(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
-        """Advance each sequence by what this step computed (its scheduled prefill chunk, or the one
-        decode token); returns the sequences that finished."""
+    # ---- processing a finished step -------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, token_ids: list[int],
+               on_token: Callable[[Sequence, int, bool, bool], str | None] | None = None) -> list[Sequence]:
+        """Record what a finished step computed: register its full blocks in the prefix cache,
+        append the sampled tokens, and finish sequences. `on_token(seq, row, stopped_by_token,
+        final)` is called for each appended token (logprobs, detokenization); it returns a stop
+        string the new text completed, or None. Returns the sequences finished."""
         finished = []
-        for seq, token_id in zip(seqs, token_ids):
+        for row, (seq, token_id) in enumerate(zip(batch.seqs, token_ids)):
+            samples = batch.samples[row]  # False: a prompt chunk short of its end samples nothing
+            seq.num_inflight -= samples
             if seq.is_finished:
-                continue  # overlapped decode: it stopped while this step was in flight
-            seq.num_computed_tokens += seq.num_scheduled_tokens if is_prefill else 1
-            seq.num_scheduled_tokens = 0
-            self.block_manager.commit(seq)
-            if seq.num_computed_tokens < len(seq):
-                continue  # a prefill chunk short of the prompt's end samples nothing
-            if self.held:
-                self._release_held(seq)
-            seq.append_token(token_id)
-            sp = seq.sampling_params
-            stop_ok = seq.num_completion_tokens >= sp.min_tokens
-            if not sp.ignore_eos and token_id in self.eos_token_ids and stop_ok:
-                seq.finish_reason = "stop"
-            elif sp.stop_token_ids and token_id in sp.stop_token_ids and stop_ok:
-                seq.finish_reason = "stop"
-            elif (sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens) \
-                    or len(seq) >= self.max_model_len:
-                seq.finish_reason = "length"
-            else:
+                continue  # aborted, or stopped while this step was in flight: a wasted row
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.commit(seq, batch.starts[row] + batch.query_lens[row])
+            if not samples:
                 continue
-            self._finish(seq)
-            finished.append(seq)
-        if finished:
-            self.running = deque(s for s in self.running if not s.is_finished)
+            seq.append_token(token_id)
+            if self.held and seq.num_completion_tokens == 1:
+                self._release_held(seq)
+            reason, stop_reason = self._stop_by_token(seq, token_id)
+            sp = seq.sampling_params
+            at_limit = (sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens) \
+                or len(seq) >= self.max_model_len
+            if on_token is not None:
+                stop_string = on_token(seq, row, reason is not None, reason is not None or at_limit)
+                if stop_string is not None and reason is None:
+                    reason, stop_reason = "stop", stop_string
+            if reason is None and at_limit:
+                reason = "length"
+            if reason is not None:
+                self.finish(seq, reason, stop_reason)
+                finished.append(seq)
         return finished
 
-    def _finish(self, seq: Sequence):
-        seq.status = SequenceStatus.FINISHED
-        self.block_manager.free(seq)
+    def _stop_by_token(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
+        sp = seq.sampling_params
+        if seq.num_completion_tokens < sp.min_tokens:
+            return None, None
+        if not sp.ignore_eos and token_id in self.eos_token_ids:
+            return "stop", None  # EOS leaves stop_reason None (vLLM)
+        if token_id in sp.stop_token_ids:
+            return "stop", token_id
+        return None, None
 
-    def abort(self, seq: Sequence):
-        """Drop a request wherever it is; its blocks are freed."""
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
+        """End a sequence wherever it is (running, waiting, held) and free its blocks. The one place
+        that decides `finish_reason` ("stop", "length" or "abort")."""
         if seq.is_finished:
             return
         if self.held:
             self._release_held(seq)  # its held samples go on without it
-        if seq.status == SequenceStatus.WAITING:
-            if seq in self.waiting:
-                self.waiting.remove(seq)
-            else:  # held for a sibling's prompt
-                for key, group in list(self.held.items()):
-                    if seq in group:
-                        group.remove(seq)
-                        if not group:
-                            del self.held[key]
-        else:
+        # found by looking, not by status: an exception (Ctrl-C) may have left it between queues
+        if seq in self.running:
             self.running.remove(seq)
-        seq.finish_reason = "abort"
-        self._finish(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:  # held for a sibling's prompt, or in no queue
+            for key, group in list(self.held.items()):
+                if seq in group:
+                    group.remove(seq)
+                    if not group:
+                        del self.held[key]
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.block_manager.free(seq)
+
+    def abort(self, seq: Sequence):
+        self.finish(seq, "abort")

@@ -1,4 +1,10 @@
-"""One request: its token ids, progress through the KV cache, and block table."""
+"""One sequence (one of a request's n samples): its token ids, progress through the KV cache, and
+block table.
+
+With overlapped steps the device may have sampled tokens the host has not seen yet: `num_inflight`
+counts them. The scheduler plans with `num_tokens` (host tokens + in-flight ones); the tokens
+themselves are appended when their step is processed.
+"""
 from copy import copy
 from enum import Enum, auto
 from itertools import count
@@ -15,23 +21,31 @@ class SequenceStatus(Enum):
 class Sequence:
     counter = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
+                 request_id: int | None = None, index: int = 0):
         self.seq_id = next(Sequence.counter)
+        self.request_id = self.seq_id if request_id is None else request_id
+        self.index = index                 # which of the request's n samples
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
-        self.last_token = token_ids[-1]
         self.num_prompt_tokens = len(token_ids)
         self.block_size = block_size
         self.sampling_params = sampling_params
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # hash chain of this sequence's full, computed blocks
-        self.num_computed_tokens = 0       # tokens whose K/V are in the cache
+        self.block_hashes: list[int] = []  # hash chain of this sequence's full, committed blocks
+        self.num_computed_tokens = 0       # tokens whose K/V are computed or being computed by a launched step
         self.num_cached_tokens = 0         # of those, served by the prefix cache at the last allocation
-        self.num_scheduled_tokens = 0      # tokens this step computes
-        self.finish_reason: str | None = None
+        self.num_inflight = 0              # tokens sampled by launched steps, not yet appended
+        self.finish_reason: str | None = None   # "stop" | "length" | "abort", set by the scheduler only
+        self.stop_reason: int | str | None = None
 
     def __len__(self):
         return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Length counting the tokens still in flight."""
+        return len(self.token_ids) + self.num_inflight
 
     @property
     def is_finished(self):
@@ -46,12 +60,18 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    @property
     def num_blocks(self):
-        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+        return self.num_blocks_for(len(self.token_ids))
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)
-        self.last_token = token_id

@@ -1,49 +1,27 @@
-"""The per-step message rank 0 sends tensor-parallel workers: only what ModelRunner.prepare_prefill /
-prepare_decode read. A prefill carries its scheduled token ids (all of them, also on a re-prefill
-after preemption), a decode only the last token; both carry lengths and block tables."""
-from nanoinfer.engine.sequence import Sequence
+"""The one encoding of a step: what every rank needs to run it, built from the scheduled batch.
+Rank 0 prepares its inputs from it, and tensor-parallel workers receive exactly this (pickled).
+
+Each row is (start position, token ids to compute, block table). A decode row whose input token
+was sampled by a step still in flight (overlapped steps, rank 0 only) carries None: the runner
+takes that token from the previous step's device tensor."""
+from dataclasses import dataclass
+
+from nanoinfer.engine.scheduler import ScheduledBatch
 
 
-def encode_step(seqs: list[Sequence], is_prefill: bool) -> tuple:
-    if is_prefill:
-        return True, [(s.num_computed_tokens, s.token_ids[s.num_computed_tokens:s.num_computed_tokens
-                                                           + s.num_scheduled_tokens], s.block_table) for s in seqs]
-    return False, [(s.last_token, len(s), s.block_table) for s in seqs]
+@dataclass
+class StepInput:
+    rows: list[tuple[int, list[int] | None, list[int]]]
+    num_decode: int                    # leading rows with one query token
 
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decode == len(self.rows)
 
-class _TokenWindow:
-    """token_ids[start:start + len(ids)] of a sequence, sliced with the sequence's own positions."""
-    __slots__ = ("start", "ids")
-
-    def __init__(self, start: int, ids: list[int]):
-        self.start, self.ids = start, ids
-
-    def __getitem__(self, key):
-        if not isinstance(key, slice) or key.step not in (None, 1) or (key.start or 0) < self.start:
-            raise IndexError(f"a worker holds only tokens {self.start}..{self.start + len(self.ids)} "
-                             f"of this step, not {key}")
-        stop = None if key.stop is None else key.stop - self.start
-        return self.ids[(key.start or 0) - self.start:stop]
-
-
-class StepSequence:
-    """The fields of a Sequence that ModelRunner.prepare_prefill / prepare_decode read, on a worker."""
-    __slots__ = ("token_ids", "last_token", "num_computed_tokens", "num_scheduled_tokens", "block_table", "_len")
-
-    def __len__(self):
-        return self._len
-
-
-def decode_step(is_prefill: bool, rows: list) -> tuple[list[StepSequence], bool]:
-    seqs = []
-    for row in rows:
-        s = StepSequence()
-        if is_prefill:
-            start, ids, s.block_table = row
-            s.token_ids, s.num_computed_tokens, s.num_scheduled_tokens = _TokenWindow(start, ids), start, len(ids)
-            s.last_token, s._len = ids[-1], start + len(ids)
-        else:
-            s.last_token, s._len, s.block_table = row
-            s.token_ids, s.num_computed_tokens, s.num_scheduled_tokens = None, s._len - 1, 1
-        seqs.append(s)
-    return seqs, is_prefill
+    @classmethod
+    def from_batch(cls, batch: ScheduledBatch) -> "StepInput":
+        rows = []
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.query_lens):
+            tokens = seq.token_ids
+            rows.append((start, tokens[start:start + n] if start + n <= len(tokens) else None, seq.block_table))
+        return cls(rows, batch.num_decode)

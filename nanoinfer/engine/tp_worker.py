@@ -7,9 +7,8 @@ Rank 0 -> workers: one shared-memory segment per engine holding a length-prefixe
 per worker, on which it answers every call with ("ok", result) or ("error", traceback) before it
 exits. The buffer is written again only after every worker has answered the call before, so a
 worker never reads a half-written call. A call that outgrows the buffer moves everyone to a larger
-segment first. A step sends only what ModelRunner.prepare_prefill / prepare_decode read: for a
-prefill, the scheduled token ids (all of them, also on a re-prefill after preemption), for a
-decode, the last token; plus lengths and block tables. Sampling stays on rank 0.
+segment first. A step sends its StepInput (engine/step_message.py): per row, the start position,
+the token ids to compute and the block table. Sampling stays on rank 0.
 
 Failure: rank 0 waits on the workers' pipes and process sentinels together, so a worker that dies
 or raises is noticed at once; the engine then stops every worker, frees the segment and raises a
@@ -35,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from nanoinfer.config import Config
-from nanoinfer.engine.model_runner import ModelRunner
-from nanoinfer.engine.sequence import Sequence
-from nanoinfer.engine.step_message import decode_step, encode_step
+from nanoinfer.engine.model_runner import InFlight, ModelRunner
+from nanoinfer.engine.scheduler import ScheduledBatch
+from nanoinfer.engine.step_message import StepInput
 
 logger = logging.getLogger("nanoinfer")
 
@@ -85,8 +84,8 @@ def worker_main(config: Config, rank: int, init_method: str, shm_name: str, even
             (n,) = _HEADER.unpack_from(shm.buf, 0)
             method, args = pickle.loads(shm.buf[_HEADER.size:_HEADER.size + n])
             result = None
-            if method == "run":
-                runner.run(*decode_step(*args))
+            if method == "execute":
+                runner.execute(*args)
             elif method == "_remap":  # the call after this one is in a larger segment
                 shm.close()
                 shm = SharedMemory(name=args[0])
@@ -217,11 +216,14 @@ class TensorParallelRunner:
         self._wait("allocate_kv_cache")
         self.num_blocks = num_blocks
 
-    def run(self, seqs: list[Sequence], is_prefill: bool, *args, **kwargs):
-        """One step on every rank; returns rank 0's result. The workers' answers are collected
-        before the next call, not now: they finish with rank 0's last collective anyway."""
-        return self._guard(lambda: self.runner.run(seqs, is_prefill, *args, **kwargs),
-                           "run", *encode_step(seqs, is_prefill))
+    def launch(self, batch: ScheduledBatch, prev: InFlight | None) -> InFlight:
+        """One step on every rank; rank 0 samples. The workers' answers are collected before the
+        next call, not now: they finish with rank 0's last collective anyway. (No overlap across
+        ranks yet: the engine processes each step right after launching it, so `prev` is None.)"""
+        return self._guard(lambda: self.runner.launch(batch, prev), "execute", StepInput.from_batch(batch))
+
+    def collect(self, inflight: InFlight):
+        return self.runner.collect(inflight)
 
     def ping(self):
         """A round trip through the workers without a forward (measures the RPC cost)."""

@@ -66,10 +66,15 @@ class SamplingTensors:
                 and self.suppress_rows is None and self.seeded_rows is None and self.lp_max is None)
 
     @classmethod
-    def build(cls, seqs, vocab_size: int, eos_token_ids, device: torch.device) -> "SamplingTensors":
+    def build(cls, seqs, vocab_size: int, eos_token_ids, device: torch.device, samples=None,
+              prev=None) -> "SamplingTensors":
         """One per step, on the host (rank 0): a Python loop over the batch reading each request's
-        options; vocabulary-sized work happens only on the device."""
+        options; vocabulary-sized work happens only on the device. `samples[i]`: row i's sample
+        is counted in its sequence's num_inflight (a scheduled step). `prev` is the step still in
+        flight (an InFlight): a token it sampled is not on the host yet, so it counts for seeds and
+        min_tokens, and joins the penalty history on the device."""
         pin = device.type == "cuda"
+        samples = samples or [False] * len(seqs)
 
         def dev(data, dtype):
             return torch.tensor(data, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
@@ -80,6 +85,8 @@ class SamplingTensors:
         eos = list(eos_token_ids)
         for i, seq in enumerate(seqs):
             sp = seq.sampling_params
+            # tokens generated before this row's sample (host + in flight, this row's own excluded)
+            generated = seq.num_completion_tokens + seq.num_inflight - samples[i]
             greedy = sp.temperature < SAMPLING_EPS
             temps.append(0.0 if greedy else float(sp.temperature))
             k = sp.top_k if 0 < sp.top_k < vocab_size else TOP_K_OFF
@@ -92,10 +99,10 @@ class SamplingTensors:
                 use_min_p |= sp.min_p > 0.0
                 if sp.seed is not None:
                     seeded.append(i)
-                    seed_keys.append(_seed_keys(sp.seed, seq.num_completion_tokens))
+                    seed_keys.append(_seed_keys(sp.seed, generated))
             if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0:
                 pen.append(i)
-            if sp.min_tokens and seq.num_completion_tokens < sp.min_tokens:
+            if sp.min_tokens and generated < sp.min_tokens:
                 ids = sp.stop_token_ids if sp.ignore_eos else eos + sp.stop_token_ids
                 supp_rows.extend([i] * len(ids))
                 supp_toks.extend(ids)
@@ -118,7 +125,10 @@ class SamplingTensors:
                 t.seed_keys = dev(seed_keys, torch.int64)
         if pen:
             rows = [seqs[i] for i in pen]
-            width = max(len(s.token_ids) for s in rows)
+            # a row's token still in flight (prev) goes after its host tokens, filled in on the device
+            late = [(j, len(s.token_ids), prev.row_of[s.seq_id]) for j, s in enumerate(rows)
+                    if prev is not None and s.seq_id in prev.row_of and s.num_inflight - samples[pen[j]] > 0]
+            width = max(len(s.token_ids) for s in rows) + (1 if late else 0)
             flat = array("q")  # C-level copies of the histories: ~2x faster than a tensor per row
             for s in rows:
                 flat.extend(s.token_ids)
@@ -126,6 +136,9 @@ class SamplingTensors:
             padded = torch.frombuffer(flat, dtype=torch.int64).view(len(rows), width)
             t.pen_rows = None if len(pen) == B else dev(pen, torch.int64)
             t.pen_tokens = padded.pin_memory().to(device, non_blocking=True) if pin else padded
+            if late:
+                r, c, src = (dev(list(x), torch.int64) for x in zip(*late))
+                t.pen_tokens[r, c] = prev.tokens.index_select(0, src).to(torch.int64)
             t.pen_prompt_lens = dev([s.num_prompt_tokens for s in rows], torch.int64)
             t.presence = dev([s.sampling_params.presence_penalty for s in rows], torch.float32)
             t.frequency = dev([s.sampling_params.frequency_penalty for s in rows], torch.float32)
@@ -181,7 +194,7 @@ class Sampler(nn.Module):
         tokens, lp = self.sample(logits, t)
         out = SamplerOutput(tokens.tolist())
         if lp is not None:
-            out.logprobs = self._logprobs_to_host(t, len(out), *lp)
+            out.logprobs = self.logprobs_to_host(t, len(out), *lp)
         return out
 
     @torch.inference_mode()
@@ -275,7 +288,7 @@ class Sampler(nn.Module):
         return (x - noise.clamp_min_(1e-10).log_()).argmax(dim=-1)
 
     @staticmethod
-    def _logprobs_to_host(t: SamplingTensors, batch: int, top_ids, top_lp, sampled_lp, rank):
+    def logprobs_to_host(t: SamplingTensors, batch: int, top_ids, top_lp, sampled_lp, rank):
         top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
         sampled_lp, rank = sampled_lp.tolist(), rank.tolist()
         out = [None] * batch
