@@ -17,6 +17,7 @@ from nanoinfer.layers.sampler import Sampler, SamplingTensors
 from nanoinfer.models import get_model_class
 from nanoinfer.utils.context import get_context, reset_context, set_context
 from nanoinfer.utils.loader import init_dummy_weights, load_model
+from nanoinfer.utils.threads import cpu_threads
 
 logger = logging.getLogger("nanoinfer")
 
@@ -56,6 +57,8 @@ class ModelRunner:
             dist.init_process_group(backend, init_method=dist_init_method, world_size=self.world_size, rank=rank)
         if config.device == "cuda":
             torch.cuda.set_device(self.device)
+        else:  # torch's default (a thread per core, all waiting on each other) crawls on a busy machine
+            torch.set_num_threads(cpu_threads(self.world_size))
         self.backend = select_backend(config.device, self.block_size)
 
         hf = config.hf_config

@@ -69,8 +69,6 @@ def worker_main(config: Config, rank: int, init_method: str, shm_name: str, even
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     parent = mp.parent_process()
     try:
-        if config.device == "cpu":  # share the cores with the other ranks
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
         shm = SharedMemory(name=shm_name)
         conn.send(("ok", None))  # started: about to join the process group
         runner = ModelRunner(config, rank, init_method)
