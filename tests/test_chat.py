@@ -27,7 +27,8 @@ def test_renders_template_and_encodes_without_adding_special_tokens(tok):
 
 def test_text_content_parts_are_joined(tok):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hello,"}, {"type": "text", "text": "nano"}]}]
-    assert render_chat(tok, parts)["prompt"] == render_chat(tok, [{"role": "user", "content": "Hello,\nnano"}])["prompt"]
+    joined = [{"role": "user", "content": "Hello,\nnano"}]
+    assert render_chat(tok, parts)["prompt"] == render_chat(tok, joined)["prompt"]
 
 
 def test_custom_template_tools_and_template_kwargs(tok):

@@ -149,7 +149,7 @@ def test_completion_greedy_matches_offline(llm, client, serving):
 
 
 def test_completion_token_id_prompts(llm, client, serving):
-    ids = llm.get_tokenizer().encode(PROMPTS[2]) if hasattr(llm, "get_tokenizer") else llm.tokenizer.encode(PROMPTS[2])
+    ids = llm.get_tokenizer().encode(PROMPTS[2])
     want = offline(llm, ids, max_tokens=8, temperature=0)["text"]
     assert client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0).choices[0].text == want
     out = client.completions.create(model=NAME, prompt=[ids, ids[:3]], max_tokens=8, temperature=0)
@@ -277,7 +277,8 @@ def test_concurrent_clients_match_offline(llm, server, client, serving):
         if stream:
             return "".join(c.choices[0].text for c in client.completions.create(
                 model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True))
-        return client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
+        out = client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        return out.choices[0].text
 
     before = server.stats()["requests_finished"]
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -351,6 +352,8 @@ ERRORS = [
     ("completions", {"prompt": "Hi", "n": 0}, 400, "n"),
     ("completions", {"prompt": "Hi", "top_p": 2}, 400, "top_p"),
     ("completions", {"prompt": "Hi", "n": "many"}, 400, "n"),
+    ("completions", {"prompt": "Hi", "n": True}, 400, "n"),
+    ("completions", {"prompt": "Hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ("completions", {"prompt": "Hi", "max_tokens": 5000}, 400, None),
     ("completions", {"prompt": LONG_PROMPT, "max_tokens": 1}, 400, None),
     ("completions", {"prompt": [1, 2, 10**6]}, 400, None),

@@ -65,7 +65,8 @@ def build_app(llm, served_model_name: str, tokenizer) -> FastAPI:
     async def _validation_error(_, e: RequestValidationError):
         errors = e.errors()
         if any(err.get("type") == "json_invalid" for err in errors):
-            return error_response(400, f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}")
+            reason = errors[0].get("ctx", {}).get("error", "")
+            return error_response(400, f"the request body is not valid JSON: {reason}")
         parts, param = [], None
         for err in errors:
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]

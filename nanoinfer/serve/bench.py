@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None):
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
                    help="random: output lengths, uniform in [MIN, MAX]")
     p.add_argument("--vocab-size", type=int, default=10000, help="prompt token ids are drawn from [0, VOCAB_SIZE)")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals per second (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests running at once (default: no cap)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=0)

@@ -77,7 +77,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"nanoinfer serve: {e}", file=sys.stderr)
         return 2
     try:
-        tokenizer = copy.deepcopy(llm.get_tokenizer() if hasattr(llm, "get_tokenizer") else llm.tokenizer)
+        tokenizer = copy.deepcopy(llm.get_tokenizer())
         app = build_app(llm, getattr(args, "served_model_name", args.model), tokenizer)
         # uvicorn shuts down gracefully on SIGINT / SIGTERM (the app's lifespan stops the engine),
         # then re-raises the signal to the handler found at start: this one, status 0.

@@ -18,7 +18,8 @@ def usage(outputs: list[RequestOutput]) -> UsageInfo:
 
 
 # ---- logprobs -----------------------------------------------------------------------------------
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], offset: int = 0) -> CompletionLogProbs:
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                        offset: int = 0) -> CompletionLogProbs:
     """Completions' shape: per token its text, logprob, text offset, and top entries (the sampled
     token's among them, so up to logprobs + 1, as OpenAI and vLLM return)."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []

@@ -11,7 +11,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from nanoinfer.outputs import RequestOutput, StreamDelta
+from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoinfer.serve")

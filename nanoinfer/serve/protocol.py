@@ -4,7 +4,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from nanoinfer.sampling_params import SamplingParams
 
@@ -14,12 +14,17 @@ def random_id(prefix: str) -> str:
 
 
 # ---- requests -----------------------------------------------------------------------------------
+_STRICT = ConfigDict(strict=True)  # no silent coercion: "n": true or "2" is a 400, as with OpenAI
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
     """The sampling fields completions and chat share (OpenAI's, plus vLLM's extras)."""
+    model_config = _STRICT
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -103,7 +108,8 @@ class CompletionRequest(_GenerationRequest):
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
-class ChatMessage(BaseModel, extra="allow"):  # name, tool_calls, tool_call_id... reach the template
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # name, tool_calls, tool_call_id... reach the template
     role: str | None = None
     content: str | list[dict[str, Any]] | None = None
 
