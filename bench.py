@@ -21,6 +21,10 @@ CONFIGS = {
                  num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                    intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                    head_dim=128, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                    moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
 }
 
 
@@ -32,7 +36,8 @@ def make_random_model_dir(shape: str) -> str:
     os.makedirs(path, exist_ok=True)
     config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_act="silu",
                   max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False,
-                  torch_dtype="bfloat16", eos_token_id=2, bos_token_id=None, **CONFIGS[shape])
+                  torch_dtype="bfloat16", eos_token_id=2, bos_token_id=None)
+    config.update(CONFIGS[shape])  # an MoE shape brings its own architecture
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     train_tokenizer().save_pretrained(path)
@@ -81,8 +86,13 @@ class Profiler:
             self.profiler = None
 
 
-def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate):
+def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate, tp_size=1):
+    """MoE models: a step reads the non-expert weights and the experts its tokens route to (expected
+    under uniform routing); a token's matmul FLOPs count its top-k experts only."""
+    from nanoinfer.bench_moe import moe_step_costs
     kv_per_token = hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * 2 * dtype_bytes
+    all_experts, expert_flops = moe_step_costs(hf, dtype_bytes, float("inf"), tp_size)
+    weight_bytes -= all_experts  # what every step reads
     params = weight_bytes / dtype_bytes
     embed = hf.vocab_size * hf.hidden_size
     matmul_params = params - embed * (1 if hf.tie_word_embeddings else 2)  # per token, excluding vocab
@@ -90,12 +100,14 @@ def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate):
     for step in steps:
         shape = step.rows
         kv_read = sum(ctx - q for q, ctx in shape) * kv_per_token  # cached context each step reads
-        byte_time += (weight_bytes + kv_read + sum(q for q, _ in shape) * kv_per_token) / bandwidth
+        step_tokens = sum(q for q, _ in shape)
+        experts_read = moe_step_costs(hf, dtype_bytes, step_tokens, tp_size)[0]
+        byte_time += (weight_bytes + experts_read + kv_read + step_tokens * kv_per_token) / bandwidth
         prefill = shape[step.num_decode:]  # (decode rows are counted by the bytes they read)
         if prefill:
             tokens = sum(q for q, _ in prefill)
             attn = sum(q * (ctx - q) + q * (q + 1) / 2 for q, ctx in prefill)  # causal query-key pairs
-            flops = 2 * matmul_params * tokens + 2 * embed * len(prefill) \
+            flops = 2 * matmul_params * tokens + expert_flops * tokens + 2 * embed * len(prefill) \
                 + 4 * hf.num_hidden_layers * hf.num_attention_heads * hf.head_dim * attn
             flop_time += flops / flops_rate
     return byte_time + flop_time
@@ -133,6 +145,9 @@ def long_prompt_arrivals(llm: LLM, args):
         sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=512)
         long_sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
         gaps, last, count, arrivals = [], {}, 0, [20, 60, 100, 140] if with_long else []
+        log = hasattr(llm, "step_log")  # (older engines have no step log)
+        if log:
+            llm.step_log = []
         t0 = time.perf_counter()
         for step, delta in enumerate(llm.stream(short, sp)):
             now = time.perf_counter()
@@ -151,6 +166,15 @@ def long_prompt_arrivals(llm: LLM, args):
         q = lambda f: gaps[min(int(f * len(gaps)), len(gaps) - 1)] * 1e3  # noqa: E731
         print(f"{'with 4 long prompts' if with_long else 'alone':>20}: running sequences {count / elapsed:8.0f} tok/s, "
               f"inter-token latency p50 {q(0.5):.2f} ms, p99 {q(0.99):.2f} ms, max {gaps[-1] * 1e3:.2f} ms")
+        if log:
+            steps, llm.step_log = llm.step_log, None
+            walls = [b.start - a.start for a, b in zip(steps, steps[1:])]
+            for name, keep in (("decode-only", lambda s: s.num_decode == len(s.rows)),
+                               ("mixed", lambda s: 0 < s.num_decode < len(s.rows))):
+                idx = [i for i, s in enumerate(steps[:-1]) if keep(s)]
+                if idx:
+                    print(f"{'':>22}{name} steps: {len(idx)}, wall {sum(walls[i] for i in idx) / len(idx) * 1e3:.2f} ms, "
+                          f"launch {sum(steps[i].launched - steps[i].scheduled for i in idx) / len(idx) * 1e3:.2f} ms")
 
     print(f"long-prompt arrivals: 64 running sequences, 4 prompts of {args.long_prompt_len} tokens, "
           f"max_num_batched_tokens={llm.config.max_num_batched_tokens}")
@@ -212,7 +236,8 @@ def main():
         dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
         weight_bytes = sum(p.numel() for p in llm.model_runner.model.parameters()) * dtype_bytes
         bandwidth, flops_rate = measure_ceilings(llm.model_runner.device)
-        bound_of = lambda group: lower_bound(group, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate)  # noqa: E731
+        bound_of = lambda group: lower_bound(group, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate,  # noqa: E731
+                                             args.tensor_parallel_size)
     # a step's wall time: from its start to the next step's start (the device work it launched
     # overlaps the next call's host work)
     walls = [b.start - a.start for a, b in zip(steps, steps[1:])] + [steps[-1].end - steps[-1].start]

@@ -56,6 +56,7 @@ def test_slot_mapping_and_block_tables(tiny_qwen3):
         assert ctx.slot_mapping.tolist() == [5 * 16 + 7, 16 + 3, 9 * 16, 9 * 16 + 1, 9 * 16 + 2]
         assert ctx.cu_seqlens_q.tolist() == [0, 1, 2, 5] and ctx.context_lens.tolist() == [40, 4, 3]
         assert ctx.prefill_cu_seqlens_q.tolist() == [0, 3] and ctx.prefill_max_seqlen_q == 3
+        assert ctx.prefill_context_lens.tolist() == [3] and ctx.prefill_block_tables.tolist() == [[9]]
         assert ctx.block_tables.tolist() == [[7, 2, 5], [1, -1, -1], [9, -1, -1]]
     finally:
         llm.exit()

@@ -191,9 +191,13 @@ class ModelRunner:
                     max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens),
                     slot_mapping=self._to_device(slots, torch.int64), context_lens=self._to_device(context_lens, i32),
                     block_tables=tables, query_lens_cpu=query_lens, context_lens_cpu=context_lens,
-                    num_decode=nd, decode_order=order,
-                    prefill_cu_seqlens_q=self._to_device([c - nd for c in cu_q[nd:]], i32) if nd else None,
-                    prefill_max_seqlen_q=max(query_lens[nd:]))
+                    num_decode=nd, decode_order=order, prefill_max_seqlen_q=max(query_lens[nd:]))
+        if nd:  # the prompt rows' own tensors: views at row nd would be misaligned pointers, and Triton
+            # compiles a new kernel variant for an unaligned pointer (a JIT compile mid-serving)
+            ctx = get_context()
+            ctx.prefill_cu_seqlens_q = self._to_device([c - nd for c in cu_q[nd:]], i32)
+            ctx.prefill_context_lens = self._to_device(context_lens[nd:], i32)
+            ctx.prefill_block_tables = self._to_device(self._block_tables([t for _, _, t in step.rows[nd:]]), i32)
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64)
 
     # ---- forward --------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ class Attention(nn.Module):
                     decode_attention(q[:nd], self.k_cache, self.v_cache, ctx.context_lens[:nd],
                                      ctx.block_tables[:nd], self.scale, order=ctx.decode_order),
                     prefill_attention(q[nd:], self.k_cache, self.v_cache, ctx.prefill_cu_seqlens_q,
-                                      ctx.context_lens[nd:], ctx.block_tables[nd:], ctx.prefill_max_seqlen_q,
+                                      ctx.prefill_context_lens, ctx.prefill_block_tables, ctx.prefill_max_seqlen_q,
                                       self.scale)])
         else:
             o = self._flash_attn(q, ctx)

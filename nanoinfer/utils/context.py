@@ -20,6 +20,8 @@ class Context:
     # each and use the decode kernel; the rest, with these lengths, the prefill kernel
     num_decode: int = 0
     prefill_cu_seqlens_q: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
     prefill_max_seqlen_q: int = 0
     # host copies of the lengths, for the CPU reference path (no device sync)
     query_lens_cpu: list[int] | None = None
