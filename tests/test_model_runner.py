@@ -36,7 +36,7 @@ def test_slot_mapping_and_block_tables(tiny_qwen3):
         tokens = list(range(1, 41))
         input_ids, positions = runner.prepare(StepInput([(16, tokens[16:36], table)], 0))  # positions 16..35
         ctx = get_context()
-        assert ctx.is_prefill and ctx.num_decode == 0
+        assert ctx.is_prefill
         assert input_ids.tolist() == list(range(17, 37)) and positions.tolist() == list(range(16, 36))
         assert ctx.slot_mapping.tolist() == [2 * 16 + i for i in range(16)] + [5 * 16 + i for i in range(4)]
         assert ctx.cu_seqlens_q.tolist() == [0, 20] and ctx.context_lens.tolist() == [36]
@@ -51,12 +51,11 @@ def test_slot_mapping_and_block_tables(tiny_qwen3):
         # mixed: two decode rows, then a 3-token chunk of a prompt in block 9
         input_ids, positions = runner.prepare(StepInput([(39, [40], table), (3, [4], [1]), (0, [5, 6, 7], [9])], 2))
         ctx = get_context()
-        assert ctx.is_prefill and ctx.num_decode == 2
+        assert ctx.is_prefill  # a mixed step: every row through the prefill path
         assert input_ids.tolist() == [40, 4, 5, 6, 7] and positions.tolist() == [39, 3, 0, 1, 2]
         assert ctx.slot_mapping.tolist() == [5 * 16 + 7, 16 + 3, 9 * 16, 9 * 16 + 1, 9 * 16 + 2]
         assert ctx.cu_seqlens_q.tolist() == [0, 1, 2, 5] and ctx.context_lens.tolist() == [40, 4, 3]
-        assert ctx.prefill_cu_seqlens_q.tolist() == [0, 3] and ctx.prefill_max_seqlen_q == 3
-        assert ctx.prefill_context_lens.tolist() == [3] and ctx.prefill_block_tables.tolist() == [[9]]
+        assert ctx.max_seqlen_q == 3 and ctx.query_lens_cpu == [1, 1, 3]
         assert ctx.block_tables.tolist() == [[7, 2, 5], [1, -1, -1], [9, -1, -1]]
     finally:
         llm.exit()

@@ -156,7 +156,8 @@ class ModelRunner:
 
     def prepare(self, step: StepInput):
         """Flat inputs for one step and its attention context. Decode rows (one query token each)
-        come first; a decode-only step can replay a CUDA graph. Returns (input_ids, positions);
+        come first; a decode-only step can replay a CUDA graph, any other step runs every row as a
+        prefill (a decode row is a query of length 1). Returns (input_ids, positions);
         rows whose token is on the device get a placeholder id, filled in by `launch`."""
         bs, nd = self.block_size, step.num_decode
         input_ids, positions, slots, context_lens = [], [], [], []
@@ -165,12 +166,12 @@ class ModelRunner:
             positions.append(start)
             slots.append(table[start // bs] * bs + start % bs)
             context_lens.append(start + 1)
-        order = None
-        if nd and self.backend == "triton":  # the decode kernel starts the longest contexts first
-            order = self._to_device(sorted(range(nd), key=context_lens.__getitem__, reverse=True), torch.int32)
         tables = self._to_device(self._block_tables([table for _, _, table in step.rows]), torch.int32)
         i32 = torch.int32
         if step.is_decode_only:
+            order = None
+            if self.backend == "triton":  # the decode kernel starts the longest contexts first
+                order = self._to_device(sorted(range(nd), key=context_lens.__getitem__, reverse=True), i32)
             set_context(is_prefill=False, slot_mapping=self._to_device(slots, torch.int64),
                         context_lens=self._to_device(context_lens, i32), block_tables=tables,
                         decode_order=order, context_lens_cpu=context_lens)
@@ -190,14 +191,7 @@ class ModelRunner:
         set_context(is_prefill=True, cu_seqlens_q=self._to_device(cu_q, i32), cu_seqlens_k=self._to_device(cu_k, i32),
                     max_seqlen_q=max(query_lens), max_seqlen_k=max(context_lens),
                     slot_mapping=self._to_device(slots, torch.int64), context_lens=self._to_device(context_lens, i32),
-                    block_tables=tables, query_lens_cpu=query_lens, context_lens_cpu=context_lens,
-                    num_decode=nd, decode_order=order, prefill_max_seqlen_q=max(query_lens[nd:]))
-        if nd:  # the prompt rows' own tensors: views at row nd would be misaligned pointers, and Triton
-            # compiles a new kernel variant for an unaligned pointer (a JIT compile mid-serving)
-            ctx = get_context()
-            ctx.prefill_cu_seqlens_q = self._to_device([c - nd for c in cu_q[nd:]], i32)
-            ctx.prefill_context_lens = self._to_device(context_lens[nd:], i32)
-            ctx.prefill_block_tables = self._to_device(self._block_tables([t for _, _, t in step.rows[nd:]]), i32)
+                    block_tables=tables, query_lens_cpu=query_lens, context_lens_cpu=context_lens)
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64)
 
     # ---- forward --------------------------------------------------------------------------------

@@ -15,14 +15,7 @@ class Context:
     slot_mapping: torch.Tensor | None = None   # [num_tokens] cache slot of each new token, -1 = skip
     context_lens: torch.Tensor | None = None   # [num_seqs] tokens in the cache after this step
     block_tables: torch.Tensor | None = None   # [num_seqs, width] int32, -1 padded
-    decode_order: torch.Tensor | None = None   # [num_decode] int32, longest context first (Triton decode)
-    # mixed steps (is_prefill with num_decode > 0): the first num_decode rows have one query token
-    # each and use the decode kernel; the rest, with these lengths, the prefill kernel
-    num_decode: int = 0
-    prefill_cu_seqlens_q: torch.Tensor | None = None
-    prefill_context_lens: torch.Tensor | None = None
-    prefill_block_tables: torch.Tensor | None = None
-    prefill_max_seqlen_q: int = 0
+    decode_order: torch.Tensor | None = None   # [num_seqs] int32, longest context first (Triton decode)
     # host copies of the lengths, for the CPU reference path (no device sync)
     query_lens_cpu: list[int] | None = None
     context_lens_cpu: list[int] | None = None
