@@ -5,10 +5,7 @@ import math
 import torch
 from torch import nn
 
-from nanoinfer.utils.compile import compile_on_cuda
 
-
-@compile_on_cuda
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """x: [N, heads, head_dim]; rotated in float32, returned in x's dtype."""
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
