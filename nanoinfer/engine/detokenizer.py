@@ -4,7 +4,15 @@ Byte-level BPE splits a UTF-8 character across tokens, so the text of a token is
 token alone: decode a window of ids from a clean boundary (`prefix_offset`) and release only what
 the newest ids added, and hold back while the window ends in U+FFFD (a character still incomplete).
 Released text therefore always ends on a character boundary and the concatenation of all releases
-equals decoding every id at once.
+equals `completion_text`, the one-shot decode that requests without stop strings or streaming use.
+
+Both start from the same prompt context (`prompt_context`): the last few prompt ids, so that a token
+whose text depends on what precedes it (a SentencePiece word's leading space) decodes as it does after
+the prompt. When the prompt ends inside a UTF-8 character, no context: the completion's leading bytes
+of that character are then orphans, each shown as U+FFFD, and the text is `tokenizer.decode` of the
+completion's ids. That is the right answer, not the alternatives: decoding from inside the prompt's
+unfinished character would either drop those bytes without a trace (what the windowed decode did,
+one U+FFFD fewer) or put the prompt's bytes into the completion's text.
 """
 from nanoinfer.sampling_params import SamplingParams
 
@@ -12,11 +20,40 @@ from nanoinfer.sampling_params import SamplingParams
 INITIAL_OFFSET = 5
 
 
+def encode(tokenizer, text: str) -> list[int]:
+    """Tokenize a prompt; text that is not valid Unicode (a lone surrogate such as "\\ud800") is a
+    ValueError naming the character, not the tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"prompt is not valid Unicode text: {e.object[e.start]!r} at position {e.start} "
+                         f"({e.reason})") from None
+    return tokenizer.encode(text)
+
+
 def decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> str:
     """Decode, skipping ids past the tokenizer's vocabulary (checkpoints pad the embedding)."""
     n = len(tokenizer)
     return tokenizer.decode([t for t in token_ids if t < n], skip_special_tokens=skip_special_tokens,
                             clean_up_tokenization_spaces=False)
+
+
+def prompt_context(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> list[int]:
+    """The prompt ids a completion is decoded after: the last INITIAL_OFFSET, or none when they end
+    inside a character (see the module docstring)."""
+    context = list(prompt_token_ids[-INITIAL_OFFSET:])
+    return [] if decode(tokenizer, context, skip_special_tokens).endswith("\ufffd") else context
+
+
+def completion_text(tokenizer, prompt_token_ids: list[int], token_ids: list[int],
+                    skip_special_tokens: bool = True) -> str:
+    """The text `token_ids` add after the prompt, decoded at once; IncrementalDetokenizer's releases
+    concatenate to the same text."""
+    context = prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
+    if not context:
+        return decode(tokenizer, token_ids, skip_special_tokens)
+    return decode(tokenizer, context + list(token_ids), skip_special_tokens)[
+        len(decode(tokenizer, context, skip_special_tokens)):]
 
 
 class IncrementalDetokenizer:
@@ -28,8 +65,8 @@ class IncrementalDetokenizer:
         # while running, this many trailing characters are withheld from streaming: they may be the
         # start of a stop string that will be cut (vLLM's stop_buffer_length)
         self.holdback = max((len(s) for s in sp.stop), default=1) - 1 if not sp.include_stop_str_in_output else 0
-        context = prompt_token_ids[-INITIAL_OFFSET:]
-        self.ids = list(context)
+        context = prompt_context(tokenizer, prompt_token_ids, sp.skip_special_tokens)
+        self.ids = context
         self.prefix_offset = 0
         self.read_offset = len(context)
         self.text = ""
