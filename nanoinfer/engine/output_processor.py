@@ -9,7 +9,7 @@ text while running are decoded once when their output is built.
 """
 import time
 
-from nanoinfer.engine.detokenizer import IncrementalDetokenizer, decode
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer, completion_text, decode
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 
@@ -87,7 +87,7 @@ class OutputProcessor:
         ids = seq.completion_token_ids
         if seq.finish_reason == "stop" and not sp.include_stop_str_in_output and ids:
             ids = ids[:-1]  # the EOS / stop token is not part of the text
-        return decode(self.tokenizer, ids, sp.skip_special_tokens)
+        return completion_text(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], ids, sp.skip_special_tokens)
 
     def _logprob_dicts(self, records) -> list[dict[int, Logprob]]:
         out = []
