@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from numbers import Integral
 
 from nanoinfer.config import Config
+from nanoinfer.engine.detokenizer import encode
 from nanoinfer.engine.model_runner import InFlight, ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor, Request
 from nanoinfer.engine.scheduler import Scheduler
@@ -80,7 +81,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is an empty string")
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = encode(self.tokenizer, prompt)  # a lone surrogate: ValueError
         elif isinstance(prompt, (list, tuple)):
             if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
                 raise TypeError("a token-id prompt must be a list of ints")
