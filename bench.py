@@ -15,6 +15,7 @@ from random import randint, seed
 import torch
 
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.utils.ceilings import measure_ceilings
 
 CONFIGS = {
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -42,20 +43,6 @@ def make_random_model_dir(shape: str) -> str:
         json.dump(config, f)
     train_tokenizer().save_pretrained(path)
     return path
-
-
-def measure_ceilings(device) -> tuple[float, float]:
-    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s)."""
-    from triton.testing import do_bench
-    src = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    bandwidth = 2 * src.numel() * 2 / (ms * 1e-3)
-    del src, dst
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    ms = do_bench(lambda: a @ b, return_mode="median")
-    return bandwidth, 2 * 8192 ** 3 / (ms * 1e-3)
 
 
 class Profiler:

@@ -17,6 +17,8 @@ import itertools
 
 import torch
 
+from nanoinfer.utils.ceilings import measure_ceilings
+
 
 def expected_experts_hit(num_experts: int, top_k: int, tokens: int) -> float:
     """Distinct experts a step of `tokens` tokens routes to, in expectation, under uniform routing."""
@@ -38,20 +40,6 @@ def moe_step_costs(hf, dtype_bytes: int, tokens: int, tp_size: int = 1) -> tuple
     hit = expected_experts_hit(num_experts, hf.num_experts_per_tok, tokens)
     return (layers * hit * expert_params * dtype_bytes / tp_size,
             layers * 2.0 * hf.num_experts_per_tok * expert_params / tp_size)
-
-
-def measure_ceilings(device) -> tuple[float, float]:
-    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), as bench.py measures them."""
-    from triton.testing import do_bench
-    src = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    bandwidth = 2 * src.numel() * 2 / (ms * 1e-3)
-    del src, dst
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    ms = do_bench(lambda: a @ b, return_mode="median")
-    return bandwidth, 2 * 8192 ** 3 / (ms * 1e-3)
 
 
 def time_ms(fn, graph: bool) -> float:
