@@ -76,7 +76,7 @@ class Profiler:
 def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate, tp_size=1):
     """MoE models: a step reads the non-expert weights and the experts its tokens route to (expected
     under uniform routing); a token's matmul FLOPs count its top-k experts only."""
-    from nanoinfer.bench_moe import moe_step_costs
+    from nanoinfer.bench.moe import moe_step_costs
     kv_per_token = hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * 2 * dtype_bytes
     all_experts, expert_flops = moe_step_costs(hf, dtype_bytes, float("inf"), tp_size)
     weight_bytes -= all_experts  # what every step reads

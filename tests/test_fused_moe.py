@@ -124,11 +124,11 @@ def test_cuda_graph_replay_follows_new_routing():
 
 
 def test_benchmark_runs_and_counts_routed_experts(capsys):
-    """python -m nanoinfer.bench_moe end to end on tiny shapes with a stub timer (it needs a GPU to time),
+    """python -m nanoinfer.bench.moe end to end on tiny shapes with a stub timer (it needs a GPU to time),
     and the bytes/FLOPs it gives bench.py's lower bound."""
     from types import SimpleNamespace
 
-    from nanoinfer import bench_moe
+    from nanoinfer.bench import moe as bench_moe
     args = bench_moe.parse_args("--tokens 1 5 --hidden 32 --inter 16 --experts 4 --top-k 2".split())
     bench_moe.bench(args, torch.device(DEV), torch.float32, timer=lambda fn, graph: (fn(), 1.0)[1],
                     ceilings=lambda device: (4e12, 7e14))

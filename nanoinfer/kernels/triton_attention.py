@@ -153,7 +153,7 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-# Tunables (bench_kernels.py sweeps them); programs per SM the split heuristic aims for.
+# Tunables (nanoinfer/bench/kernels.py sweeps them); programs per SM the split heuristic aims for.
 DECODE_CFG = {"block_n": 64, "num_warps": 2, "num_stages": 3, "programs_per_sm": 2,
               "max_splits": 64, "dot_min_group": 1}
 
@@ -161,7 +161,7 @@ DECODE_CFG = {"block_n": 64, "num_warps": 2, "num_stages": 3, "programs_per_sm":
 def decode_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_sms: int,
                       programs_per_sm: int | None = None, max_splits: int | None = None) -> int:
     """Splits per (sequence, KV head) from shapes only: enough programs to fill the SMs. (Ragged
-    batches need no more than that once the programs run longest first: bench_kernels.py --ragged.)"""
+    batches need no more than that once the programs run longest first: nanoinfer/bench/kernels.py --ragged.)"""
     programs_per_sm = programs_per_sm or DECODE_CFG["programs_per_sm"]
     max_splits = max_splits or DECODE_CFG["max_splits"]
     want = triton.cdiv(num_sms * programs_per_sm, max(batch * num_kv_heads, 1))

@@ -1,7 +1,7 @@
 """Step latency of tensor_parallel_size=2 vs 1 on CPU with a tiny model: what the worker RPC
 (shared memory + events + a reply pipe) and the gloo collectives add to each engine step.
 
-    python3 bench_tp_step.py [--batch 1 16] [--steps 100]
+    python3 -m nanoinfer.bench.tp_step [--batch 1 16] [--steps 100]
 """
 import argparse
 import os

@@ -2,7 +2,7 @@
 versus every feature on (penalties over 1k-token histories, top-k, top-p, min-p, min_tokens, seeds,
 logprobs). Times the device work (SamplingTensors.build on the host is timed separately).
 
-    python3 bench_sampler.py [--batch 256] [--vocab 151936] [--history 1024] [--device cuda|cpu]
+    python3 -m nanoinfer.bench.sampler [--batch 256] [--vocab 151936] [--history 1024] [--device cuda|cpu]
 """
 import argparse
 import time

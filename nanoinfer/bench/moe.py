@@ -2,7 +2,7 @@
 per-expert GEMMs, layers/fused_moe.py fused_moe_torch), one MoE layer of Qwen3-30B-A3B's shape by
 default (hidden 2048, 128 experts, top-8, moe_intermediate 768), bf16, uniform random routing.
 
-    PYTHONPATH=. python3 -m nanoinfer.bench_moe [--tokens 1 64 256 8192] [--sweep]
+    PYTHONPATH=. python3 -m nanoinfer.bench.moe [--tokens 1 64 256 8192] [--sweep]
 
 Decode sizes are weight-read bound: TB/s counts the bytes of the experts the step routes to (each
 read once), against the copy bandwidth. Prefill is compute bound: TFLOP/s counts 2 * 3 * H * I per
@@ -119,7 +119,7 @@ def bench(args, device, dtype=torch.bfloat16, timer=time_ms, ceilings=measure_ce
 def main():
     args = parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench_moe needs a CUDA GPU")
+        raise SystemExit("nanoinfer.bench.moe needs a CUDA GPU")
     bench(args, torch.device("cuda"))
 
 

@@ -1,7 +1,7 @@
 """Benchmark the Triton paged-attention kernels against the device's ceilings.
 
-    PYTHONPATH=. python3 bench_kernels.py            # table with the kernels' default configs
-    PYTHONPATH=. python3 bench_kernels.py --sweep    # also sweep tile/warp/stage/split variants
+    PYTHONPATH=. python3 -m nanoinfer.bench.kernels            # table with the kernels' default configs
+    PYTHONPATH=. python3 -m nanoinfer.bench.kernels --sweep    # also sweep tile/warp/stage/split variants
 
 Copy bandwidth: a large device-to-device copy (bytes read + written). Matmul: bf16 8192^3.
 Decode: bytes = K/V of every context token + q + out, over the median time (triton do_bench).
