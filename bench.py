@@ -128,7 +128,7 @@ def long_prompt_arrivals(llm: LLM, args):
     alone and with the arrivals. Uses only the public API (stream, add_request), so it also runs
     against older engines."""
     def once(with_long: bool):
-        short = [[randint(0, 10000) for _ in range(128)] for _ in range(64)]
+        short = [[randint(0, min(10000, llm.vocab_size - 1)) for _ in range(128)] for _ in range(64)]
         sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=512)
         long_sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
         gaps, last, count, arrivals = [], {}, 0, [20, 60, 100, 140] if with_long else []
@@ -145,7 +145,7 @@ def long_prompt_arrivals(llm: LLM, args):
                 count += len(delta.token_ids)
             if arrivals and step // 64 >= arrivals[0]:  # about one delta per sequence per step
                 arrivals.pop(0)
-                llm.add_request([randint(0, 10000) for _ in range(args.long_prompt_len)], long_sp)
+                llm.add_request([randint(0, min(10000, llm.vocab_size - 1)) for _ in range(args.long_prompt_len)], long_sp)
         elapsed = time.perf_counter() - t0
         while not llm.is_finished():
             llm.step()
@@ -186,6 +186,9 @@ def main():
     p.add_argument("--long-prompts", action="store_true",
                    help="measure running sequences' decode while long prompts arrive (try --max-num-batched-tokens 2048)")
     p.add_argument("--long-prompt-len", type=int, default=8000)
+    p.add_argument("--sweep", action="store_true", help="one table: batch 1, 8, 64, 256 and the nano-vllm workload")
+    p.add_argument("--sweep-output-len", type=int, default=512)
+    p.add_argument("--plot", metavar="FILE.png", help="draw tok/s and batch size over the run (needs matplotlib)")
     p.add_argument("--profile", type=int, nargs=2, metavar=("FIRST", "LAST"), action="append", default=[],
                    help="profile steps FIRST..LAST with torch.profiler (perturbs the timing); repeatable")
     args = p.parse_args()
@@ -196,38 +199,48 @@ def main():
     llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, load_format="auto" if args.model else "dummy")
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
     if args.long_prompts:
-        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
         long_prompt_arrivals(llm, args)
         return llm.exit()
-    prompts = [[randint(0, 10000) for _ in range(randint(args.min_input_len, args.max_input_len))]
-               for _ in range(args.num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True,
-                             max_tokens=randint(args.min_output_len, args.max_output_len)) for _ in prompts]
-    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
-    cuda = llm.config.device == "cuda"
-    steps, t = run(llm, prompts, params, Profiler(llm, [range(first, last + 1) for first, last in args.profile]))
-    out_tokens = sum(sp.max_tokens for sp in params)
-    in_tokens = sum(len(p) for p in prompts)
-    decode = [s for s in steps if s.num_decode == len(s.rows)]
-    print(f"model: {args.model or 'random Qwen3-' + args.config}, device: {llm.config.device}, "
-          f"tp={args.tensor_parallel_size}, backend: {llm.model_runner.backend}, "
-          f"cuda graphs: {bool(llm.model_runner.graphs)}, kv blocks: {llm.scheduler.block_manager.num_blocks}")
-    print(f"Requests: {len(prompts)}, prompt tokens: {in_tokens}, output tokens: {out_tokens}, "
-          f"steps: {len(steps)} ({len(steps) - len(decode)} with prefill, {len(decode)} decode only), "
-          f"preemptions: {llm.scheduler.num_preemptions}")
-    print(f"Total: {out_tokens}tok, Time: {t:.2f}s, Throughput: {out_tokens / t:.2f}tok/s")
     bound_of = None
-    if cuda:
+    if llm.config.device == "cuda":
         hf = llm.config.hf_config
         dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
         weight_bytes = sum(p.numel() for p in llm.model_runner.model.parameters()) * dtype_bytes
         bandwidth, flops_rate = measure_ceilings(llm.model_runner.device)
+        print(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s")
         bound_of = lambda group: lower_bound(group, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate,  # noqa: E731
                                              args.tensor_parallel_size)
+    print(f"model: {args.model or 'random Qwen3-' + args.config}, device: {llm.config.device}, "
+          f"tp={args.tensor_parallel_size}, backend: {llm.model_runner.backend}, "
+          f"cuda graphs: {bool(llm.model_runner.graphs)}, kv blocks: {llm.scheduler.block_manager.num_blocks}")
+    if args.sweep:
+        sweep(llm, args, bound_of)
+    else:
+        steps = nano_vllm_workload(llm, args, bound_of)
+        if args.plot:
+            plot(steps, args.plot)
+    llm.exit()
+
+
+def nano_vllm_workload(llm: LLM, args, bound_of, verbose: bool = True):
+    prompts = [[randint(0, min(10000, llm.vocab_size - 1)) for _ in range(randint(args.min_input_len, args.max_input_len))]
+               for _ in range(args.num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=randint(args.min_output_len, args.max_output_len)) for _ in prompts]
+    steps, t = run(llm, prompts, params, Profiler(llm, [range(first, last + 1) for first, last in args.profile]))
+    out_tokens = sum(sp.max_tokens for sp in params)
+    if not verbose:
+        return steps, t, out_tokens
+    decode = [s for s in steps if s.num_decode == len(s.rows)]
+    print(f"Requests: {len(prompts)}, prompt tokens: {sum(len(p) for p in prompts)}, output tokens: {out_tokens}, "
+          f"steps: {len(steps)} ({len(steps) - len(decode)} with prefill, {len(decode)} decode only), "
+          f"preemptions: {llm.scheduler.num_preemptions}")
+    print(f"Total: {out_tokens}tok, Time: {t:.2f}s, Throughput: {out_tokens / t:.2f}tok/s")
     # a step's wall time: from its start to the next step's start (the device work it launched
     # overlaps the next call's host work)
-    walls = [b.start - a.start for a, b in zip(steps, steps[1:])] + [steps[-1].end - steps[-1].start]
+    walls = step_walls(steps)
     groups = [("steps with prefill", [i for i, s in enumerate(steps) if s.num_decode < len(s.rows)])]
     for lo, hi in ((200, 10**9), (64, 200), (1, 64)):
         groups.append((f"decode steps with {lo}..{min(hi, args.num_seqs + 1) - 1} seqs",
@@ -242,12 +255,65 @@ def main():
                   f"process {mean(lambda s: s.end - s.launched):.2f} ms (incl. waiting for the device), "
                   f"whole step {sum(walls[i] for i in idx) / len(idx) * 1e3:.2f} ms{bound}")
     print(f"mean step time over the whole run: {t / len(steps) * 1e3:.2f} ms")
-    if cuda:
+    if bound_of:
         bound = bound_of(steps)
-        print(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s")
         print(f"lower bound for this run: {bound:.2f}s ({out_tokens / bound:.0f} tok/s); "
               f"measured time is {bound / t * 100:.1f}% of the bound's speed")
-    llm.exit()
+    return steps
+
+
+def step_walls(steps) -> list[float]:
+    return [b.start - a.start for a, b in zip(steps, steps[1:])] + [steps[-1].end - steps[-1].start]
+
+
+def sweep(llm: LLM, args, bound_of):
+    """One table: decode at batch 1, 8, 64 and 256 (128-token prompts, --sweep-output-len tokens
+    each), and the nano-vllm workload."""
+    rows = []
+    for batch in (1, 8, 64, 256):
+        prompts = [[randint(0, min(10000, llm.vocab_size - 1)) for _ in range(128)] for _ in range(batch)]
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.sweep_output_len)] * batch
+        steps, t = run(llm, prompts, params)
+        rows.append((f"batch {batch} (128 in, {args.sweep_output_len} out)", steps, t, batch * args.sweep_output_len))
+    steps, t, out_tokens = nano_vllm_workload(llm, args, bound_of, verbose=False)
+    rows.append((f"nano-vllm workload ({args.num_seqs} seqs)", steps, t, out_tokens))
+    print(f"{'workload':<34} {'tok/s':>9} {'ms a decode step':>17} {'bound tok/s':>12} {'% of bound':>11}")
+    for name, steps, t, out_tokens in rows:
+        walls = step_walls(steps)
+        decode = [w for s, w in zip(steps, walls) if s.num_decode == len(s.rows)]
+        bound = bound_of(steps) if bound_of else None
+        print(f"{name:<34} {out_tokens / t:9.0f} {sum(decode) / max(len(decode), 1) * 1e3:17.2f} "
+              + (f"{out_tokens / bound:12.0f} {bound / t * 100:10.1f}%" if bound else f"{'-':>12} {'-':>11}"))
+
+
+def plot(steps, path: str):
+    """Output tokens/s and running batch size against time, prefill-carrying steps marked."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); skipped")
+        return
+    t0 = steps[0].start
+    x = [s.start - t0 for s in steps]
+    walls = step_walls(steps)
+    rate = [s.num_decode / w for s, w in zip(steps, walls)]  # (a prompt's first token is not counted)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    (rate_line,) = ax.plot(x, rate, lw=0.8, label="decode tokens/s (per step)")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("tokens/s")
+    ax2 = ax.twinx()
+    (size_line,) = ax2.plot(x, [len(s.rows) for s in steps], color="tab:orange", lw=0.8, label="sequences in the step")
+    ax2.set_ylabel("sequences in the step")
+    for xi, s in zip(x, steps):
+        if s.num_decode < len(s.rows):
+            ax.axvline(xi, color="tab:red", alpha=0.25, lw=0.8)
+    ax.set_title("bench.py: throughput and batch size over the run (red: steps with prefill)")
+    ax.legend(handles=[rate_line, size_line], loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
 
 
 if __name__ == "__main__":
