@@ -49,6 +49,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0          # prompt tokens served by the prefix cache
+    # prompt_logprobs asked: None for the first prompt token, then {token: Logprob} per prompt token
+    # (the token itself and the top-k)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def __getitem__(self, key: str):
         if not isinstance(key, str):

@@ -4,8 +4,10 @@ Fields, defaults and rules follow vLLM's `SamplingParams` (except `max_tokens`, 
 as in nano-vllm). Every violation raises a ValueError naming the field, the value and the allowed
 range, or a TypeError naming the field and the expected type.
 """
+import copy
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from numbers import Integral, Real
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by them could overflow.
@@ -40,7 +42,17 @@ class SamplingParams:
     max_tokens: completion length cap (None = up to max_model_len); min_tokens: EOS and stop token
     ids are suppressed until this many tokens were generated.
     logprobs: the top-N log-probabilities per generated token, plus the sampled token's (computed
-    from the model's raw logits, as vLLM does). skip_special_tokens: drop special tokens from text."""
+    from the model's raw logits, as vLLM does). prompt_logprobs: the same for every prompt token
+    but the first (RequestOutput.prompt_logprobs; the request skips the prefix cache, as in vLLM).
+    logit_bias: {token id: bias} added to the logits (clamped to [-100, 100], as vLLM does).
+    allowed_token_ids: only these tokens may be sampled. bad_words: words never generated: the
+    last token of each word's encoding (with and without a leading space) is banned wherever the
+    tokens before it were just generated. logits_processors: callables
+    `(output_token_ids, logits_row) -> logits_row` (or `(prompt_token_ids, output_token_ids,
+    logits_row)`), run on this request's row before sampling.
+    skip_special_tokens: drop special tokens from text; spaces_between_special_tokens: put spaces
+    around them (tokenizers that support it). detokenize=False: no text (token ids only; no stop
+    strings). truncate_prompt_tokens: keep only the last k prompt tokens (-1: max_model_len)."""
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -58,6 +70,16 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Callable] | None = None
+    detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool = True
+    # set by the engine from `bad_words` and its tokenizer (vLLM's _bad_words_token_ids)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self._check_types()
@@ -69,6 +91,17 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
+        if self.logit_bias is not None:  # clamped as vLLM (and OpenAI) do
+            self.logit_bias = {int(t): min(100.0, max(-100.0, _to_float(b))) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+        if self.logits_processors is not None:
+            self.logits_processors = list(self.logits_processors)
+        # any per-token-id feature: the sampler's loop over the batch checks this one flag
+        self.has_token_constraints = bool(self.logit_bias) or self.allowed_token_ids is not None \
+            or bool(self.bad_words) or bool(self.logits_processors)
         if self.temperature < SAMPLING_EPS:  # greedy: the filters mean nothing (as vLLM resets them)
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -82,12 +115,13 @@ class SamplingParams:
             if not _is_number(getattr(self, name)):
                 raise TypeError(f"{name} must be a float, got {type(getattr(self, name)).__name__}")
             setattr(self, name, _to_float(getattr(self, name)))
-        for name in ("seed", "max_tokens", "logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
             v = getattr(self, name)
             if v is not None and not _is_int(v):
                 raise TypeError(f"{name} must be an int or None, got {type(v).__name__}")
             setattr(self, name, None if v is None else int(v))
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         stop = self.stop
@@ -97,6 +131,19 @@ class SamplingParams:
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
             raise TypeError(f"stop_token_ids must be a list of int or None, got {ids!r}")
+        bias = self.logit_bias
+        if bias is not None and (not isinstance(bias, dict) or not all(_is_int(t) and _is_number(b)
+                                                                      for t, b in bias.items())):
+            raise TypeError(f"logit_bias must be a dict of int token id -> float bias or None, got {bias!r}")
+        ids = self.allowed_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids)):
+            raise TypeError(f"allowed_token_ids must be a list of int or None, got {ids!r}")
+        words = self.bad_words
+        if words is not None and (not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words)):
+            raise TypeError(f"bad_words must be a list of str or None, got {words!r}")
+        procs = self.logits_processors
+        if procs is not None and (not isinstance(procs, (list, tuple)) or not all(callable(f) for f in procs)):
+            raise TypeError(f"logits_processors must be a list of callables or None, got {procs!r}")
 
     def _check_ranges(self):
         def fail(name, allowed):
@@ -128,6 +175,24 @@ class SamplingParams:
                              f"got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             fail("logprobs", "None or at least 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            fail("prompt_logprobs", "None or at least 0")
+        if self.truncate_prompt_tokens is not None and (self.truncate_prompt_tokens == 0
+                                                        or self.truncate_prompt_tokens < -1):
+            fail("truncate_prompt_tokens", "None, -1 (max_model_len) or at least 1")
+        if self.logit_bias and any(t < 0 for t in self.logit_bias):
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {sorted(self.logit_bias)[:5]!r}")
+        if self.logit_bias and any(math.isnan(_to_float(b)) for b in self.logit_bias.values()):
+            raise ValueError(f"logit_bias values must be numbers, not NaN, got {self.logit_bias!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be non-negative token ids, got {self.allowed_token_ids!r}")
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must not contain an empty or blank word, got {self.bad_words!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (the text); use stop_token_ids with detokenize=False")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if any(s == "" for s in stops):
             raise ValueError(f"stop must not contain an empty string, got {self.stop!r}")
@@ -137,3 +202,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Building this request's next step needs every earlier token on the host (logits
+        processors read them; a bad word of several tokens is matched against them), so with
+        overlapped steps it runs every other step. Single-token bad words need nothing."""
+        return bool(self.logits_processors) or \
+            (self.bad_words_token_ids is not None and any(len(w) > 1 for w in self.bad_words_token_ids))
+
+    def with_bad_words_token_ids(self, tokenizer) -> "SamplingParams":
+        """A copy with `bad_words` encoded by vLLM's rule: each word with and without a leading
+        space; the spaced variant only when it is a different word of as many tokens."""
+        sp = copy.copy(self)
+        sp.bad_words_token_ids = []
+        for word in self.bad_words or ():
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sp.bad_words_token_ids.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sp.bad_words_token_ids.append(spaced)
+        return sp

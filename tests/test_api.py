@@ -269,7 +269,7 @@ def test_bad_batch_adds_nothing(llm):
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(["a", "b"], [good, SamplingParams(stop_token_ids=[10**6])], use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate(["a", "b"], [good, SamplingParams(max_tokens=300)], use_tqdm=False)
+        llm.generate(["a", [1] * 300], [good, SamplingParams()], use_tqdm=False)
     with pytest.raises(ValueError, match="logprobs"):
         llm.stream(["a"], SamplingParams(logprobs=10**6))
     assert llm.is_finished() and not llm.requests

@@ -139,7 +139,7 @@ def engine(tiny_qwen3):
 @pytest.mark.parametrize("prompt, params, error, match", [
     ("", None, ValueError, "empty"),
     ([], None, ValueError, "empty"),
-    ([1] * 60, SamplingParams(max_tokens=10), ValueError, "max_model_len"),
+    ([1] * 64, SamplingParams(max_tokens=10), ValueError, "max_model_len"),  # no room for one token
     ([1] * 65, SamplingParams(max_tokens=1), ValueError, "max_model_len"),
     ([1, 10**6], None, ValueError, r"\[0, "),
     ([1, -1], None, ValueError, r"\[0, "),

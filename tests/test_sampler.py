@@ -236,3 +236,65 @@ def test_logprobs_are_raw_log_softmax():
         torch.testing.assert_close(torch.tensor(top_lps), want.values)
         assert math.isclose(sampled_lp, lp[i, out[i]].item(), abs_tol=1e-6)
         assert rank == int((lp[i] > lp[i, out[i]]).sum()) + 1
+
+
+def test_plain_fast_path_only_without_token_constraints():
+    """The fused CUDA kernel serves plain batches; each token-id feature turns it off."""
+    plain = [FakeSeq(SamplingParams(temperature=0.7)), FakeSeq(SamplingParams(temperature=0))]
+    assert SamplingTensors.build(plain, 50, EOS, CPU).plain
+    sp_bad = SamplingParams(bad_words=["x"])
+    sp_bad.bad_words_token_ids = [[4]]
+    for sp in (SamplingParams(logit_bias={3: 1.0}), SamplingParams(allowed_token_ids=[3]), sp_bad,
+               SamplingParams(logits_processors=[lambda ids, row: row])):
+        assert not SamplingTensors.build(plain + [FakeSeq(sp)], 50, EOS, CPU).plain, sp
+
+
+def test_logit_bias_allowed_and_bad_words_on_synthetic_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 40)
+    bad = SamplingParams(temperature=0, bad_words=["w"])
+    bad.bad_words_token_ids = [[int(logits[2].argmax())], [5, 6, 7]]  # one-token word, and a 3-token one
+    params = [SamplingParams(temperature=0, logit_bias={11: 50.0}), SamplingParams(temperature=0),
+              bad, SamplingParams(temperature=0, allowed_token_ids=[1, 2, 3])]
+    seqs = [FakeSeq(sp) for sp in params]
+    before = logits.clone()
+    out = sample(logits, seqs)
+    assert torch.equal(logits, before)
+    assert out[0] == 11 and out[1] == int(logits[1].argmax())
+    want2 = logits[2].clone()
+    want2[bad.bad_words_token_ids[0][0]] = float("-inf")
+    assert out[2] == int(want2.argmax())
+    assert out[3] == 1 + int(logits[3, 1:4].argmax())
+    # the multi-token word: its last token is banned only right after its first tokens
+    logits[2, 7] = 100.0
+    assert sample(logits[2:3], [FakeSeq(bad, output=[5])]) == [7]
+    assert sample(logits[2:3], [FakeSeq(bad, output=[1, 5, 6])]) != [7]
+    assert sample(logits[2:3], [FakeSeq(bad, prompt=(5, 6), output=[])]) == [7]  # output tokens only (vLLM)
+
+
+def test_allowed_and_bias_hold_for_seeded_sampling():
+    logits = torch.zeros(300, 30)
+    seqs = [FakeSeq(SamplingParams(seed=i, allowed_token_ids=[4, 9, 20])) for i in range(150)] + \
+           [FakeSeq(SamplingParams(seed=i, logit_bias={2: -100.0, 3: 100.0})) for i in range(150)]
+    out = sample(logits, seqs)
+    assert set(out[:150]) == {4, 9, 20} and set(out[150:]) == {3}
+
+
+def test_logits_processors_run_on_their_row_with_its_history():
+    calls = []
+
+    def two(ids, row):
+        calls.append(("two", ids, row.shape))
+        row[ids[-1] + 1] = 1e4
+        return row
+
+    def three(prompt_ids, ids, row):
+        calls.append(("three", prompt_ids, ids))
+        return row * 0 + torch.arange(row.shape[0], dtype=row.dtype)  # a new row: its argmax is the last id
+
+    logits = torch.randn(3, 20)
+    seqs = [FakeSeq(SamplingParams(temperature=0)), FakeSeq(SamplingParams(temperature=0, logits_processors=[two]), output=[4, 8]),
+            FakeSeq(SamplingParams(temperature=0, logits_processors=[three]), prompt=(1, 2), output=[5])]
+    out = sample(logits, seqs)
+    assert out == [int(logits[0].argmax()), 9, 19]
+    assert calls == [("two", [4, 8], (20,)), ("three", [1, 2], [5])]

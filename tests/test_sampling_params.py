@@ -102,3 +102,60 @@ def test_numpy_numbers_are_accepted_and_converted():
         SamplingParams(n=np.bool_(True))
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=10**400)  # beyond float range: infinite, not an OverflowError
+
+
+def test_vllm_parity_fields_defaults_and_normalisation():
+    sp = SamplingParams()
+    assert (sp.prompt_logprobs, sp.logit_bias, sp.allowed_token_ids, sp.bad_words, sp.logits_processors) == \
+        (None, None, None, None, None)
+    assert sp.detokenize and sp.spaces_between_special_tokens and sp.truncate_prompt_tokens is None
+    import numpy as np
+    sp = SamplingParams(logit_bias={np.int64(3): 250, 4: np.float32(-0.5), 5: -1e9}, allowed_token_ids=(1, np.int32(2)),
+                        bad_words=("a b",), prompt_logprobs=np.int64(2), truncate_prompt_tokens=-1)
+    assert sp.logit_bias == {3: 100.0, 4: -0.5, 5: -100.0}  # clamped to [-100, 100] as vLLM does
+    assert [type(t) for t in sp.logit_bias] == [int, int, int] and sp.allowed_token_ids == [1, 2]
+    assert sp.bad_words == ["a b"] and type(sp.prompt_logprobs) is int and sp.truncate_prompt_tokens == -1
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(prompt_logprobs=-1), "prompt_logprobs must be None or at least 0"),
+    (dict(truncate_prompt_tokens=0), r"truncate_prompt_tokens must be None, -1 \(max_model_len\) or at least 1"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+    (dict(allowed_token_ids=[1, -2]), "allowed_token_ids.*non-negative"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias keys.*non-negative"),
+    (dict(logit_bias={1: float("nan")}), "logit_bias values"),
+    (dict(bad_words=["ok", " "]), "bad_words.*blank"),
+    (dict(stop="x", detokenize=False), "detokenize"),
+])
+def test_vllm_parity_value_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("prompt_logprobs", 1.0), ("truncate_prompt_tokens", "5"), ("logit_bias", [1, 2]),
+    ("logit_bias", {"1": 1.0}), ("logit_bias", {1: "x"}), ("allowed_token_ids", 3), ("allowed_token_ids", [1.0]),
+    ("bad_words", "word"), ("bad_words", [1]), ("logits_processors", [3]), ("logits_processors", len),
+    ("detokenize", 1), ("spaces_between_special_tokens", None),
+])
+def test_vllm_parity_type_errors(field, value):
+    with pytest.raises(TypeError, match=field):
+        SamplingParams(**{field: value})
+
+
+class WordTokenizer:
+    """encode: one id per character, a leading space its own id 0 (to exercise vLLM's rule)."""
+    def encode(self, text, add_special_tokens=False):
+        return ([0] if text.startswith(" ") else []) + [ord(c) for c in text.lstrip()]
+
+
+def test_bad_words_encoding_follows_vllm():
+    sp = SamplingParams(bad_words=["ab", "  c"])
+    enc = sp.with_bad_words_token_ids(WordTokenizer())
+    # " ab" -> [0, 97, 98]: a different first token but a different length, so not added
+    assert enc.bad_words_token_ids == [[97, 98], [99]] and sp.bad_words_token_ids is None  # a copy
+    assert enc.needs_host_tokens and not SamplingParams(bad_words=["c"]).with_bad_words_token_ids(
+        WordTokenizer()).needs_host_tokens
+    assert SamplingParams(logits_processors=[lambda ids, row: row]).needs_host_tokens
+    assert not SamplingParams().needs_host_tokens

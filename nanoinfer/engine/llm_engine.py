@@ -15,7 +15,8 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from copy import copy
+from dataclasses import dataclass
 from numbers import Integral
 
 from nanoinfer.config import Config
@@ -28,6 +29,7 @@ from nanoinfer.engine.tp_worker import TensorParallelRunner
 from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
+from nanoinfer.utils.main_guard import check_main_guard
 
 
 class LLMEngine:
@@ -38,6 +40,8 @@ class LLMEngine:
         self.vocab_size = config.hf_config.vocab_size
         self._exited = False
         # tp > 1: rank 0 here plus spawned workers; its num_blocks is the minimum over ranks
+        if config.tensor_parallel_size > 1:
+            check_main_guard()  # spawned workers re-import the main script
         self.model_runner = ModelRunner(config) if config.tensor_parallel_size == 1 else TensorParallelRunner(config)
         num_blocks = self.model_runner.num_blocks
         if num_blocks * config.kvcache_block_size < config.max_model_len:
@@ -104,29 +108,53 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         text, token_ids = self._prompt_tokens(prompt)
         sp = sampling_params
-        bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        if sp.logprobs is not None and sp.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs must be at most the vocabulary size {self.vocab_size}, got {sp.logprobs}")
-        # max_tokens=None: up to max_model_len
-        total = len(token_ids) + (sp.max_tokens if sp.max_tokens is not None else 1)
-        if total > self.config.max_model_len:
-            raise ValueError(f"prompt length {len(token_ids)} + max_tokens {sp.max_tokens} = {total} "
-                             f"exceeds max_model_len={self.config.max_model_len}")
-        if sp.max_tokens is None:
-            total = self.config.max_model_len
+        max_len = self.config.max_model_len
+        self._check_token_ids(sp)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(sp, name) is not None and getattr(sp, name) > self.vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, "
+                                 f"got {getattr(sp, name)}")
+        if sp.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1 yet")
+        if sp.truncate_prompt_tokens is not None:  # keep the last k prompt tokens (vLLM)
+            keep = max_len if sp.truncate_prompt_tokens == -1 else sp.truncate_prompt_tokens
+            if keep > max_len:
+                raise ValueError(f"truncate_prompt_tokens must be at most max_model_len={max_len}, "
+                                 f"got {sp.truncate_prompt_tokens}")
+            token_ids = token_ids[-keep:]
+        # as vLLM's offline LLM: the prompt must leave room for one token; generation stops at
+        # max_model_len (finish_reason "length") whatever max_tokens says
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt length {len(token_ids)} plus at least 1 output token exceeds "
+                             f"max_model_len={max_len}: the prompt must be at most {max_len - 1} tokens")
+        total = max_len if sp.max_tokens is None else min(len(token_ids) + sp.max_tokens, max_len)
         capacity = self.scheduler.block_manager.num_blocks * self.config.kvcache_block_size
         if total > capacity:
             raise ValueError(f"prompt length + max_tokens = {total} tokens cannot fit the whole KV cache "
                              f"({capacity} tokens)")
+        if sp.bad_words:
+            sp = sp.with_bad_words_token_ids(self.tokenizer)
+            bad = [t for word in sp.bad_words_token_ids for t in word if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"bad_words encode to token ids outside [0, {self.vocab_size}): {bad[:5]}")
         bs = self.config.kvcache_block_size
         first = Sequence(token_ids, sp, bs)
         seqs = [first]
         for i in range(1, sp.n):
-            child = sp if sp.seed is None else replace(sp, seed=sp.seed + i)
+            child = sp
+            if sp.seed is not None:
+                child = copy(sp)  # (not dataclasses.replace: that drops the encoded bad words)
+                child.seed = sp.seed + i
             seqs.append(Sequence(token_ids, child, bs, request_id=first.seq_id, index=i))
         return seqs, text
+
+    def _check_token_ids(self, sp: SamplingParams):
+        """Token ids in the sampling params must be in the model's vocabulary."""
+        for name, ids in (("stop_token_ids", sp.stop_token_ids), ("allowed_token_ids", sp.allowed_token_ids),
+                          ("logit_bias", sp.logit_bias)):
+            bad = [t for t in ids or () if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
 
     def add_requests(self, prompts: list, sampling_params: list, *, stream: bool = False,
                      keep_output: bool = False) -> list[int]:
@@ -257,9 +285,12 @@ class LLMEngine:
         return pairs, num_tokens
 
     def _process(self, inflight: InFlight):
-        tokens, logprobs = self.model_runner.collect(inflight)
+        tokens, logprobs, prompt_logprobs = self.model_runner.collect(inflight)
         now = time.time()
         requests, on_token = self.requests, self.output_processor.on_token
+        for seq, start, entries in prompt_logprobs or ():
+            if not seq.is_finished:  # (an aborted request may be gone from the registry)
+                self.output_processor.on_prompt_logprobs(requests[seq.request_id], start, entries)
 
         def record(seq, row, stopped_by_token, final):
             return on_token(requests[seq.request_id], seq, logprobs[row] if logprobs else None,

@@ -4,6 +4,7 @@ for decode), and samples on rank 0."""
 import logging
 from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,25 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
                   | {max_num_seqs})
 
 
+def _prompt_logprob_rows(batch: ScheduledBatch):
+    """The prompt positions whose logits a step must compute for prompt_logprobs (a request's first
+    sample computes them): (segments (seq, first position, count, top-k), flat row indices,
+    the prompt token each position predicts, the largest top-k), or None (the common case)."""
+    segments, rows, targets, k = [], [], [], 0
+    offset = batch.num_decode  # decode rows have one query token each and no prompt positions
+    for r in range(batch.num_decode, len(batch.seqs)):
+        seq, start, q = batch.seqs[r], batch.starts[r], batch.query_lens[r]
+        n = seq.sampling_params.prompt_logprobs
+        end = min(start + q, seq.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
+        if n is not None and seq.index == 0 and start < end:
+            segments.append((seq, start, end - start, n))
+            rows.extend(range(offset, offset + end - start))
+            targets.extend(seq.token_ids[start + 1:end + 1])
+            k = max(k, n)
+        offset += q
+    return (segments, rows, targets, k) if segments else None
+
+
 @dataclass
 class InFlight:
     """A launched step whose results the host has not collected yet."""
@@ -42,6 +62,7 @@ class InFlight:
     row_of: dict[int, int]        # seq_id -> row, for rows that sample
     sample_args: SamplingTensors
     logprobs: tuple | None        # device tensors from Sampler.sample, when a row asked
+    prompt_logprobs: tuple | None = None  # (segments, device tensors), when a row asked (see _prompt_logprobs)
 
 
 class ModelRunner:
@@ -244,9 +265,18 @@ class ModelRunner:
                     prev.tokens.index_select(0, self._to_device(list(src), torch.int64))
         sample_args = SamplingTensors.build(batch.seqs, self.config.hf_config.vocab_size, batch.eos_token_ids,
                                            self.device, batch.samples, prev)
+        wanted = _prompt_logprob_rows(batch)
+        prompt_logprobs = None
         try:
-            tokens, logprobs = self.sampler.sample(self.run_model(input_ids, positions, step.is_decode_only),
-                                                   sample_args)
+            if wanted is not None:  # logits for those prompt positions too, after each row's last token
+                last = list(accumulate(batch.query_lens, initial=-1))[1:]
+                get_context().logits_indices = self._to_device(last + wanted[1], torch.int64)
+            logits = self.run_model(input_ids, positions, step.is_decode_only)
+            if wanted is not None:
+                B = len(batch.seqs)
+                prompt_logprobs = self._prompt_logprobs(logits[B:], wanted)
+                logits = logits[:B]
+            tokens, logprobs = self.sampler.sample(logits, sample_args)
         finally:
             reset_context()
         host = torch.empty(len(batch.seqs), dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
@@ -256,18 +286,41 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         row_of = {seq.seq_id: row for row, seq in enumerate(batch.seqs) if batch.samples[row]}
-        return InFlight(batch, tokens, host, event, row_of, sample_args, logprobs)
+        return InFlight(batch, tokens, host, event, row_of, sample_args, logprobs, prompt_logprobs)
 
-    def collect(self, inflight: "InFlight") -> tuple[list[int], list | None]:
-        """Wait for a launched step; returns its sampled token ids (one per row) and, when asked,
-        per-row logprobs (see SamplerOutput)."""
+    def _prompt_logprobs(self, logits: torch.Tensor, wanted) -> tuple:
+        """Raw log-softmax of the prompt positions' logits: the next prompt token's logprob and
+        rank, and the top-k. In slices, so the float32 copy stays small for long prompts."""
+        segments, _, targets, k = wanted
+        targets = self._to_device(targets, torch.int64)
+        parts = []
+        for lo in range(0, logits.shape[0], 1024):
+            lp = torch.log_softmax(logits[lo:lo + 1024].float(), dim=-1)
+            tok = lp.gather(1, targets[lo:lo + 1024, None])
+            top = lp.topk(min(k, lp.shape[1]), dim=-1)
+            parts.append((tok[:, 0], (lp > tok).sum(dim=-1) + 1, top.indices, top.values))
+        return segments, *(torch.cat(x) for x in zip(*parts))
+
+    def collect(self, inflight: "InFlight") -> tuple[list[int], list | None, list | None]:
+        """Wait for a launched step; returns its sampled token ids (one per row), when asked per-row
+        logprobs (see SamplerOutput), and when asked prompt logprobs: (seq, first position, entries)
+        per prefill row, an entry (logprob, rank, top ids, top logprobs) per position from the first
+        on, predicting the prompt token after it."""
         if inflight.event is not None:
             inflight.event.synchronize()
         tokens = inflight.host.tolist()
-        logprobs = None
+        logprobs = prompt_logprobs = None
         if inflight.logprobs is not None:
             logprobs = self.sampler.logprobs_to_host(inflight.sample_args, len(tokens), *inflight.logprobs)
-        return tokens, logprobs
+        if inflight.prompt_logprobs is not None:
+            segments, *tensors = inflight.prompt_logprobs
+            tok_lp, rank, top_ids, top_lp = (x.tolist() for x in tensors)
+            prompt_logprobs, i = [], 0
+            for seq, start, count, n in segments:
+                prompt_logprobs.append((seq, start, [(tok_lp[j], rank[j], top_ids[j][:n], top_lp[j][:n])
+                                                     for j in range(i, i + count)]))
+                i += count
+        return tokens, logprobs, prompt_logprobs
 
     @torch.inference_mode()
     def _capture_cuda_graphs(self):

@@ -39,6 +39,9 @@ class Request:
         self.arrival_time = time.time()
         self.keep_output = keep_output  # kept after finishing until pop_output; step() does not report it
         self.completions = [Completion(seq, d) for seq, d in zip(seqs, detoks)]
+        # prompt_logprobs: entry p (p >= 1) is (logprob, rank, top ids, top logprobs) of prompt token p
+        wants = seqs[0].sampling_params.prompt_logprobs is not None
+        self.prompt_logprobs = [None] * len(self.prompt_token_ids) if wants else None
 
     @property
     def finished(self) -> bool:
@@ -52,8 +55,14 @@ class OutputProcessor:
     def new_request(self, seqs: list[Sequence], prompt: str | None, keep_output: bool, stream: bool) -> Request:
         prompt_ids = seqs[0].token_ids[:seqs[0].num_prompt_tokens]
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, s.sampling_params)
-                  if stream or s.sampling_params.stop else None for s in seqs]
+                  if (stream or s.sampling_params.stop) and s.sampling_params.detokenize else None for s in seqs]
         return Request(seqs, prompt, keep_output, detoks)
+
+    @staticmethod
+    def on_prompt_logprobs(req: Request, start: int, entries: list):
+        """Record the prompt logprobs a prefill row computed: entries[i] is from position start + i,
+        for prompt token start + i + 1 (a re-prefill after preemption writes the same values)."""
+        req.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
 
     @staticmethod
     def on_token(req: Request, seq: Sequence, logprobs, stopped_by_token: bool, final: bool,
@@ -84,25 +93,41 @@ class OutputProcessor:
         if c.detok is not None:
             return c.detok.text
         seq, sp = c.seq, c.seq.sampling_params
+        if not sp.detokenize:
+            return ""
         ids = seq.completion_token_ids
         if seq.finish_reason == "stop" and not sp.include_stop_str_in_output and ids:
             ids = ids[:-1]  # the EOS / stop token is not part of the text
         return completion_text(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], ids, sp.skip_special_tokens)
 
-    def _logprob_dicts(self, records) -> list[dict[int, Logprob]]:
+    def _logprob_dicts(self, records, detokenize: bool = True) -> list[dict[int, Logprob]]:
+        """records: (token, (top ids, top logprobs, token's logprob, its rank)) per position."""
+        def text(t):
+            return decode(self.tokenizer, [t], False) if detokenize else None
+
         out = []
         for token, (top_ids, top_lps, lp, rank) in records:
-            d = {token: Logprob(lp, rank, decode(self.tokenizer, [token], False))}
+            d = {token: Logprob(lp, rank, text(token))}
             for r, (tid, tlp) in enumerate(zip(top_ids, top_lps), start=1):
                 if tid not in d:
-                    d[tid] = Logprob(tlp, r, decode(self.tokenizer, [tid], False))
+                    d[tid] = Logprob(tlp, r, text(tid))
             out.append(d)
         return out
+
+    def _prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's shape: None for the first prompt token (and any position not computed, e.g. of an
+        aborted request), then a dict of the prompt token and the top-k."""
+        if req.prompt_logprobs is None:
+            return None
+        detok = req.seqs[0].sampling_params.detokenize
+        return [None if e is None else self._logprob_dicts([(tok, (e[2], e[3], e[0], e[1]))], detok)[0]
+                for tok, e in zip(req.prompt_token_ids, req.prompt_logprobs)]
 
     def completion_output(self, c: Completion) -> CompletionOutput:
         seq = c.seq
         ids = seq.completion_token_ids
-        lps = None if c.logprobs is None else self._logprob_dicts(zip(ids, c.logprobs))
+        lps = None if c.logprobs is None else \
+            self._logprob_dicts(zip(ids, c.logprobs), seq.sampling_params.detokenize)
         return CompletionOutput(seq.index, self._text(c), ids, c.cumulative_logprob, lps,
                                 seq.finish_reason if seq.is_finished else None, seq.stop_reason)
 
@@ -113,7 +138,7 @@ class OutputProcessor:
         metrics = RequestMetrics(req.arrival_time, min(firsts, default=None), max(ends) if finished and ends else None)
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids),
                              [self.completion_output(c) for c in req.completions], finished, metrics,
-                             req.completions[0].num_cached_tokens)
+                             req.completions[0].num_cached_tokens, self._prompt_logprobs(req))
 
     def stream_deltas(self, req: Request, index: int) -> list[StreamDelta]:
         """What each completion of the request produced since the last call (text is released up to
@@ -124,13 +149,14 @@ class OutputProcessor:
             done = seq.is_finished
             ids = seq.completion_token_ids
             new_ids = ids[c.streamed_tokens:]
-            upto = c.detok.releasable(done)
-            new_text = c.detok.text[c.streamed_chars:upto]
+            upto = c.detok.releasable(done) if c.detok is not None else 0  # None: detokenize=False
+            new_text = c.detok.text[c.streamed_chars:upto] if c.detok is not None else ""
             if c.stream_done or (not new_ids and not new_text and not done):
                 continue
             lps = None
             if c.logprobs is not None:
-                lps = self._logprob_dicts(zip(new_ids, c.logprobs[c.streamed_tokens:]))
+                lps = self._logprob_dicts(zip(new_ids, c.logprobs[c.streamed_tokens:]),
+                                          seq.sampling_params.detokenize)
             c.streamed_tokens = len(ids)
             c.streamed_chars = max(c.streamed_chars, upto)
             c.stream_done = done

@@ -11,7 +11,9 @@ Steps may overlap: step N+1 is scheduled before step N's tokens reach the host. 
 (`num_computed_tokens`, `num_inflight`) is therefore advanced when a step is scheduled, and tokens
 are appended when it is processed. A sequence whose in-flight token reaches a length limit is not
 scheduled again; one that stops on EOS or a stop string meanwhile wastes one row, which `update`
-ignores.
+ignores. A request whose next step needs all its tokens on the host (`logits_processors`, bad
+words of several tokens: SamplingParams.needs_host_tokens) is not scheduled while it has a token in
+flight, so it runs every other step while the rest of the batch overlaps.
 """
 from collections import deque
 from collections.abc import Callable
@@ -89,8 +91,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
-            if seq.num_computed_tokens < seq.num_tokens - 1 or self._reaches_limit(seq):
-                continue  # mid-prefill (step 2), or its in-flight token ends it
+            if seq.num_computed_tokens < seq.num_tokens - 1 or self._reaches_limit(seq) or \
+                    (seq.num_inflight and seq.sampling_params.needs_host_tokens):
+                continue  # mid-prefill (step 2), its in-flight token ends it, or the host must see that token
             while not self.block_manager.append_slot(seq):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -109,13 +112,25 @@ class Scheduler:
                 budget -= self._add_row(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_inflight or not self.block_manager.allocate(seq):
+            if seq.num_inflight or not self._allocate(seq):
                 break  # a preempted sequence's last token is still in flight, or the pool is full
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget -= self._add_row(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
         return batch if batch.seqs else None
+
+    def _allocate(self, seq: Sequence) -> bool:
+        """Blocks for a waiting sequence. The sequence that computes a request's prompt_logprobs
+        takes no prefix-cache hit: every prompt position must be computed (as vLLM does)."""
+        if seq.index or seq.sampling_params.prompt_logprobs is None:
+            return self.block_manager.allocate(seq)
+        bm = self.block_manager
+        if seq.num_blocks > bm.num_free_blocks:
+            return False
+        seq.block_table.extend(bm._take_free_block() for _ in range(seq.num_blocks))
+        seq.num_cached_tokens = seq.num_computed_tokens = 0
+        return True
 
     def _reaches_limit(self, seq: Sequence) -> bool:
         """Whether the sequence's tokens in flight already end it by length (it will not be scheduled

@@ -35,11 +35,13 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the last token of each sequence that samples (prefill) or every row (decode),
-    gathered to rank 0; other ranks return None."""
+    or for the rows the context names (prompt_logprobs), gathered to rank 0; other ranks return None."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         ctx = get_context()
-        if ctx.is_prefill:
+        if ctx.logits_indices is not None:
+            hidden = hidden[ctx.logits_indices]
+        elif ctx.is_prefill:
             hidden = hidden[ctx.cu_seqlens_q[1:] - 1]
         logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:

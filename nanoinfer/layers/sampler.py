@@ -5,7 +5,10 @@ only for rows that use them, penalty token tensors, min_tokens suppression indic
 logprob requests). `Sampler.forward` then runs, all batched:
 
     raw logits --(logprobs: log_softmax of the raw logits, top-N + sampled token's)
-      -> min_tokens: EOS / stop token ids -> -inf        (rows below min_tokens only)
+      -> logits_processors (per request, its row)        (rows that use them only)
+      -> allowed_token_ids: the others -> -inf           (rows that use them only)
+      -> bad words, min_tokens (EOS / stop ids) -> -inf  (rows that use them only)
+      -> logit_bias                                      (rows that use it only)
       -> repetition, frequency, presence penalties       (rows that use them only)
       -> greedy rows: argmax
       -> / temperature -> min_p -> top_k -> top_p         (skipped when no row uses them)
@@ -18,6 +21,7 @@ Seeded rows draw their noise from a counter-based hash of (seed, step, token id)
 global generator, so a seeded request gets the same tokens whatever else is in the batch, wherever it
 sits in it, on CPU and GPU alike. The step is the number of tokens the request generated so far.
 """
+import inspect
 from array import array
 from dataclasses import dataclass
 
@@ -58,12 +62,28 @@ class SamplingTensors:
     lp_rows_list: list[int] | None = None
     lp_counts: list[int] | None = None         # per lp row, its own N
     lp_max: int | None = None
+    # allowed_token_ids: rows `allowed_rows` keep only (allowed_pos[j] -> row allowed_rows[pos], token)
+    allowed_rows: torch.Tensor | None = None
+    allowed_pos: torch.Tensor | None = None
+    allowed_tokens: torch.Tensor | None = None
+    # logit_bias: logits[bias_rows, bias_tokens] += bias_values
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    # logits_processors: (row, callables, prompt token ids, output token ids), run on the host
+    processors: list | None = None
 
     @property
     def plain(self) -> bool:
         """Only temperature / greedy rows: what the fused kernel does on its own."""
         return (self.top_k is None and self.top_p is None and self.min_p is None and self.pen_tokens is None
-                and self.suppress_rows is None and self.seeded_rows is None and self.lp_max is None)
+                and self.suppress_rows is None and self.seeded_rows is None and self.lp_max is None
+                and self.allowed_rows is None and self.bias_rows is None and self.processors is None)
+
+    @property
+    def edits_logits(self) -> bool:
+        return (self.suppress_rows is not None or self.pen_tokens is not None or self.allowed_rows is not None
+                or self.bias_rows is not None or self.processors is not None)
 
     @classmethod
     def build(cls, seqs, vocab_size: int, eos_token_ids, device: torch.device, samples=None,
@@ -74,19 +94,20 @@ class SamplingTensors:
         flight (an InFlight): a token it sampled is not on the host yet, so it counts for seeds and
         min_tokens, and joins the penalty history on the device."""
         pin = device.type == "cuda"
-        samples = samples or [False] * len(seqs)
+        counted = samples or [False] * len(seqs)
 
         def dev(data, dtype):
             return torch.tensor(data, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
         temps, top_ks, top_ps, min_ps = [], [], [], []
         pen, supp_rows, supp_toks, seeded, seed_keys, lp_rows, lp_counts = [], [], [], [], [], [], []
+        allowed, bias, procs = [], [], []
         use_top_k = use_top_p = use_min_p = False
         eos = list(eos_token_ids)
         for i, seq in enumerate(seqs):
             sp = seq.sampling_params
             # tokens generated before this row's sample (host + in flight, this row's own excluded)
-            generated = seq.num_completion_tokens + seq.num_inflight - samples[i]
+            generated = seq.num_completion_tokens + seq.num_inflight - counted[i]
             greedy = sp.temperature < SAMPLING_EPS
             temps.append(0.0 if greedy else float(sp.temperature))
             k = sp.top_k if 0 < sp.top_k < vocab_size else TOP_K_OFF
@@ -109,6 +130,21 @@ class SamplingTensors:
             if sp.logprobs is not None:
                 lp_rows.append(i)
                 lp_counts.append(sp.logprobs)
+            if sp.has_token_constraints:
+                if sp.allowed_token_ids is not None:
+                    allowed.append((i, sp.allowed_token_ids))
+                if sp.logit_bias:
+                    bias.append((i, sp.logit_bias))
+                if sp.needs_host_tokens and generated != seq.num_completion_tokens:
+                    raise RuntimeError("a request with logits_processors or multi-token bad_words was scheduled "
+                                       "before the host saw its previous token")
+                if sp.bad_words_token_ids:
+                    banned = _banned_by_bad_words(sp.bad_words_token_ids, seq.token_ids, seq.num_prompt_tokens)
+                    supp_rows.extend([i] * len(banned))
+                    supp_toks.extend(banned)
+                if sp.logits_processors and (samples is None or samples[i]):
+                    n = seq.num_prompt_tokens
+                    procs.append((i, sp.logits_processors, seq.token_ids[:n], seq.token_ids[n:]))
         B = len(seqs)
         all_greedy = all(t == 0.0 for t in temps)
         t = cls(dev(temps, torch.float32), all_greedy=all_greedy, any_greedy=any(t == 0.0 for t in temps))
@@ -127,7 +163,7 @@ class SamplingTensors:
             rows = [seqs[i] for i in pen]
             # a row's token still in flight (prev) goes after its host tokens, filled in on the device
             late = [(j, len(s.token_ids), prev.row_of[s.seq_id]) for j, s in enumerate(rows)
-                    if prev is not None and s.seq_id in prev.row_of and s.num_inflight - samples[pen[j]] > 0]
+                    if prev is not None and s.seq_id in prev.row_of and s.num_inflight - counted[pen[j]] > 0]
             width = max(len(s.token_ids) for s in rows) + (1 if late else 0)
             flat = array("q")  # C-level copies of the histories: ~2x faster than a tensor per row
             for s in rows:
@@ -149,7 +185,29 @@ class SamplingTensors:
         if lp_rows:
             t.lp_rows = None if len(lp_rows) == B else dev(lp_rows, torch.int64)
             t.lp_rows_list, t.lp_counts, t.lp_max = lp_rows, lp_counts, min(max(lp_counts), vocab_size)
+        if allowed:
+            t.allowed_rows = dev([i for i, _ in allowed], torch.int64)
+            t.allowed_pos = dev([j for j, (_, ids) in enumerate(allowed) for _ in ids], torch.int64)
+            t.allowed_tokens = dev([tok for _, ids in allowed for tok in ids], torch.int64)
+        if bias:
+            t.bias_rows = dev([i for i, b in bias for _ in b], torch.int64)
+            t.bias_tokens = dev([tok for _, b in bias for tok in b], torch.int64)
+            t.bias_values = dev([v for _, b in bias for v in b.values()], torch.float32)
+        if procs:
+            t.processors = procs
         return t
+
+
+def _banned_by_bad_words(bad_words: list[list[int]], token_ids: list[int], num_prompt: int) -> list[int]:
+    """vLLM's rule: a word's last token is banned when the output ends with the tokens before it
+    (a one-token word always)."""
+    banned = []
+    num_output = len(token_ids) - num_prompt
+    for word in bad_words:
+        k = len(word) - 1
+        if k <= num_output and (k == 0 or token_ids[len(token_ids) - k:] == word[:k]):
+            banned.append(word[-1])
+    return banned
 
 
 class SamplerOutput(list):
@@ -169,6 +227,13 @@ def _seed_keys(seed: int, step: int) -> list[int]:
 
     h = splitmix64(splitmix64(seed & 0xFFFFFFFFFFFFFFFF) ^ step)
     return [h & _M32, h >> 32]
+
+
+def _num_params(fn) -> int:
+    try:
+        return len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
+        return 2
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -205,13 +270,21 @@ class Sampler(nn.Module):
             return sample_gumbel_argmax(logits, t.temperatures, int(torch.randint(0, 2**31 - 1, (1,)))), None
         raw = logits
         logits = logits.float()
-        if logits is raw and (t.suppress_rows is not None or t.pen_tokens is not None):
+        if logits is raw and t.edits_logits:
             logits = logits.clone()  # edited in place below: leave the caller's tensor alone
         lp = None
         if t.lp_max is not None:
             lp = torch.log_softmax(logits if t.lp_rows is None else logits[t.lp_rows], dim=-1)
+        if t.processors is not None:
+            self._apply_processors(logits, t.processors)
+        if t.allowed_rows is not None:
+            keep = torch.zeros(t.allowed_rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
+            keep[t.allowed_pos, t.allowed_tokens] = True
+            logits[t.allowed_rows] = logits[t.allowed_rows].masked_fill(~keep, float("-inf"))
         if t.suppress_rows is not None:
             logits[t.suppress_rows, t.suppress_tokens] = float("-inf")
+        if t.bias_rows is not None:
+            logits.index_put_((t.bias_rows, t.bias_tokens), t.bias_values, accumulate=True)
         if t.pen_tokens is not None:
             self._apply_penalties(logits, t)
         greedy = logits.argmax(dim=-1) if t.any_greedy else None
@@ -228,6 +301,16 @@ class Sampler(nn.Module):
         rank = (lp > sampled_lp).sum(dim=-1) + 1
         top_lp, top_ids = lp.topk(t.lp_max, dim=-1)
         return tokens, (top_ids, top_lp, sampled_lp[:, 0], rank)
+
+    @staticmethod
+    def _apply_processors(logits: torch.Tensor, processors: list):
+        """vLLM's per-request logits processors: fn(output_ids, row), or fn(prompt_ids, output_ids,
+        row) when it takes three parameters; each returns the row to use."""
+        for row, fns, prompt_ids, output_ids in processors:
+            x = logits[row]
+            for fn in fns:
+                x = fn(prompt_ids, list(output_ids), x) if _num_params(fn) == 3 else fn(list(output_ids), x)
+            logits[row] = x
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, t: SamplingTensors):

@@ -16,6 +16,9 @@ class Context:
     context_lens: torch.Tensor | None = None   # [num_seqs] tokens in the cache after this step
     block_tables: torch.Tensor | None = None   # [num_seqs, width] int32, -1 padded
     decode_order: torch.Tensor | None = None   # [num_seqs] int32, longest context first (Triton decode)
+    # rows of the hidden states the LM head computes logits for; None: each sequence's last token
+    # (prefill) or every row (decode). Set only for steps with prompt_logprobs rows.
+    logits_indices: torch.Tensor | None = None
     # host copies of the lengths, for the CPU reference path (no device sync)
     query_lens_cpu: list[int] | None = None
     context_lens_cpu: list[int] | None = None
