@@ -245,6 +245,8 @@ def test_max_tokens_past_max_model_len_stops_at_it(llm):
     assert len(last["token_ids"]) == 1 and last["finish_reason"] == "length"
     with pytest.raises(ValueError, match="max_model_len=96"):
         llm.add_request([5] * 96, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt length 90 \+ max_tokens 50 = 140 exceeds max_model_len=96"):
+        llm.add_requests([[5], [5] * 90], [SamplingParams(max_tokens=50)] * 2, max_tokens_must_fit=True)  # the server's rule
     assert_clean(llm)
 
 

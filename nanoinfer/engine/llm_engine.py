@@ -99,9 +99,12 @@ class LLMEngine:
             raise ValueError("prompt is empty (no tokens)")
         return text, token_ids
 
-    def make_request(self, prompt, sampling_params: SamplingParams | None) -> tuple[list[Sequence], str | None]:
+    def make_request(self, prompt, sampling_params: SamplingParams | None,
+                     max_tokens_must_fit: bool = False) -> tuple[list[Sequence], str | None]:
         """Validate one request and build its n sequences (one per sample) without queueing them.
-        With a seed, sample i uses seed + i (as vLLM does), so the samples differ."""
+        With a seed, sample i uses seed + i (as vLLM does), so the samples differ.
+        max_tokens_must_fit: prompt + max_tokens over max_model_len is an error (vLLM's OpenAI
+        server) instead of stopping at max_model_len (its offline LLM)."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
@@ -127,6 +130,9 @@ class LLMEngine:
         if len(token_ids) >= max_len:
             raise ValueError(f"prompt length {len(token_ids)} plus at least 1 output token exceeds "
                              f"max_model_len={max_len}: the prompt must be at most {max_len - 1} tokens")
+        if max_tokens_must_fit and sp.max_tokens is not None and len(token_ids) + sp.max_tokens > max_len:
+            raise ValueError(f"prompt length {len(token_ids)} + max_tokens {sp.max_tokens} = "
+                             f"{len(token_ids) + sp.max_tokens} exceeds max_model_len={max_len}")
         total = max_len if sp.max_tokens is None else min(len(token_ids) + sp.max_tokens, max_len)
         capacity = self.scheduler.block_manager.num_blocks * self.config.kvcache_block_size
         if total > capacity:
@@ -157,16 +163,17 @@ class LLMEngine:
                 raise ValueError(f"{name} must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
 
     def add_requests(self, prompts: list, sampling_params: list, *, stream: bool = False,
-                     keep_output: bool = False) -> list[int]:
+                     keep_output: bool = False, max_tokens_must_fit: bool = False) -> list[int]:
         """Validate every request, then queue them all (a bad one queues none; the error names its
         index). Returns the request ids. stream: detokenize every step (for stream_deltas).
-        keep_output: the request stays in the engine until pop_output(); step() does not report it."""
+        keep_output: the request stays in the engine until pop_output(); step() does not report it.
+        max_tokens_must_fit: see make_request (for the server)."""
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
         made = []
         for i, (prompt, sp) in enumerate(zip(prompts, sampling_params, strict=True)):
             try:
-                made.append(self.make_request(prompt, sp))
+                made.append(self.make_request(prompt, sp, max_tokens_must_fit))
             except (ValueError, TypeError) as e:
                 if len(prompts) == 1:
                     raise
