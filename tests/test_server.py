@@ -83,6 +83,56 @@ class Server:
                 self.proc.wait()
 
 
+def descendants(pid: int) -> list[int]:
+    """The pids of a process's children, their children, ... (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # it exited meanwhile
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie may wait for a reaper that never comes)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def engine_pid(server_pid: int) -> int:
+    """The server's engine process: its one child started by multiprocessing's spawn (the other
+    may be multiprocessing's resource tracker)."""
+    (pid,) = [p for p in descendants(server_pid) if _parent(p) == server_pid and "spawn_main" in _cmdline(p)]
+    return pid
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode(errors="replace")
+
+
+def shm_entries(pids) -> list[str]:
+    """/dev/shm entries named after one of these processes (the tp workers' segments)."""
+    return [f for f in os.listdir("/dev/shm") if any(f.startswith(f"nanoinfer_{p}_") for p in pids)]
+
+
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
     srv = Server(tiny_qwen3, tmp_path_factory.mktemp("server") / "server.log")
@@ -300,9 +350,17 @@ def test_serving_benchmark(server, serving, capsys):
     results, duration = asyncio.run(bench.run_benchmark(server.url, workload, NAME, max_concurrency=3))
     assert [r.error for r in results] == [None] * 6
     assert [r.output_tokens for r in results] == workload.output_lens  # ignore_eos: every token asked for
-    assert all(0 < r.ttft <= r.latency <= duration and len(r.itl) < r.output_tokens for r in results)
+    assert all(0 < r.ttft <= r.latency <= duration and len(r.itl) == r.chunks - 1 and 0 < r.chunks <= r.output_tokens
+               for r in results)
     summary = bench.summarize(results, duration)
     assert summary["total_output_tokens"] == sum(workload.output_lens) and summary["p50_ttft_ms"] > 0
+    assert summary["tokens_per_chunk"] >= 1
+    # two client processes: every request, in workload order, and each process's CPU time
+    results, duration, cpu = bench.run_parallel(server.url, workload, NAME, request_rate=100, processes=2)
+    assert [r.error for r in results] == [None] * 6 and len(cpu) == 2 and all(c > 0 for c in cpu)
+    assert [(r.prompt_tokens, r.output_tokens) for r in results] == \
+        [(len(p), n) for p, n in zip(workload.prompts, workload.output_lens)]
+    assert "client_cpu_percent" in bench.summarize(results, duration, cpu)
     sharegpt = bench.make_workload(200, "sharegpt")
     assert 4 <= min(map(len, sharegpt.prompts)) < np.median(list(map(len, sharegpt.prompts))) < 300
 
@@ -408,13 +466,16 @@ def test_malformed_json_and_unknown_routes(server, client, serving):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "Hi"}])
 
 
-# ---- shutdown -----------------------------------------------------------------------------------
+# ---- shutdown ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("tp, sig", [(1, signal.SIGTERM), (1, signal.SIGINT), (2, signal.SIGTERM)])
 def test_shutdown_ends_in_flight_requests_and_leaves_nothing(llm, tiny_qwen3, tmp_path, tp, sig):
     """SIGTERM / SIGINT (Ctrl-C): the in-flight request still ends, then the server and its engine
-    (tp workers included) exit, leaving no shared memory."""
+    process (tp workers included) exit, leaving no shared memory."""
     srv = Server(tiny_qwen3, tmp_path / "server.log", tensor_parallel_size=tp)
     try:
+        children = descendants(srv.proc.pid)
+        assert engine_pid(srv.proc.pid) in children
+        assert tp == 1 or shm_entries(children)  # tp workers: a shared-memory segment to free
         stream = iter(srv.client().completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0,
                                                       stream=True, extra_body={"ignore_eos": True}))
         chunks = [next(stream)]  # the request is in flight
@@ -426,6 +487,46 @@ def test_shutdown_ends_in_flight_requests_and_leaves_nothing(llm, tiny_qwen3, tm
         assert srv.proc.wait(timeout=120) == 0, srv.log()
     finally:
         srv.stop()
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"nanoinfer_{srv.proc.pid}_")]
+    # multiprocessing's resource tracker, if any, leaves once the last process holding its pipe has
+    wait_until(lambda: not [p for p in children if running(p)], timeout=60, what="the server's children to exit")
+    assert not shm_entries([srv.proc.pid, *children])
     with pytest.raises(httpx.ConnectError):
         httpx.get(srv.url + "/health", timeout=10)
+
+
+def test_killed_server_takes_its_engine_along(tiny_qwen3, tmp_path):
+    """SIGKILL of the server process: the engine process and its tp workers exit by themselves,
+    freeing their shared memory."""
+    srv = Server(tiny_qwen3, tmp_path / "server.log", tensor_parallel_size=2)
+    children = descendants(srv.proc.pid)
+    assert engine_pid(srv.proc.pid) in children and shm_entries(children)  # tp workers' segment
+    srv.proc.kill()
+    srv.proc.wait(timeout=60)
+    wait_until(lambda: not [p for p in children if running(p)], timeout=120, what="the engine processes to exit")
+    assert not shm_entries(children)
+
+
+def test_dead_engine_is_reported(tiny_qwen3, tmp_path):
+    """The engine process dies: /health and new requests answer 503, and the server still shuts
+    down cleanly."""
+    srv = Server(tiny_qwen3, tmp_path / "server.log")
+    try:
+        os.kill(engine_pid(srv.proc.pid), signal.SIGKILL)
+        wait_until(lambda: httpx.get(srv.url + "/health", timeout=30).status_code == 503, what="/health to fail")
+        r = httpx.post(srv.url + "/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError", r.text
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(timeout=120) == 0, srv.log()
+    finally:
+        srv.stop()
+
+
+def test_bad_engine_option_exits_with_the_error(tiny_qwen3, tmp_path):
+    """An option the engine refuses (checked in the engine process) ends `serve` with status 2 and
+    the engine's message."""
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        code = subprocess.run([sys.executable, "-m", "nanoinfer", "serve", tiny_qwen3, "--max-num-seqs", "0"],
+                              stdout=out, stderr=subprocess.STDOUT, cwd=REPO, timeout=STARTUP_TIMEOUT).returncode
+    text = log.read_text()
+    assert code == 2 and "max_num_seqs must be" in text, text

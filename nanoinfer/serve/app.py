@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (FastAPI routes) over one EngineLoop.
+"""The OpenAI-compatible HTTP API (FastAPI routes) over the engine process (an EngineClient).
 
 Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`: invalid parameters
 (pydantic's or nanoinfer's ValueError / TypeError) and malformed JSON are 400, an unknown model 404.
@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.serve import convert
-from nanoinfer.serve.engine_loop import EngineDeadError, EngineLoop, Submission
+from nanoinfer.serve.engine_client import EngineClient, EngineDeadError, Submission
 from nanoinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse,
                                       ModelCard, ModelList)
 from nanoinfer.utils.chat import render_chat
@@ -38,11 +38,9 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def build_app(llm, served_model_name: str, tokenizer) -> FastAPI:
-    """`tokenizer` renders chat prompts on the event loop: a copy of the engine's, which only the
-    engine thread uses."""
-    engine = EngineLoop(llm)
-    max_model_len = llm.config.max_model_len
+def build_app(engine: EngineClient, served_model_name: str) -> FastAPI:
+    """Chat prompts are rendered here, with the engine's tokenizer (a copy it sent at start)."""
+    tokenizer, max_model_len = engine.tokenizer, engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -51,7 +49,6 @@ def build_app(llm, served_model_name: str, tokenizer) -> FastAPI:
             yield
         finally:  # after uvicorn's graceful shutdown: the in-flight requests have ended
             engine.stop()
-            llm.exit()
 
     app = FastAPI(title="nanoinfer", lifespan=lifespan)
     app.state.engine = engine
@@ -103,7 +100,7 @@ def build_app(llm, served_model_name: str, tokenizer) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, root=llm.config.model, max_model_len=max_model_len)])
+        return ModelList(data=[ModelCard(id=served_model_name, root=engine.model, max_model_len=max_model_len)])
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

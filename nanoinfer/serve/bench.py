@@ -9,15 +9,27 @@ tokens, ignore_eos); "sharegpt" draws long-tailed, log-normal prompt and output 
 ShareGPT conversations (medians ~120 and ~150 tokens, clipped to [4, 1024]), generated locally (no
 dataset is read). Requests arrive all at once (--request-rate inf), or as a Poisson process at the
 given rate; --max-concurrency caps how many run at once.
+
+The client is spread over --client-processes processes (one asyncio loop each, requests dealt
+round-robin, one shared arrival schedule), so that parsing tens of thousands of chunks a second
+does not make the client the bottleneck; it prints its CPU use so that you can check.
+
+Latencies follow vLLM's benchmark_serving: ITL is the gap between successive streamed chunks (a
+chunk may carry several tokens when the server merges what a slow reader has not taken yet), TPOT
+is (end-to-end latency - TTFT) / (output tokens - 1) per request.
 """
 import argparse
 import asyncio
+import multiprocessing as mp
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
+import httpx
 import numpy as np
+from httpx_sse import aconnect_sse
 
 
 @dataclass
@@ -49,26 +61,38 @@ class RequestResult:
     ttft: float = 0.0            # seconds from sending to the first text
     latency: float = 0.0         # seconds from sending to the end of the stream
     itl: list[float] = field(default_factory=list)  # gaps between the chunks after the first
+    chunks: int = 0              # chunks with text (one may carry several tokens)
     error: str | None = None
 
 
 async def _one_request(client, model: str, prompt: list[int], max_tokens: int, temperature: float) -> RequestResult:
+    """One streamed completion. httpx + httpx-sse + json, not the openai client: its per-chunk
+    object building costs ~0.7 ms of client CPU, which at 256 streams would make the client the
+    bottleneck."""
     result = RequestResult(prompt_tokens=len(prompt))
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, stream=True,
+                stream_options={"include_usage": True}, ignore_eos=True)
     start = last = time.perf_counter()
     try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.choices and chunk.choices[0].text:
-                if result.ttft == 0.0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-            if chunk.usage is not None:
-                result.output_tokens = chunk.usage.completion_tokens
+        async with aconnect_sse(client, "POST", "/v1/completions", json=body) as source:
+            if source.response.status_code != 200:
+                raise RuntimeError(f"HTTP {source.response.status_code}: {(await source.response.aread()).decode()}")
+            async for event in source.aiter_sse():
+                now = time.perf_counter()
+                if event.data == "[DONE]":
+                    break
+                chunk = json.loads(event.data)
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"].get("message"))
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    result.chunks += 1
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
         result.latency = time.perf_counter() - start
     except Exception as e:  # report, do not stop the run
         result.error = f"{type(e).__name__}: {e}"
@@ -76,35 +100,83 @@ async def _one_request(client, model: str, prompt: list[int], max_tokens: int, t
 
 
 async def run_benchmark(url: str, workload: Workload, model: str | None = None, request_rate: float = math.inf,
-                        max_concurrency: int | None = None, temperature: float = 0.6,
-                        seed: int = 0) -> tuple[list[RequestResult], float]:
-    """Send the workload's requests (Poisson arrivals at request_rate per second, or all at once);
-    returns each request's result and the run's duration in seconds."""
-    import openai  # the test extra: pip install openai
+                        max_concurrency: int | None = None, temperature: float = 0.6, seed: int = 0,
+                        share: tuple[int, int] = (0, 1),
+                        start: float | None = None) -> tuple[list[RequestResult], float]:
+    """Send the workload's requests (Poisson arrivals at request_rate per second, or all at once) from
+    one event loop; returns each request's result and the run's duration in seconds. With
+    share=(k, p), only requests k, k + p, ... (arrival times unchanged) and max_concurrency / p of
+    them at once; `start` (a time.perf_counter() value, shared by processes) is time 0."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        if model is None:
+            response = await client.get("/v1/models")
+            response.raise_for_status()
+            model = response.json()["data"][0]["id"]
+        rng = np.random.default_rng(seed + 1)
+        gaps = rng.exponential(1.0 / request_rate, len(workload.prompts)) if math.isfinite(request_rate) else \
+            np.zeros(len(workload.prompts))
+        arrivals = np.cumsum(gaps) - gaps[0]
+        mine = range(share[0], len(workload.prompts), share[1])
+        limit = asyncio.Semaphore(max(1, (max_concurrency or len(workload.prompts)) // share[1]))
+        start = time.perf_counter() if start is None else start
 
-    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=3600)
-    if model is None:
-        model = (await client.models.list()).data[0].id
-    rng = np.random.default_rng(seed + 1)
-    gaps = rng.exponential(1.0 / request_rate, len(workload.prompts)) if math.isfinite(request_rate) else \
-        np.zeros(len(workload.prompts))
-    arrivals = np.cumsum(gaps) - gaps[0]
-    limit = asyncio.Semaphore(max_concurrency or len(workload.prompts))
-    start = time.perf_counter()
+        async def request(i: int) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))  # its arrival time
+            async with limit:
+                return await _one_request(client, model, workload.prompts[i], workload.output_lens[i], temperature)
 
-    async def request(i: int) -> RequestResult:
-        await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))  # its arrival time
-        async with limit:
-            return await _one_request(client, model, workload.prompts[i], workload.output_lens[i], temperature)
-
-    try:
-        results = await asyncio.gather(*(request(i) for i in range(len(workload.prompts))))
-    finally:
-        await client.close()
+        results = await asyncio.gather(*(request(i) for i in mine))
     return results, time.perf_counter() - start
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict:
+_barrier = None
+
+
+def _set_barrier(barrier):
+    global _barrier
+    _barrier = barrier
+
+
+def _meet(_):
+    _barrier.wait(timeout=600)
+
+
+def _client_process(args: tuple) -> tuple[list[RequestResult], float, float]:
+    """One client process's share: (results, duration, CPU seconds)."""
+    cpu = time.process_time()
+    results, duration = asyncio.run(run_benchmark(*args))
+    return results, duration, time.process_time() - cpu
+
+
+def run_parallel(url: str, workload: Workload, model: str | None = None, request_rate: float = math.inf,
+                 max_concurrency: int | None = None, temperature: float = 0.6, seed: int = 0,
+                 processes: int = 1) -> tuple[list[RequestResult], float, list[float]]:
+    """run_benchmark spread over `processes` client processes: the results in workload order, the
+    duration, and each process's CPU seconds."""
+    if model is None:
+        response = httpx.get(url.rstrip("/") + "/v1/models", timeout=60)
+        response.raise_for_status()
+        model = response.json()["data"][0]["id"]
+    if processes == 1:
+        cpu = time.process_time()
+        results, duration = asyncio.run(run_benchmark(url, workload, model, request_rate, max_concurrency,
+                                                      temperature, seed))
+        return results, duration, [time.process_time() - cpu]
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(processes)
+    with ctx.Pool(processes, initializer=_set_barrier, initargs=(barrier,)) as pool:
+        pool.map(_meet, range(processes), chunksize=1)  # every process is up, its imports done
+        start = time.perf_counter() + 0.1  # a shared time 0 (perf_counter is system-wide on Linux)
+        parts = pool.map(_client_process, [(url, workload, model, request_rate, max_concurrency, temperature,
+                                            seed, (k, processes), start) for k in range(processes)], chunksize=1)
+    results = [None] * len(workload.prompts)
+    for k, (part, _, _) in enumerate(parts):
+        results[k::processes] = part
+    return results, max(d for _, d, _ in parts), [c for _, _, c in parts]
+
+
+def summarize(results: list[RequestResult], duration: float, client_cpu: list[float] | None = None) -> dict:
     ok = [r for r in results if r.error is None]
     ms = lambda xs, q: float(np.percentile(xs, q) * 1000) if len(xs) else float("nan")  # noqa: E731
     mean_ms = lambda xs: float(np.mean(xs) * 1000) if len(xs) else float("nan")  # noqa: E731
@@ -114,16 +186,21 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     e2e = [r.latency for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
+    chunks = sum(r.chunks for r in ok)
     summary = {
         "successful_requests": len(ok), "failed_requests": len(results) - len(ok),
         "duration_s": duration, "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "tokens_per_chunk": out_tokens / chunks if chunks else float("nan"),
     }
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e_latency", e2e)):
         summary[f"mean_{name}_ms"] = mean_ms(xs)
         for q in (50, 90, 99):
             summary[f"p{q}_{name}_ms"] = ms(xs, q)
+    if client_cpu:  # the busiest client process's CPU use, in % of one core over the run
+        summary["client_processes"] = len(client_cpu)
+        summary["client_cpu_percent"] = 100 * max(client_cpu) / duration
     summary["errors"] = sorted({r.error for r in results if r.error})[:5]
     return summary
 
@@ -139,6 +216,9 @@ def format_summary(s: dict) -> str:
     row("Request throughput (req/s):", f"{s['request_throughput']:.2f}")
     row("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}")
     row("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")
+    row("Output tokens per chunk:", f"{s['tokens_per_chunk']:.2f}")
+    if "client_cpu_percent" in s:
+        row(f"Client CPU, busiest of {s['client_processes']} (%):", f"{s['client_cpu_percent']:.0f}")
     for name, label, title in (("ttft", "TTFT", "Time to First Token"),
                                ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
                                ("itl", "ITL", "Inter-token Latency"), ("e2e_latency", "E2EL", "End-to-end Latency")):
@@ -147,6 +227,10 @@ def format_summary(s: dict) -> str:
         for q in (50, 90, 99):
             row(f"P{q} {label} (ms):", f"{s[f'p{q}_{name}_ms']:.2f}")
     lines.append("=" * 50)
+    lines.append("ITL: gap between successive chunks; TPOT: (E2EL - TTFT) / (output tokens - 1), as vLLM's")
+    if s.get("client_cpu_percent", 0) > 80:
+        lines.append("warning: a client process was busy over 80 % of the run: latencies include client lag; "
+                     "raise --client-processes")
     lines += [f"error: {e}" for e in s["errors"]]
     return "\n".join(lines)
 
@@ -168,13 +252,16 @@ def main(argv: list[str] | None = None):
     p.add_argument("--max-concurrency", type=int, default=None, help="requests running at once (default: no cap)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                   help="client processes (one asyncio loop each)")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     args = p.parse_args(argv)
     workload = make_workload(args.num_requests, args.dataset, tuple(args.input_len), tuple(args.output_len),
                              args.vocab_size, args.seed)
-    results, duration = asyncio.run(run_benchmark(args.url, workload, args.model, args.request_rate,
-                                                   args.max_concurrency, args.temperature, args.seed))
-    summary = summarize(results, duration)
+    results, duration, client_cpu = run_parallel(args.url, workload, args.model, args.request_rate,
+                                                 args.max_concurrency, args.temperature, args.seed,
+                                                 args.client_processes)
+    summary = summarize(results, duration, client_cpu)
     print(format_summary(summary))
     if args.json:
         with open(args.json, "w") as f:

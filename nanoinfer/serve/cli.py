@@ -1,7 +1,6 @@
 """`nanoinfer serve MODEL [options]` (also `python -m nanoinfer serve ...`): the OpenAI-compatible
 server. Every LLM option is a --kebab-case flag, generated from nanoinfer.config.Config."""
 import argparse
-import copy
 import logging
 import signal
 import sys
@@ -66,19 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from nanoinfer import LLM
     from nanoinfer.serve.app import build_app
+    from nanoinfer.serve.engine_client import EngineClient
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     options = {name: getattr(args, name) for name in Config.option_names() if hasattr(args, name)}
     try:
-        llm = LLM(args.model, **options)
+        engine = EngineClient(args.model, options, args.log_level)  # builds the LLM in the engine process
     except (ValueError, TypeError) as e:
         print(f"nanoinfer serve: {e}", file=sys.stderr)
         return 2
     try:
-        tokenizer = copy.deepcopy(llm.get_tokenizer())
-        app = build_app(llm, getattr(args, "served_model_name", args.model), tokenizer)
+        app = build_app(engine, getattr(args, "served_model_name", args.model))
         # uvicorn shuts down gracefully on SIGINT / SIGTERM (the app's lifespan stops the engine),
         # then re-raises the signal to the handler found at start: this one, status 0.
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -86,7 +84,7 @@ def serve(args: argparse.Namespace) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=args.shutdown_timeout)
     finally:
-        llm.exit()
+        engine.close()
     return 0
 
 

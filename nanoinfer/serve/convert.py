@@ -4,7 +4,7 @@ import time
 from collections.abc import AsyncIterator
 
 from nanoinfer.outputs import Logprob, RequestOutput, StreamDelta
-from nanoinfer.serve.engine_loop import Submission
+from nanoinfer.serve.engine_client import Submission
 from nanoinfer.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
                                       ChatLogProbs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                                       CompletionChunk, CompletionLogProbs, CompletionResponse, DeltaMessage,

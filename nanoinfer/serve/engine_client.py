@@ -1,0 +1,251 @@
+"""The HTTP process's handle on the engine process (engine_process.py says what the two send).
+
+HTTP handlers never touch the engine. `submit` and `abort` put commands on a queue that a writer
+thread sends in batches; a reader thread receives the engine's one message per step and hands it
+to the event loop with one `call_soon_threadsafe`, where `_dispatch` puts each submission's news
+on its asyncio queue (one list per submission per step).
+"""
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+
+from nanoinfer.outputs import RequestOutput, StreamDelta
+from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.serve.engine_process import engine_main
+
+logger = logging.getLogger("nanoinfer.serve")
+
+STOP_TIMEOUT_S = 60.0   # a stopping engine aborts its requests and stops its workers; then SIGTERM, SIGKILL
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class Submission:
+    """One HTTP request's prompts, queued together (all or none). Its `events` get, per engine step,
+    a list of (prompt_index, StreamDelta) while streaming and (prompt_index, RequestOutput) at the
+    end of each prompt, or an exception if the engine fails."""
+    id: int
+    prompts: list
+    params: SamplingParams
+    stream: bool
+    added: asyncio.Future          # resolved with None, or the add_requests error
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    unfinished: int = 0            # prompts without their RequestOutput yet (the engine client's count)
+
+    async def batches(self):
+        """Lists of the events queued since the previous list (waiting for at least one), until
+        every prompt's RequestOutput has arrived."""
+        left = len(self.prompts)
+        while left:
+            items = [await self.events.get()]
+            while not self.events.empty():
+                items.append(self.events.get_nowait())
+            batch = []
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+                batch.extend(item)
+            left -= sum(isinstance(event, RequestOutput) for _, event in batch)
+            yield batch
+
+    async def results(self):
+        """The events one by one."""
+        async for batch in self.batches():
+            for event in batch:
+                yield event
+
+
+class EngineClient:
+    """Starts the engine process (building the LLM there) and talks to it; `start` on the event
+    loop, `stop` to end it. Counters for /stats: requests in the engine now; since start, requests
+    finished or aborted and their prompt and generated tokens."""
+
+    def __init__(self, model: str, options: dict, log_level: str = "warning"):
+        ctx = mp.get_context("spawn")
+        commands_reader, self._commands = ctx.Pipe(duplex=False)
+        self._events, events_writer = ctx.Pipe(duplex=False)
+        # Not daemonic: a daemonic process cannot start the tensor-parallel workers. It exits by
+        # itself when this process dies (engine_process.py); stop() / close() end it otherwise.
+        self.process = ctx.Process(target=engine_main, name="nanoinfer-engine",
+                                   args=(model, options, commands_reader, events_writer, log_level))
+        self.process.start()
+        commands_reader.close()  # our copies: the engine's end closing is then an EOF here
+        events_writer.close()
+        self.error: str | None = None
+        self.num_requests = self.num_finished = self.prompt_tokens = self.generation_tokens = 0
+        self._subs: dict[int, Submission] = {}
+        self._ids = itertools.count()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._reader = threading.Thread(target=self._read, name="nanoinfer-engine-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="nanoinfer-engine-writer", daemon=True)
+        try:
+            info = self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self.model, self.max_model_len, self.tokenizer = info["model"], info["max_model_len"], info["tokenizer"]
+
+    def _wait_ready(self) -> dict:
+        """The engine's "ready" info; raises what building the LLM raised (ValueError / TypeError
+        for bad options), or RuntimeError if the process died."""
+        wait([self._events, self.process.sentinel])
+        try:
+            message = self._events.recv()
+        except EOFError:
+            self.process.join()
+            raise RuntimeError(f"the engine process exited with code {self.process.exitcode} while starting") \
+                from None
+        if message[0] == "failed":
+            _, kind, text = message
+            raise {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(text)
+        return message[1]
+
+    # ---- on the event loop ----------------------------------------------------------------------
+    def start(self):
+        self._loop = asyncio.get_running_loop()
+        self._reader.start()
+        self._writer.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and not self._stopping and self.process.is_alive()
+
+    async def submit(self, prompts: list, params: SamplingParams, stream: bool) -> Submission:
+        """Queue one engine request per prompt; raises the engine's ValueError / TypeError (and
+        queues none) if any is invalid."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine is not running{f': {self.error}' if self.error else ''}")
+        sub = Submission(next(self._ids), prompts, params, stream, self._loop.create_future())
+        self._subs[sub.id] = sub
+        self._outbox.put(("add", sub.id, prompts, params, stream))
+        try:
+            await asyncio.shield(sub.added)
+        except asyncio.CancelledError:  # the client left: the abort follows the add down the pipe
+            sub.added.add_done_callback(lambda f: f.exception())  # an add error nobody reads now
+            self.abort(sub)
+            raise
+        return sub
+
+    def abort(self, sub: Submission):
+        """Stop what is left of a submission (its blocks are freed); safe to call more than once."""
+        if sub.id in self._subs:
+            self._outbox.put(("abort", sub.id))
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S):
+        """Abort whatever is left and end the engine process (and its workers)."""
+        self._stopping = True
+        self._outbox.put(("stop",))
+        self.process.join(timeout)
+        self.close()
+
+    def close(self):
+        """End the engine process if it still runs (SIGTERM: it cleans up; then SIGKILL)."""
+        self._stopping = True
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._outbox.put(None)  # ends the writer thread
+        for t in (self._writer, self._reader):
+            if t.is_alive():
+                t.join(10)
+
+    def _dispatch(self, message: tuple):
+        """One engine message, on the event loop."""
+        if message[0] == "dead":
+            self._failed(message[1])
+            return
+        _, added, deltas, finals = message
+        for sub_id, error in added:
+            sub = self._subs[sub_id]
+            if error is None:
+                sub.unfinished = len(sub.prompts)
+                self.num_requests += sub.unfinished
+                _resolve(sub.added, None)
+            else:
+                del self._subs[sub_id]
+                kind, text = error
+                _resolve(sub.added, {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(text))
+        news: dict[int, list] = {}
+        for sub_id, i, *fields in deltas:
+            news.setdefault(sub_id, []).append((i, StreamDelta(i, *fields)))
+        for sub_id, i, out in finals:
+            news.setdefault(sub_id, []).append((i, out))
+            self.num_requests -= 1
+            self.num_finished += 1
+            self.prompt_tokens += len(out.prompt_token_ids)
+            self.generation_tokens += sum(len(c.token_ids) for c in out.outputs)
+        for sub_id, items in news.items():
+            sub = self._subs[sub_id]
+            sub.events.put_nowait(items)
+            sub.unfinished -= sum(isinstance(event, RequestOutput) for _, event in items)
+            if sub.unfinished == 0:
+                del self._subs[sub_id]
+
+    def _failed(self, reason: str):
+        """The engine is gone: every waiting client gets an error."""
+        if self.error is not None:
+            return
+        self.error = reason
+        if not self._stopping:
+            logger.error("the engine stopped: %s", reason)
+        failure = EngineDeadError(f"the engine failed: {reason}")
+        for sub in self._subs.values():
+            if not sub.added.done():
+                sub.added.set_exception(failure)
+            else:
+                sub.events.put_nowait(failure)
+        self._subs.clear()
+        self.num_requests = 0
+
+    # ---- threads --------------------------------------------------------------------------------
+    def _read(self):
+        try:
+            while True:
+                message = self._events.recv()
+                self._call(self._dispatch, message)
+                if message[0] == "dead":
+                    return
+        except (EOFError, OSError):
+            self.process.join(5)
+            self._call(self._failed, f"the engine process exited (code {self.process.exitcode})")
+
+    def _write(self):
+        while True:
+            batch = [self._outbox.get()]
+            while True:
+                try:
+                    batch.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            commands = [c for c in batch if c is not None]
+            if commands:
+                try:
+                    self._commands.send(commands)
+                except OSError:  # the engine is gone; the reader reports it
+                    pass
+            if len(commands) < len(batch):
+                return
+
+    def _call(self, fn, arg):
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None):
+    if not future.done():
+        future.set_result(None) if error is None else future.set_exception(error)
