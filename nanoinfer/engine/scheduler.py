@@ -91,8 +91,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
+            sp = seq.sampling_params
             if seq.num_computed_tokens < seq.num_tokens - 1 or self._reaches_limit(seq) or \
-                    (seq.num_inflight and seq.sampling_params.needs_host_tokens):
+                    (seq.num_inflight and sp.has_token_constraints and sp.needs_host_tokens):
                 continue  # mid-prefill (step 2), its in-flight token ends it, or the host must see that token
             while not self.block_manager.append_slot(seq):
                 victim = self.running[-1]
