@@ -161,3 +161,44 @@ def test_mixed_step_token_count(tiny_qwen3):
         assert llm.step()[1] == -2
     finally:
         llm.exit()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_an_exception_in_a_logits_processor_leaves_the_engine_clean(tiny_qwen3, overlap):
+    """A user's logits processor that raises: generate() raises that error, every block is free
+    afterwards, and the next generate gives the same tokens as before."""
+    llm = LLM(tiny_qwen3, kvcache_block_size=BS, max_model_len=128, async_scheduling=overlap)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+        expected = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        calls = []
+
+        def flaky(output_token_ids, logits):
+            calls.append(len(output_token_ids))
+            if len(calls) == 4:
+                raise RuntimeError("processor failed")
+            return logits
+
+        bad = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logits_processors=[flaky])
+        with pytest.raises(RuntimeError, match="processor failed"):
+            llm.generate(prompts + [[13, 14]], [greedy] * 3 + [bad], use_tqdm=False)
+        bm = llm.scheduler.block_manager
+        assert llm.is_finished() and not llm.requests
+        assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+        assert [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
+        # by hand: the failing request is aborted, the others go on to their exact tokens
+        calls.clear()
+        rids = [llm.add_request(p, greedy) for p in prompts]
+        bad_id = llm.add_request([13, 14], bad)
+        done = {}
+        with pytest.raises(RuntimeError, match="processor failed"):
+            while not llm.is_finished():
+                done.update(llm.step()[0])
+        llm.abort_request(bad_id)
+        while not llm.is_finished():
+            done.update(llm.step()[0])
+        assert [done[rid] for rid in rids] == expected
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.exit()

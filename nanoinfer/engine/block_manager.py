@@ -76,11 +76,12 @@ class BlockManager:
             prev = h
         return hits
 
-    def allocate(self, seq: Sequence) -> bool:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
-        Returns False (and changes nothing) when the pool cannot hold it now."""
+    def allocate(self, seq: Sequence, use_cache: bool = True) -> bool:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks (unless
+        not `use_cache`: every token must then be computed). Returns False (and changes nothing)
+        when the pool cannot hold it now."""
         assert not seq.block_table
-        hits = self._prefix_hits(seq)
+        hits = self._prefix_hits(seq) if use_cache else []
         revived = sum(1 for block_id, _ in hits if self.blocks[block_id].ref_count == 0)
         if seq.num_blocks - len(hits) + revived > self.num_free_blocks:
             return False

@@ -266,7 +266,11 @@ class LLMEngine:
                 if batch is None:
                     raise RuntimeError("the scheduler cannot make progress (a request does not fit the KV cache)")
             t1 = time.perf_counter()
-            launched = self.model_runner.launch(batch, self.inflight) if batch is not None else None
+            try:
+                launched = self.model_runner.launch(batch, self.inflight) if batch is not None else None
+            except BaseException:
+                self.scheduler.unschedule(batch)  # the engine stays consistent; the caller sees the error
+                raise
             t2 = time.perf_counter()
             prev, self.inflight = self.inflight, launched
             if prev is not None:

@@ -124,14 +124,14 @@ class Scheduler:
     def _allocate(self, seq: Sequence) -> bool:
         """Blocks for a waiting sequence. The sequence that computes a request's prompt_logprobs
         takes no prefix-cache hit: every prompt position must be computed (as vLLM does)."""
-        if seq.index or seq.sampling_params.prompt_logprobs is None:
-            return self.block_manager.allocate(seq)
-        bm = self.block_manager
-        if seq.num_blocks > bm.num_free_blocks:
-            return False
-        seq.block_table.extend(bm._take_free_block() for _ in range(seq.num_blocks))
-        seq.num_cached_tokens = seq.num_computed_tokens = 0
-        return True
+        return self.block_manager.allocate(seq, use_cache=seq.index or seq.sampling_params.prompt_logprobs is None)
+
+    def unschedule(self, batch: ScheduledBatch):
+        """Undo a step that could not be launched (an exception, e.g. in a user's logits processor):
+        its rows are scheduled again next time. Blocks it allocated stay with their sequences."""
+        for seq, start, samples in zip(batch.seqs, batch.starts, batch.samples):
+            seq.num_computed_tokens = start
+            seq.num_inflight -= samples
 
     def _reaches_limit(self, seq: Sequence) -> bool:
         """Whether the sequence's tokens in flight already end it by length (it will not be scheduled
