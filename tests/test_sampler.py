@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from nanoinfer.layers.sampler import Sampler, SamplingTensors, hashed_exponential, _seed_keys
+from nanoinfer.layers.sampler import Sampler, SamplingTensors, hashed_exponential
+from nanoinfer.layers.sampling_tensors import _seed_keys
 from nanoinfer.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
