@@ -29,17 +29,18 @@ import sys
 import threading
 from multiprocessing.connection import Connection, wait
 
+from nanoinfer.llm import LLM
+
 logger = logging.getLogger("nanoinfer.serve")
 
 
 def engine_main(model: str, options: dict, commands: Connection, events: Connection, log_level: str):
     """The engine process's entry point (spawned by EngineClient)."""
+    global _exiting
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_once)
     _watch_parent()
-    from nanoinfer import LLM
-
     try:
         llm = LLM(model, **options)
     except Exception as e:
@@ -52,12 +53,18 @@ def engine_main(model: str, options: dict, commands: Connection, events: Connect
     except (EOFError, BrokenPipeError):
         pass  # the server is gone: nobody to answer
     finally:
+        _exiting = True
         llm.exit()
 
 
+_exiting = False  # set once the process heads for its exit: a SIGTERM then no longer interrupts the cleanup
+
+
 def _exit_once(*_):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup in progress is not interrupted again
-    sys.exit(0)
+    global _exiting
+    if not _exiting:
+        _exiting = True
+        sys.exit(0)
 
 
 def _watch_parent():
