@@ -147,8 +147,7 @@ class OutputProcessor:
         for c in req.completions:
             seq = c.seq
             done = seq.is_finished
-            ids = seq.completion_token_ids
-            new_ids = ids[c.streamed_tokens:]
+            new_ids = seq.token_ids[seq.num_prompt_tokens + c.streamed_tokens:]  # (not a copy of the whole completion)
             upto = c.detok.releasable(done) if c.detok is not None else 0  # None: detokenize=False
             new_text = c.detok.text[c.streamed_chars:upto] if c.detok is not None else ""
             if c.stream_done or (not new_ids and not new_text and not done):
@@ -157,7 +156,7 @@ class OutputProcessor:
             if c.logprobs is not None:
                 lps = self._logprob_dicts(zip(new_ids, c.logprobs[c.streamed_tokens:]),
                                           seq.sampling_params.detokenize)
-            c.streamed_tokens = len(ids)
+            c.streamed_tokens += len(new_ids)
             c.streamed_chars = max(c.streamed_chars, upto)
             c.stream_done = done
             deltas.append(StreamDelta(index, seq.index, req.request_id, new_text, new_ids, lps, done,
