@@ -3,7 +3,8 @@ are spawned processes, each running a ModelRunner in a loop. `TensorParallelRunn
 rank 0's ModelRunner in the engine and drives the workers.
 
 Rank 0 -> workers: one shared-memory segment per engine holding a length-prefixed pickle of
-(method, args), and one Event per worker that says a call is waiting. Workers -> rank 0: one pipe
+(method, args), and one semaphore per worker, released once per call (never blocking rank 0, unlike
+an Event, whose set() waits for every sleeping waiter to wake: forever for a stopped worker). Workers -> rank 0: one pipe
 per worker, on which it answers every call with ("ok", result) or ("error", traceback) before it
 exits. The buffer is written again only after every worker has answered the call before, so a
 worker never reads a half-written call. A call that outgrows the buffer moves everyone to a larger
@@ -14,6 +15,9 @@ Failure: rank 0 waits on the workers' pipes and process sentinels together, so a
 or raises is noticed at once; the engine then stops every worker, frees the segment and raises a
 RuntimeError that carries the worker's error. On CPU (gloo) a dead peer also makes rank 0's pending
 collective fail at once; on CUDA (NCCL) a watchdog thread aborts the process group to free it.
+A worker that does not answer a step within NANOINFER_TP_STEP_TIMEOUT_S seconds (default 60: stopped
+with SIGSTOP, or hung) is killed by the same watchdog, which turns it into a dead worker: the error
+names the rank and the timeout, and the engine refuses further use.
 """
 import atexit
 import logging
@@ -44,8 +48,25 @@ SHM_INITIAL_BYTES = 1 << 20
 SETTLE_TIMEOUT_S = 2.0       # how long a failed or interrupted step waits for the workers to finish it
 EXIT_TIMEOUT_S = 10.0        # polite exit, then SIGTERM, then SIGKILL
 PARENT_POLL_S = 0.5          # how often an idle worker checks that rank 0's process is alive
+STEP_TIMEOUT_ENV = "NANOINFER_TP_STEP_TIMEOUT_S"
+DEFAULT_STEP_TIMEOUT_S = 60.0  # a worker silent this long on a step is stuck (raise it for slow steps)
 _HEADER = struct.Struct("<Q")  # payload length
+_TIMED_CALLS = {"execute", "_ping", "_remap"}  # calls the step timeout applies to
 _MAX_ERROR_CHARS = 16000     # a worker's traceback must fit the pipe buffer: it sends, then exits
+
+
+def step_timeout() -> float:
+    """Seconds a worker may take to answer a step: NANOINFER_TP_STEP_TIMEOUT_S, default 60."""
+    value = os.environ.get(STEP_TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_STEP_TIMEOUT_S
+    try:
+        timeout = float(value)
+    except ValueError:
+        timeout = float("nan")
+    if not 0 < timeout < float("inf"):
+        raise ValueError(f"{STEP_TIMEOUT_ENV} must be a positive number of seconds, got {value!r}")
+    return timeout
 
 
 class WorkerFailure(Exception):
@@ -64,7 +85,7 @@ def _send_error(conn, rank: int):
         pass
 
 
-def worker_main(config: Config, rank: int, init_method: str, shm_name: str, event, conn):
+def worker_main(config: Config, rank: int, init_method: str, shm_name: str, calls, conn):
     """Ranks 1..N-1: wait for a call, run it on this rank's ModelRunner, answer, repeat until "exit"."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     parent = mp.parent_process()
@@ -74,11 +95,10 @@ def worker_main(config: Config, rank: int, init_method: str, shm_name: str, even
         runner = ModelRunner(config, rank, init_method)
         conn.send(("ok", runner.num_blocks))
         while True:
-            if not event.wait(PARENT_POLL_S):
+            if not calls.acquire(timeout=PARENT_POLL_S):
                 if parent is not None and not parent.is_alive():
                     return  # rank 0 is gone (killed): nobody to serve
                 continue
-            event.clear()
             (n,) = _HEADER.unpack_from(shm.buf, 0)
             method, args = pickle.loads(shm.buf[_HEADER.size:_HEADER.size + n])
             result = None
@@ -131,11 +151,14 @@ class TensorParallelRunner:
         self.config = config
         self.world_size = n = config.tensor_parallel_size
         self.runner: ModelRunner | None = None
-        self.procs, self.events, self.conns = [], [], []
+        self.procs, self.calls, self.conns = [], [], []  # per worker: process, call semaphore, answer pipe
         self._pending: set[int] = set()   # workers yet to answer the last call
         self._results: dict[int, object] = {}
         self._broken: str | None = None   # why the group can no longer be used
         self._closed = False
+        self.step_timeout = step_timeout()
+        self._deadline: float | None = None  # when the workers pending on a step count as stuck
+        self._stuck: dict[int, str] = {}       # worker index -> why the watchdog killed it
         self._stop_watchdog = threading.Event()
         self._shm_base = f"nanoinfer_{os.getpid()}_{secrets.token_hex(6)}"
         self._shm_generation = 0
@@ -146,14 +169,14 @@ class TensorParallelRunner:
             self.init_method = f"tcp://127.0.0.1:{_free_port()}"
             ctx = mp.get_context("spawn")
             for rank in range(1, n):
-                event = ctx.Event()
+                calls = ctx.Semaphore(0)
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=worker_main, name=f"nanoinfer-tp{rank}", daemon=True,
-                                   args=(config, rank, self.init_method, self.shm.name, event, writer))
+                                   args=(config, rank, self.init_method, self.shm.name, calls, writer))
                 self._start(proc)
                 writer.close()
                 self.procs.append(proc)
-                self.events.append(event)
+                self.calls.append(calls)
                 self.conns.append(reader)
             self._pending = set(range(n - 1))
             self._collect("start-up")  # workers imported everything; none died on the way
@@ -161,15 +184,14 @@ class TensorParallelRunner:
             self.runner = ModelRunner(config, 0, self.init_method)  # joins the workers' process group
             worker_blocks = self._collect("model load")
             self.num_blocks = min([self.runner.num_blocks, *worker_blocks])
-            if config.device == "cuda":
-                threading.Thread(target=self._watchdog, name="nanoinfer-tp-watchdog", daemon=True).start()
+            threading.Thread(target=self._watchdog, name="nanoinfer-tp-watchdog", daemon=True).start()
             logger.info("tensor parallel: %d ranks (%s), KV blocks per rank min(%s) = %d", n,
                         "nccl" if config.device == "cuda" else "gloo",
                         [self.runner.num_blocks, *worker_blocks], self.num_blocks)
         except BaseException as e:
             failure = self._worker_failure_behind(e)
-            if failure:
-                self._broken = failure
+            # the workers serve no calls yet: stop them at once, without a polite exit (a prompt Ctrl-C)
+            self._broken = failure or f"start-up failed ({type(e).__name__}: {e})"
             self.exit()
             if failure:
                 raise RuntimeError(f"tensor-parallel worker failure during start-up: {failure}") from e
@@ -255,7 +277,7 @@ class TensorParallelRunner:
             finally:
                 for conn in self.conns:
                     conn.close()
-                self.events.clear()  # spawn-context semaphores live in /dev/shm until collected
+                self.calls.clear()  # spawn-context semaphores live in /dev/shm until collected
                 for shm in self._segments:
                     shm.close()
                     try:
@@ -328,8 +350,9 @@ class TensorParallelRunner:
         _HEADER.pack_into(buf, 0, len(data))
         buf[_HEADER.size:_HEADER.size + len(data)] = data
         self._pending = set(range(len(self.procs)))
-        for event in self.events:
-            event.set()
+        self._deadline = time.monotonic() + self.step_timeout if method in _TIMED_CALLS else None
+        for calls in self.calls:
+            calls.release()
 
     def _grow(self, needed: int):
         new = self._new_segment(max(2 * self.shm.size, 1 << (needed - 1).bit_length()))
@@ -384,7 +407,7 @@ class TensorParallelRunner:
                             errors[i] = value
                 except (EOFError, OSError):
                     proc.join(1.0)
-                    errors[i] = f"rank {i + 1}: process {proc.pid} {_exit_reason(proc)}"
+                    errors[i] = self._stuck.get(i) or f"rank {i + 1}: process {proc.pid} {_exit_reason(proc)}"
             if len(errors) < len(self.procs):
                 time.sleep(0.05)
         if not errors:
@@ -406,16 +429,37 @@ class TensorParallelRunner:
                 proc.join()
 
     def _watchdog(self):
-        """CUDA only: a peer that dies leaves rank 0 blocked in an NCCL kernel; aborting the
-        process group makes the blocked call fail, and the failure path reports the worker's error."""
+        """Kill a worker that leaves a step unanswered past the step timeout (stopped or hung): rank 0,
+        blocked in a collective with it or waiting for its answer, then fails as for a dead worker.
+        CUDA: a peer that dies leaves rank 0 blocked in an NCCL kernel; aborting the process group
+        makes the blocked call fail, and the failure path reports the worker's error."""
         sentinels = [p.sentinel for p in self.procs]
+        silent_before: set[int] = set()
         while not self._stop_watchdog.is_set():
             if wait_ready(sentinels, timeout=0.5) and not self._stop_watchdog.is_set():
-                logger.error("a tensor-parallel worker died; aborting the process group")
-                abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-                try:
-                    if abort is not None:
-                        abort()
-                except Exception:
-                    logger.exception("aborting the process group failed")
+                if self.config.device == "cuda":
+                    logger.error("a tensor-parallel worker died; aborting the process group")
+                    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+                    try:
+                        if abort is not None:
+                            abort()
+                    except Exception:
+                        logger.exception("aborting the process group failed")
                 return
+            deadline = self._deadline
+            silent = set()
+            if deadline is not None and time.monotonic() > deadline:
+                try:
+                    silent = {i for i in list(self._pending) if not self.conns[i].poll()}
+                except (OSError, ValueError):  # closed by exit()
+                    return
+            stuck = silent & silent_before  # silent on two looks in a row: not an answer being read
+            silent_before = silent
+            if stuck and not self._stop_watchdog.is_set():
+                for i in sorted(stuck):
+                    proc = self.procs[i]
+                    self._stuck[i] = (f"rank {i + 1}: process {proc.pid} did not answer a step within "
+                                      f"{self.step_timeout:g} s (stopped or hung; {STEP_TIMEOUT_ENV} sets the "
+                                      "limit), so it was killed")
+                    logger.error("%s", self._stuck[i])
+                    proc.kill()
