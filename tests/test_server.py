@@ -1,6 +1,7 @@
 """The OpenAI-compatible server: a real `python -m nanoinfer serve` process on a free localhost port,
 driven by the official openai client (and httpx for raw HTTP), checked against the offline API."""
 import asyncio
+import json
 import os
 import re
 import signal
@@ -218,6 +219,37 @@ def test_completion_stream_matches_offline(llm, client, serving):
     assert last.choices == [] and last.usage.completion_tokens == len(want["token_ids"])
     assert last.usage.prompt_tokens == len(want.prompt_token_ids)
     assert all(c.usage is None for c in text_chunks)
+
+
+# A prompt of one byte token (an orphan UTF-8 continuation byte) repeated: the tiny model answers with
+# byte tokens that never complete a character, so the detokenizer releases their text only at the end
+BYTE_PROMPT = [112] * 20
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[0], BYTE_PROMPT], ids=["text", "bytes"])
+def test_stream_sends_a_chunk_per_step(llm, server, serving, prompt):
+    """One chunk per engine step (one token each here), text or not, arriving while the completion is
+    generated, not all at its end; a chunk whose text is held back has text "" (as vLLM sends it)."""
+    max_tokens = 40
+    want = offline(llm, prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    body = dict(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True)
+    chunks, arrivals = [], []
+    start = time.perf_counter()
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+                arrivals.append(time.perf_counter())
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # one per step unless the server's event loop fell behind the engine (then merged); before, the
+    # byte prompt's 40 tokens came in 1 chunk
+    assert len(chunks) >= max_tokens // 4, [c["choices"][0]["text"] for c in chunks]
+    assert len(chunks) <= max_tokens
+    # spread over the generation: before, the chunks of held-back text arrived together at the end
+    assert arrivals[-1] - arrivals[0] >= 0.25 * (arrivals[-1] - start), (start, arrivals)
 
 
 def test_chat_matches_offline(llm, client, serving):

@@ -14,9 +14,13 @@ The client is spread over --client-processes processes (one asyncio loop each, r
 round-robin, one shared arrival schedule), so that parsing tens of thousands of chunks a second
 does not make the client the bottleneck; it prints its CPU use so that you can check.
 
-Latencies follow vLLM's benchmark_serving: ITL is the gap between successive streamed chunks (a
-chunk may carry several tokens when the server merges what a slow reader has not taken yet), TPOT
-is (end-to-end latency - TTFT) / (output tokens - 1) per request.
+Latencies follow vLLM's benchmark_serving: TTFT is the time to the first streamed chunk with a
+choice, ITL the gap between successive such chunks, TPOT (end-to-end latency - TTFT) / (output
+tokens - 1) per request. Every chunk with a choice counts, its text empty or not: the server sends
+one per engine step, text "" while the detokenizer holds back an incomplete character or a special
+token decodes to nothing (counting only chunks with text would merge those tokens into the next
+one); a chunk carries several tokens only when the server merges what a slow reader has not taken
+yet. "Output tokens per chunk" is thus ~1 unless the client or the server's event loop lags.
 """
 import argparse
 import asyncio
@@ -58,10 +62,10 @@ def make_workload(num_requests: int, dataset: str = "random", input_len=(100, 10
 class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
-    ttft: float = 0.0            # seconds from sending to the first text
+    ttft: float = 0.0            # seconds from sending to the first chunk with a choice (the first token)
     latency: float = 0.0         # seconds from sending to the end of the stream
     itl: list[float] = field(default_factory=list)  # gaps between the chunks after the first
-    chunks: int = 0              # chunks with text (one may carry several tokens)
+    chunks: int = 0              # chunks with a choice, text or not (one may carry several tokens)
     error: str | None = None
 
 
@@ -84,8 +88,8 @@ async def _one_request(client, model: str, prompt: list[int], max_tokens: int, t
                 chunk = json.loads(event.data)
                 if "error" in chunk:
                     raise RuntimeError(chunk["error"].get("message"))
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    if result.ttft == 0.0:
+                if chunk["choices"]:  # not the usage chunk; its text may be "" (held back)
+                    if result.chunks == 0:
                         result.ttft = now - start
                     else:
                         result.itl.append(now - last)

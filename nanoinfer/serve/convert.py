@@ -117,11 +117,17 @@ async def chat_chunks(sub: Submission, model: str, include_usage: bool,
 
 
 async def _stream_events(sub: Submission):
-    """The submission's (prompt index, StreamDelta | RequestOutput) events for a stream: a
-    completion's deltas queued meanwhile merged into one (so a client, or an event loop, that falls
-    behind gets fewer, larger chunks), deltas with nothing to send dropped, and a closing delta
-    for each completion whose stream ended without one (aborted), so that every choice ends with
-    its finish_reason."""
+    """The submission's (prompt index, StreamDelta | RequestOutput) events for a stream: one
+    delta per completion per engine step, a completion's deltas queued meanwhile merged into one
+    only when the reader falls behind (a client, or an event loop, slower than the engine gets
+    fewer, larger chunks), and a closing delta for each completion whose stream ended without one
+    (aborted), so that every choice ends with its finish_reason.
+
+    A delta with new tokens but no text yet (the detokenizer holds back an incomplete character,
+    or a stop string's possible start; special tokens decode to nothing) is still a chunk, with
+    text "", as vLLM sends it: dropping those merged the tokens into the next chunk with text,
+    which for a completion of byte tokens that never form a character is its last (the whole
+    completion in one chunk). Only a delta with neither tokens nor text is dropped."""
     done = set()
     async for batch in sub.batches():
         deltas: dict[tuple[int, int], StreamDelta] = {}  # (prompt, completion) -> merged delta
@@ -135,8 +141,8 @@ async def _stream_events(sub: Submission):
         for (i, j), d in deltas.items():
             if d.finished:
                 done.add((i, j))
-            elif not d.text and d.logprobs is None:
-                continue  # tokens whose text is held back (a partial character, a possible stop string)
+            elif not d.text and not d.token_ids and d.logprobs is None:
+                continue  # nothing new
             yield i, d
         for i, out in finals:
             for c in out.outputs:
