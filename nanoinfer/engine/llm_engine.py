@@ -208,7 +208,7 @@ class LLMEngine:
 
     def _apply_aborts(self):
         now = time.time()
-        while self._aborts:
+        for _ in range(len(self._aborts)):  # those queued so far: another thread cannot stall the step
             rid = self._aborts.popleft()
             req = self.requests.get(rid)
             seqs = req.seqs if req is not None else \
