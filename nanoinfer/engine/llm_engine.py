@@ -179,13 +179,14 @@ class LLMEngine:
                     raise
                 raise type(e)(f"prompts[{i}]: {e}") from e
         rids = []
-        for seqs, text in made:
-            req = self.output_processor.new_request(seqs, text, keep_output, stream)
-            self.requests[req.request_id] = req
-            self.scheduler.add(seqs[0])
-            for seq in seqs[1:]:
-                self.scheduler.add(seq, after=seqs[0])  # waits for the first's prompt, then shares its blocks
-            rids.append(req.request_id)
+        with self._step_lock:  # an abort from another thread reads the registry meanwhile
+            for seqs, text in made:
+                req = self.output_processor.new_request(seqs, text, keep_output, stream)
+                self.requests[req.request_id] = req
+                self.scheduler.add(seqs[0])
+                for seq in seqs[1:]:
+                    self.scheduler.add(seq, after=seqs[0])  # waits for the first's prompt, then shares its blocks
+                rids.append(req.request_id)
         return rids
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = False,
@@ -232,13 +233,13 @@ class LLMEngine:
 
     def pop_output(self, request_id: int) -> RequestOutput:
         """The request's output; the engine then forgets the request (aborting what still runs)."""
-        req = self._request(request_id)
-        if not req.finished:
-            self.abort_request(request_id)
-        out = self.output_processor.request_output(req)
-        if req.finished:
-            del self.requests[request_id]
-        return out
+        with self._step_lock:  # an abort from another thread reads the registry meanwhile
+            req = self._request(request_id)
+            if not req.finished:
+                self._aborts.append(request_id)
+                self._apply_aborts()
+            self.requests.pop(request_id, None)  # (an aborted hand request has already left)
+            return self.output_processor.request_output(req)
 
     def stream_deltas(self, request_id: int, index: int = 0) -> list[StreamDelta]:
         """For a request added with stream=True: what each of its completions produced since the
