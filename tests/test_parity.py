@@ -237,6 +237,24 @@ def test_spaces_between_special_tokens_is_a_validated_option():
         SamplingParams(spaces_between_special_tokens=0)
 
 
+def test_spaces_between_special_tokens_reaches_the_tokenizer(llm, monkeypatch):
+    """It is the tokenizer's option (slow tokenizers use it, fast ones ignore it, as in vLLM): every
+    decode of the completion, one-shot and streamed, passes it on."""
+    seen = []
+    real = type(llm.tokenizer).decode
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("spaces_between_special_tokens"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(llm.tokenizer), "decode", spy)
+    for flag in (False, True):
+        seen.clear()
+        llm.generate([PROMPT], greedy(max_tokens=4, spaces_between_special_tokens=flag), use_tqdm=False)
+        list(llm.stream([PROMPT], greedy(max_tokens=4, spaces_between_special_tokens=flag)))
+        assert seen and set(seen) == {flag}
+
+
 # ---- length limits -------------------------------------------------------------------------------
 def test_max_tokens_past_max_model_len_stops_at_it(llm):
     out = llm.generate([[5] * 90], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)[0]

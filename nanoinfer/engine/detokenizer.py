@@ -31,41 +31,46 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-def decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-    """Decode, skipping ids past the tokenizer's vocabulary (checkpoints pad the embedding)."""
+def decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = True,
+           spaces_between_special_tokens: bool = True) -> str:
+    """Decode, skipping ids past the tokenizer's vocabulary (checkpoints pad the embedding).
+    spaces_between_special_tokens: as in vLLM, only slow tokenizers use it (fast ones ignore it)."""
     n = len(tokenizer)
     return tokenizer.decode([t for t in token_ids if t < n], skip_special_tokens=skip_special_tokens,
+                            spaces_between_special_tokens=spaces_between_special_tokens,
                             clean_up_tokenization_spaces=False)
 
 
-def prompt_context(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> list[int]:
+def prompt_context(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                   spaces_between_special_tokens: bool = True) -> list[int]:
     """The prompt ids a completion is decoded after: the last INITIAL_OFFSET, or none when they end
     inside a character (see the module docstring)."""
     context = list(prompt_token_ids[-INITIAL_OFFSET:])
-    return [] if decode(tokenizer, context, skip_special_tokens).endswith("\ufffd") else context
+    ends_inside = decode(tokenizer, context, skip_special_tokens, spaces_between_special_tokens).endswith("\ufffd")
+    return [] if ends_inside else context
 
 
 def completion_text(tokenizer, prompt_token_ids: list[int], token_ids: list[int],
-                    skip_special_tokens: bool = True) -> str:
+                    skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
     """The text `token_ids` add after the prompt, decoded at once; IncrementalDetokenizer's releases
     concatenate to the same text."""
-    context = prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
+    options = (skip_special_tokens, spaces_between_special_tokens)
+    context = prompt_context(tokenizer, prompt_token_ids, *options)
     if not context:
-        return decode(tokenizer, token_ids, skip_special_tokens)
-    return decode(tokenizer, context + list(token_ids), skip_special_tokens)[
-        len(decode(tokenizer, context, skip_special_tokens)):]
+        return decode(tokenizer, token_ids, *options)
+    return decode(tokenizer, context + list(token_ids), *options)[len(decode(tokenizer, context, *options)):]
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], sp: SamplingParams):
         self.tokenizer = tokenizer
-        self.skip_special_tokens = sp.skip_special_tokens
+        self.options = (sp.skip_special_tokens, sp.spaces_between_special_tokens)
         self.stop = sp.stop
         self.include_stop = sp.include_stop_str_in_output
         # while running, this many trailing characters are withheld from streaming: they may be the
         # start of a stop string that will be cut (vLLM's stop_buffer_length)
         self.holdback = max((len(s) for s in sp.stop), default=1) - 1 if not sp.include_stop_str_in_output else 0
-        context = prompt_context(tokenizer, prompt_token_ids, sp.skip_special_tokens)
+        context = prompt_context(tokenizer, prompt_token_ids, *self.options)
         self.ids = context
         self.prefix_offset = 0
         self.read_offset = len(context)
@@ -73,7 +78,7 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids):
-        return decode(self.tokenizer, ids, self.skip_special_tokens)
+        return decode(self.tokenizer, ids, *self.options)
 
     def add(self, token_id: int | None, check_stop: bool = True, final: bool = False) -> str | None:
         """Feed one generated token (None: none, only `final`); returns the stop string the new text

@@ -98,7 +98,8 @@ class OutputProcessor:
         ids = seq.completion_token_ids
         if seq.finish_reason == "stop" and not sp.include_stop_str_in_output and ids:
             ids = ids[:-1]  # the EOS / stop token is not part of the text
-        return completion_text(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], ids, sp.skip_special_tokens)
+        return completion_text(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], ids, sp.skip_special_tokens,
+                               sp.spaces_between_special_tokens)
 
     def _logprob_dicts(self, records, detokenize: bool = True) -> list[dict[int, Logprob]]:
         """records: (token, (top ids, top logprobs, token's logprob, its rank)) per position."""
