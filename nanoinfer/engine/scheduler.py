@@ -31,12 +31,8 @@ class ScheduledBatch:
     starts: list[int]            # first position each row computes
     query_lens: list[int]        # tokens each row computes
     samples: list[bool]          # whether the row's last token samples (False: a prompt chunk short of its end)
-    num_decode: int = 0          # leading rows that generate (one query token past the prompt)
+    num_decode: int = 0          # leading rows with one query token (decode rows)
     eos_token_ids: frozenset = field(default_factory=frozenset)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(self.query_lens[self.num_decode:])
 
     @property
     def is_decode_only(self) -> bool:

@@ -60,15 +60,8 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return (num_tokens + self.block_size - 1) // self.block_size
-
-    @property
     def num_blocks(self):
-        return self.num_blocks_for(len(self.token_ids))
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
