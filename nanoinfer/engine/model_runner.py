@@ -248,11 +248,12 @@ class ModelRunner:
             reset_context()
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, prev: "InFlight | None") -> "InFlight":
+    def launch(self, batch: ScheduledBatch, prev: "InFlight | None", step: StepInput | None = None) -> "InFlight":
         """Rank 0: enqueue one step (forward and sampling) and return without waiting for the
         device. Decode rows whose input token `prev` (the step still in flight) sampled read it
-        from prev's device tensor, so the host can plan this step before it has seen those tokens."""
-        step = StepInput.from_batch(batch)
+        from prev's device tensor, so the host can plan this step before it has seen those tokens.
+        `step`: the batch's StepInput when the caller built it already (tensor parallel sends it)."""
+        step = step or StepInput.from_batch(batch)
         input_ids, positions = self.prepare(step)
         on_device = [(row, prev.row_of[seq.seq_id]) for row, (seq, (_, ids, _)) in
                      enumerate(zip(batch.seqs, step.rows)) if ids is None]

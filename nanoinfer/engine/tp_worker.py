@@ -240,7 +240,8 @@ class TensorParallelRunner:
         """One step on every rank; rank 0 samples. The workers' answers are collected before the
         next call, not now: they finish with rank 0's last collective anyway. (No overlap across
         ranks yet: the engine processes each step right after launching it, so `prev` is None.)"""
-        return self._guard(lambda: self.runner.launch(batch, prev), "execute", StepInput.from_batch(batch))
+        step = StepInput.from_batch(batch)
+        return self._guard(lambda: self.runner.launch(batch, prev, step), "execute", step)
 
     def collect(self, inflight: InFlight):
         return self.runner.collect(inflight)
