@@ -34,7 +34,6 @@ import traceback
 from multiprocessing.connection import wait as wait_ready
 from multiprocessing.shared_memory import SharedMemory
 
-import torch
 import torch.distributed as dist
 
 from nanoinfer.config import Config
