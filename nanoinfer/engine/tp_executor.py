@@ -1,0 +1,231 @@
+"""Tensor parallelism: every rank is a ModelRunner in its own worker process (engine/worker_group.py
+runs them); the engine's process only schedules. TensorParallelExecutor has the runner's interface
+(num_blocks, allocate_kv_cache, launch, collect, exit, info).
+
+A step's StepInput goes to every rank and its SampleInput to rank 0, which samples and broadcasts
+the tokens, so that on every rank the next step's in-flight rows read their input tokens on the
+device. Rank 0 answers a launch with the results of the step launched before it, once this one is
+enqueued: the engine processes step N while the GPUs compute step N+1, as with one rank.
+
+Why rank 0 is not in the engine's process: a rank there would hold the engine inside a collective
+when a peer dies, and NCCL offers no way out of that which cannot itself hang. A worker stuck that
+way is simply killed, and the engine raises. What this costs per step (the round trip to the
+workers) is measured by `python -m nanoinfer.bench.tp_step`.
+"""
+import logging
+import os
+import pickle
+import socket
+import traceback
+
+from nanoinfer.config import Config
+from nanoinfer.engine.model_runner import ModelRunner, SamplingFailed
+from nanoinfer.engine.step_message import SampleInput, StepInput, StepResult
+from nanoinfer.engine.worker_group import WorkerFailure, WorkerGroup
+
+logger = logging.getLogger("nanoinfer")
+
+STEP_TIMEOUT_ENV = "NANOINFER_TP_STEP_TIMEOUT_S"
+DEFAULT_STEP_TIMEOUT_S = 60.0  # a step unanswered this long means a rank is stuck (raise it for slow steps)
+EXIT_TIMEOUT_S = 10.0          # a polite exit, then SIGKILL
+_MAX_ERROR_CHARS = 16000
+
+
+def step_timeout() -> float:
+    """Seconds the ranks may take to answer a step: NANOINFER_TP_STEP_TIMEOUT_S, default 60."""
+    value = os.environ.get(STEP_TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_STEP_TIMEOUT_S
+    try:
+        timeout = float(value)
+    except ValueError:
+        timeout = float("nan")
+    if not 0 < timeout < float("inf"):
+        raise ValueError(f"{STEP_TIMEOUT_ENV} must be a positive number of seconds, got {value!r}")
+    return timeout
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- a rank -------------------------------------------------------------------------------------
+def serve_rank(channel, config: Config, init_method: str):
+    """A worker's loop: load this rank's shard, then run the engine's calls until "exit".
+    Answers to launch/flush: [(step id, StepResult or an error string)] for steps reported now."""
+    runner = ModelRunner(config, channel.rank, init_method)
+    channel.answer(runner.num_blocks)
+    recent = {}          # step id -> InFlight, the last two launched (the next step reads one's tokens)
+    unreported = None    # rank 0: the step id launched and not reported yet
+    while True:
+        message = channel.recv()
+        kind = message[0]
+        if kind == "launch":
+            _, k, prev, step_span, sample_span, report_now = message
+            step: StepInput = pickle.loads(channel.payload(step_span))
+            sample: SampleInput | None = pickle.loads(channel.payload(sample_span)) if sample_span else None
+            reported = []
+            try:
+                recent[k] = runner.launch(step, sample, recent.get(prev))
+            except SamplingFailed:  # a user's logits processor raised; the ranks are still in step
+                reported.append((k, f"rank 0: {traceback.format_exc()[-_MAX_ERROR_CHARS:]}"))
+            recent.pop(k - 2, None)
+            if unreported is not None:
+                reported.insert(0, (unreported, runner.collect(recent[unreported])))
+                unreported = None
+            if sample is not None and k in recent:
+                if report_now:
+                    reported.append((k, runner.collect(recent[k])))
+                else:
+                    unreported = k
+            channel.answer(reported)
+        elif kind == "flush":
+            reported = [] if unreported is None else [(unreported, runner.collect(recent[unreported]))]
+            unreported = None
+            channel.answer(reported)
+        elif kind == "allocate_kv_cache":
+            runner.allocate_kv_cache(message[1])
+            channel.answer()
+        elif kind == "info":
+            channel.answer(runner.info())
+        elif kind == "ping":
+            channel.answer()
+        elif kind == "exit":
+            runner.exit()
+            channel.answer()
+            return
+        else:
+            raise ValueError(f"unknown call {kind!r}")
+
+
+# ---- the engine's side --------------------------------------------------------------------------
+class TensorParallelExecutor:
+    def __init__(self, config: Config):
+        self.config = config
+        self.world_size = n = config.tensor_parallel_size
+        self.step_timeout = step_timeout()
+        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._broken: str | None = None   # why the group can no longer be used
+        self._closed = False
+        self._launched = 0                # step ids
+        self._results: dict[int, StepResult | str] = {}
+        self._answers_pending = False
+        self.group = None
+        try:
+            self.group = WorkerGroup(n, serve_rank, lambda rank: (config, self.init_method), "nanoinfer-tp")
+            blocks = self.group.wait("start-up")
+        except BaseException as e:
+            self._fail(e, "during start-up")
+        self.num_blocks = min(blocks)
+        logger.info("tensor parallel: %d ranks (%s), KV blocks per rank min(%s) = %d", n,
+                    "nccl" if config.device == "cuda" else "gloo", blocks, self.num_blocks)
+
+    # ---- the runner's interface -----------------------------------------------------------------
+    def allocate_kv_cache(self, num_blocks: int):
+        self._call([("allocate_kv_cache", num_blocks)] * self.world_size)  # (graph capture runs collectives)
+        self._answers("allocate_kv_cache")
+        self.num_blocks = num_blocks
+
+    def launch(self, step: StepInput, sample: SampleInput, prev: int | None) -> int:
+        """Send a step to every rank; returns its id, the handle for collect(). `prev`: the id of
+        the step whose tokens its in-flight rows read. A step that runs user logits processors is
+        answered at once, so that one that raises fails here (the engine unschedules it)."""
+        self._check_usable()
+        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        plan = pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
+        self._settle()
+        self._launched = k = self._launched + 1
+        report_now = sample.plan.processors is not None
+        step_span, sample_span = (0, len(data)), (len(data), len(plan))
+        self._call([("launch", k, prev, step_span, sample_span if rank == 0 else None, report_now)
+                    for rank in range(self.world_size)], data + plan)
+        if report_now:
+            self._settle()
+            if isinstance(self._results.get(k), str):
+                raise RuntimeError(f"sampling failed: {self._results.pop(k)}")
+        return k
+
+    def collect(self, k: int) -> StepResult:
+        """The results of step `k`, waiting for them."""
+        while k not in self._results:
+            if not self._answers_pending:  # nobody will report it unasked: the last step launched
+                self._call([("flush",)] * self.world_size)
+            self._settle()
+        result = self._results.pop(k)
+        if isinstance(result, str):  # (only a report_now step may fail and leave the group usable)
+            self._fail(WorkerFailure(result), "in a step")
+        return result
+
+    def info(self) -> dict:
+        """Rank 0's ModelRunner.info()."""
+        self._settle()
+        self._call([("info",)] * self.world_size)
+        return self._answers("info")[0]
+
+    def ping(self):
+        """A round trip through every rank without a forward (what the RPC costs)."""
+        self._settle()
+        self._call([("ping",)] * self.world_size)
+        self._answers("a ping")
+
+    def exit(self):
+        if self._closed:
+            return
+        self._closed = True
+        if self.group is None:
+            return
+        polite = False
+        if not self._broken:
+            try:
+                self._settle(timeout=5.0)
+                self.group.call([("exit",)] * self.world_size)
+                self.group.wait("exit", timeout=EXIT_TIMEOUT_S)
+                polite = True
+            except (WorkerFailure, RuntimeError):
+                pass
+        self.group.stop(EXIT_TIMEOUT_S if polite else 0.0)
+
+    # ---- calls ----------------------------------------------------------------------------------
+    def _check_usable(self):
+        if self._broken:
+            raise RuntimeError(f"the tensor-parallel group is unusable: {self._broken}")
+        if self._closed:
+            raise RuntimeError("the tensor-parallel group has exited")
+
+    def _call(self, messages, payload: bytes | None = None):
+        self._check_usable()
+        try:
+            self.group.call(messages, payload)
+        except BaseException as e:
+            self._fail(e, "sending a call")
+        self._answers_pending = True
+
+    def _answers(self, what: str, timeout: float | None = None) -> list:
+        try:
+            answers = self.group.wait(what, timeout)
+        except BaseException as e:
+            self._fail(e, f"waiting for {what}")
+        self._answers_pending = False
+        return answers
+
+    def _settle(self, timeout: float | None = None):
+        """Collect the answers to the last call, if not yet: rank 0's carry step results."""
+        if self._answers_pending:
+            for k, result in self._answers("a step", timeout or self.step_timeout)[0] or ():
+                self._results[k] = result
+
+    def _fail(self, error: BaseException, when: str):
+        """Any failure mid-call leaves the ranks out of step: stop them all (SIGKILL) and refuse
+        further use. A worker's failure becomes a RuntimeError with its error; anything else
+        (Ctrl-C, a bug here) is re-raised."""
+        worker = isinstance(error, WorkerFailure)
+        if not self._broken:
+            self._broken = str(error) if worker else f"interrupted {when} ({type(error).__name__}: {error})"
+        self._closed = True
+        if self.group is not None:
+            self.group.stop(0.0)
+        if worker:
+            raise RuntimeError(f"tensor-parallel worker failure {when}: {error}") from None
+        raise error
