@@ -1,5 +1,6 @@
 """Step latency of tensor_parallel_size=2 vs 1 on CPU with a tiny model: what the worker RPC
-(shared memory + events + a reply pipe) and the gloo collectives add to each engine step.
+(shared memory + a pipe per worker; every rank is a worker process) and the gloo collectives add to
+each engine step.
 
     python3 -m nanoinfer.bench.tp_step [--batch 1 16] [--steps 100]
 """
@@ -28,7 +29,7 @@ def decode_step_times(llm, batch: int, steps: int) -> tuple[list[float], int]:
         if num_tokens < 0:  # decode
             times.append(time.perf_counter() - t)
     step = StepInput([(99, [1], list(range(8)))] * batch, batch)  # a decode row at position 99
-    msg_bytes = len(pickle.dumps(("execute", (step,)), protocol=pickle.HIGHEST_PROTOCOL))
+    msg_bytes = len(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
     return times, msg_bytes
 
 
@@ -36,7 +37,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--threads", type=int, help="torch threads in this process (rank 0); workers use "
+    parser.add_argument("--threads", type=int, help="torch threads in this process (tp=1); workers use "
                         "cores / tp")
     args = parser.parse_args()
     if args.threads:
