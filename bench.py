@@ -204,17 +204,18 @@ def main():
         long_prompt_arrivals(llm, args)
         return llm.exit()
     bound_of = None
+    info = llm.model_runner.info()
     if llm.config.device == "cuda":
         hf = llm.config.hf_config
         dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
-        weight_bytes = sum(p.numel() for p in llm.model_runner.model.parameters()) * dtype_bytes
-        bandwidth, flops_rate = measure_ceilings(llm.model_runner.device)
+        weight_bytes = info["num_parameters"] * dtype_bytes  # (rank 0's shard)
+        bandwidth, flops_rate = measure_ceilings(torch.device("cuda"))
         print(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s")
         bound_of = lambda group: lower_bound(group, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate,  # noqa: E731
                                              args.tensor_parallel_size)
     print(f"model: {args.model or 'random Qwen3-' + args.config}, device: {llm.config.device}, "
-          f"tp={args.tensor_parallel_size}, backend: {llm.model_runner.backend}, "
-          f"cuda graphs: {bool(llm.model_runner.graphs)}, kv blocks: {llm.scheduler.block_manager.num_blocks}")
+          f"tp={args.tensor_parallel_size}, backend: {info['backend']}, "
+          f"cuda graphs: {info['cuda_graphs']}, one-shot all-reduce: {info['one_shot_all_reduce']}, kv blocks: {llm.scheduler.block_manager.num_blocks}")
     if args.sweep:
         sweep(llm, args, bound_of)
     else:

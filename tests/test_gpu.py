@@ -22,7 +22,8 @@ def test_float32_cuda_graphs_match_hf(make_checkpoint, block_size):
     path = make_checkpoint(num_heads=8, num_kv_heads=2, head_dim=32, hidden_size=128)
     llm = LLM(path, dtype="float32", kvcache_block_size=block_size, max_model_len=1024, max_num_seqs=20)
     try:
-        assert llm.model_runner.backend in ("triton", "flash_attn") and llm.model_runner.graphs
+        info = llm.model_runner.info()
+        assert info["backend"] in ("triton", "flash_attn") and info["cuda_graphs"]
         prompts = prompts_for(llm.vocab_size)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
         for p, o in zip(prompts, outs):

@@ -46,7 +46,7 @@ def test_slot_mapping_and_block_tables(tiny_qwen3):
         assert not ctx.is_prefill
         assert input_ids.tolist() == [40] and positions.tolist() == [39]
         assert ctx.slot_mapping.tolist() == [5 * 16 + 7] and ctx.context_lens.tolist() == [40]
-        runner.prepare(StepInput([(40, None, table)], 1))  # an in-flight token: position 40
+        runner.prepare(StepInput([(40, 0, table)], 1))  # an in-flight token (row 0 of the step before): position 40
         assert get_context().slot_mapping.tolist() == [5 * 16 + 8]
         # mixed: two decode rows, then a 3-token chunk of a prompt in block 9
         input_ids, positions = runner.prepare(StepInput([(39, [40], table), (3, [4], [1]), (0, [5, 6, 7], [9])], 2))

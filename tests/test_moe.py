@@ -197,7 +197,7 @@ def test_float32_cuda_matches_hf(moe_checkpoint, shape):
     path = moe_checkpoint(**SHAPES[shape])
     llm = LLM(path, dtype="float32", kvcache_block_size=16, max_model_len=512, max_num_seqs=16)
     try:
-        assert llm.model_runner.graphs
+        assert llm.model_runner.info()["cuda_graphs"]
         prompts = [[(i * 37 + j) % llm.vocab_size for i in range(1, 20 + 30 * j)] for j in range(8)]
         for prompt, out in zip(prompts, generate(llm, prompts, 32)):
             assert_greedy_matches_hf(path, prompt, out, tol=1e-3)  # TF32-free fp32, GPU reduction order

@@ -4,12 +4,15 @@
 
 Processing (append the sampled tokens, finish sequences, register full blocks in the prefix cache,
 detokenize, record logprobs) runs while the device computes step N+1. Without overlap
-(`async_scheduling=False`, or tensor parallel) the same path processes the step it just launched.
+(`async_scheduling=False`) the same path processes the step it just launched. The runner is a
+ModelRunner in this process (one rank) or a TensorParallelExecutor driving worker processes; both
+take the step as encoded by engine/step_message.py.
 
 Requests live in one registry, `requests` (request id -> Request). Only `abort_request` may be
 called from another thread: the abort is applied between steps.
 """
 import atexit
+import pickle
 import signal
 import threading
 import time
@@ -21,11 +24,12 @@ from numbers import Integral
 
 from nanoinfer.config import Config
 from nanoinfer.engine.detokenizer import encode
-from nanoinfer.engine.model_runner import InFlight, ModelRunner
+from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor, Request
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.engine.tp_worker import TensorParallelRunner
+from nanoinfer.engine.step_message import encode_step, sampled_rows
+from nanoinfer.engine.tp_executor import TensorParallelExecutor
 from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
@@ -39,10 +43,10 @@ class LLMEngine:
         eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
         self._exited = False
-        # tp > 1: rank 0 here plus spawned workers; its num_blocks is the minimum over ranks
+        # tp > 1: every rank in a spawned worker; num_blocks is the minimum over ranks
         if config.tensor_parallel_size > 1:
             check_main_guard()  # spawned workers re-import the main script
-        self.model_runner = ModelRunner(config) if config.tensor_parallel_size == 1 else TensorParallelRunner(config)
+        self.model_runner = ModelRunner(config) if config.tensor_parallel_size == 1 else TensorParallelExecutor(config)
         num_blocks = self.model_runner.num_blocks
         if num_blocks * config.kvcache_block_size < config.max_model_len:
             self.model_runner.exit()
@@ -54,9 +58,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids, config.enable_prefix_caching)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[int, Request] = {}
-        # overlap needs the sampled tokens where the next step's inputs are built: one rank
-        self.overlap = config.async_scheduling and config.tensor_parallel_size == 1
-        self.inflight: InFlight | None = None
+        self.overlap = config.async_scheduling
+        self.inflight: Launched | None = None
         self.step_log: list | None = None   # set to a list to record each step's StepRecord (bench.py)
         self._step_lock = threading.Lock()  # held while a step runs
         self._aborts: deque[int] = deque()  # abort_request ids not applied yet
@@ -113,12 +116,16 @@ class LLMEngine:
         sp = sampling_params
         max_len = self.config.max_model_len
         self._check_token_ids(sp)
+        if sp.logits_processors and self.config.tensor_parallel_size > 1:
+            try:  # they run in rank 0's worker process, sent with each step
+                pickle.dumps(sp.logits_processors)
+            except Exception as e:
+                raise ValueError("logits_processors must be picklable with tensor_parallel_size > 1 (they run in "
+                                 f"the sampling worker process; define them at module level): {e}") from None
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(sp, name) is not None and getattr(sp, name) > self.vocab_size:
                 raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, "
                                  f"got {getattr(sp, name)}")
-        if sp.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1 yet")
         if sp.truncate_prompt_tokens is not None:  # keep the last k prompt tokens (vLLM)
             keep = max_len if sp.truncate_prompt_tokens == -1 else sp.truncate_prompt_tokens
             if keep > max_len:
@@ -224,8 +231,11 @@ class LLMEngine:
         """A step in flight whose every row has stopped meanwhile is wasted: wait for it and drop it,
         so that is_finished() holds as soon as no request is left."""
         if self.inflight is not None and all(s.is_finished for s in self.inflight.batch.seqs):
-            self.model_runner.collect(self.inflight)
-            self.inflight = None
+            launched, self.inflight = self.inflight, None
+            try:
+                self.model_runner.collect(launched.handle)
+            except RuntimeError:  # the runner failed (raised where it happened; it refuses further use)
+                pass
 
     def get_output(self, request_id: int) -> RequestOutput:
         """The request's output so far (text, tokens, logprobs, finish reasons)."""
@@ -268,7 +278,7 @@ class LLMEngine:
                     raise RuntimeError("the scheduler cannot make progress (a request does not fit the KV cache)")
             t1 = time.perf_counter()
             try:
-                launched = self.model_runner.launch(batch, self.inflight) if batch is not None else None
+                launched = self._launch(batch) if batch is not None else None
             except BaseException:
                 self.scheduler.unschedule(batch)  # the engine stays consistent; the caller sees the error
                 raise
@@ -296,11 +306,19 @@ class LLMEngine:
         pairs, self._unreported = self._unreported, []
         return pairs, num_tokens
 
-    def _process(self, inflight: InFlight):
-        tokens, logprobs, prompt_logprobs = self.model_runner.collect(inflight)
+    def _launch(self, batch) -> "Launched":
+        prev = self.inflight
+        step, sample = encode_step(batch, prev.rows if prev else None, self.vocab_size, batch.eos_token_ids)
+        handle = self.model_runner.launch(step, sample, prev.handle if prev else None)
+        return Launched(batch, sampled_rows(batch), handle)
+
+    def _process(self, launched: "Launched"):
+        result = self.model_runner.collect(launched.handle)
+        tokens, logprobs = result.tokens, result.logprobs
         now = time.time()
         requests, on_token = self.requests, self.output_processor.on_token
-        for seq, start, entries in prompt_logprobs or ():
+        for row, start, entries in result.prompt_logprobs or ():
+            seq = launched.batch.seqs[row]
             if not seq.is_finished:  # (an aborted request may be gone from the registry)
                 self.output_processor.on_prompt_logprobs(requests[seq.request_id], start, entries)
 
@@ -308,7 +326,7 @@ class LLMEngine:
             return on_token(requests[seq.request_id], seq, logprobs[row] if logprobs else None,
                             stopped_by_token, final, now)
 
-        self._finished(self.scheduler.update(inflight.batch, tokens, record), now)
+        self._finished(self.scheduler.update(launched.batch, tokens, record), now)
 
     def _finished(self, seqs: list[Sequence], now: float):
         """Record finished sequences; report their requests once every sample is done."""
@@ -367,6 +385,15 @@ def _sigint_deferred():
         signal.signal(signal.SIGINT, previous)
     if caught:
         raise KeyboardInterrupt
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step launched and not processed yet: its batch, its sampling rows (seq_id -> row), and the
+    runner's handle for collecting it."""
+    batch: object
+    rows: dict[int, int]
+    handle: object
 
 
 @dataclass(slots=True)

@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 
 from nanoinfer.config import Config
-from nanoinfer.engine.scheduler import ScheduledBatch
-from nanoinfer.engine.step_message import StepInput
+from nanoinfer.engine.step_message import SampleInput, StepInput, StepResult
+from nanoinfer.layers.all_reduce import use_symmetric_memory
 from nanoinfer.layers.attention import select_backend
 from nanoinfer.layers.linear import tp_shard
-from nanoinfer.layers.sampler import Sampler, SamplingTensors
+from nanoinfer.layers.sampler import Sampler
+from nanoinfer.layers.sampling_tensors import SamplingTensors
 from nanoinfer.models import get_model_class
 from nanoinfer.utils.context import get_context, reset_context, set_context
 from nanoinfer.utils.loader import init_dummy_weights, load_model
@@ -33,35 +34,19 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
                   | {max_num_seqs})
 
 
-def _prompt_logprob_rows(batch: ScheduledBatch):
-    """The prompt positions whose logits a step must compute for prompt_logprobs (a request's first
-    sample computes them): (segments (seq, first position, count, top-k), flat row indices,
-    the prompt token each position predicts, the largest top-k), or None (the common case)."""
-    segments, rows, targets, k = [], [], [], 0
-    offset = batch.num_decode  # decode rows have one query token each and no prompt positions
-    for r in range(batch.num_decode, len(batch.seqs)):
-        seq, start, q = batch.seqs[r], batch.starts[r], batch.query_lens[r]
-        n = seq.sampling_params.prompt_logprobs
-        end = min(start + q, seq.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
-        if n is not None and seq.index == 0 and start < end:
-            segments.append((seq, start, end - start, n))
-            rows.extend(range(offset, offset + end - start))
-            targets.extend(seq.token_ids[start + 1:end + 1])
-            k = max(k, n)
-        offset += q
-    return (segments, rows, targets, k) if segments else None
+class SamplingFailed(Exception):
+    """Sampling raised on rank 0 after the forward; the other ranks were kept in step."""
 
 
 @dataclass
 class InFlight:
-    """A launched step whose results the host has not collected yet."""
-    batch: ScheduledBatch
-    tokens: torch.Tensor          # [rows] sampled ids, on the device
-    host: torch.Tensor            # [rows] pinned host copy, valid once `event` has completed
-    event: "torch.cuda.Event | None"
-    row_of: dict[int, int]        # seq_id -> row, for rows that sample
-    sample_args: SamplingTensors
-    logprobs: tuple | None        # device tensors from Sampler.sample, when a row asked
+    """A launched step whose results the host has not collected yet (on a rank that does not
+    sample, only `tokens`: rank 0 broadcasts them, for the next step's in-flight rows)."""
+    tokens: torch.Tensor                  # [rows] sampled ids, on the device
+    host: torch.Tensor | None = None      # [rows] pinned host copy, valid once `event` has completed
+    event: "torch.cuda.Event | None" = None
+    sample_args: SamplingTensors | None = None
+    logprobs: tuple | None = None         # device tensors from Sampler.sample, when a row asked
     prompt_logprobs: tuple | None = None  # (segments, device tensors), when a row asked (see _prompt_logprobs)
 
 
@@ -95,6 +80,8 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             load_model(self.model, config.model)
+        self.one_shot_all_reduce = self.world_size > 1 and self.device.type == "cuda" and \
+            use_symmetric_memory(self.model, config.max_num_seqs, config.torch_dtype, self.device)
         self.sampler = Sampler()
         self.layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         attn = self.layers[0]
@@ -183,7 +170,7 @@ class ModelRunner:
         bs, nd = self.block_size, step.num_decode
         input_ids, positions, slots, context_lens = [], [], [], []
         for start, ids, table in step.rows[:nd]:
-            input_ids.append(ids[0] if ids else 0)
+            input_ids.append(0 if isinstance(ids, int) else ids[0])
             positions.append(start)
             slots.append(table[start // bs] * bs + start % bs)
             context_lens.append(start + 1)
@@ -238,61 +225,62 @@ class ModelRunner:
         return self.model.compute_logits(g["outputs"][:n])
 
     @torch.inference_mode()
-    def execute(self, step: StepInput):
-        """A tensor-parallel worker's part of a step: the forward (its collectives pair with the
-        other ranks'); sampling is rank 0's."""
+    def launch(self, step: StepInput, sample: SampleInput | None, prev: InFlight | None) -> InFlight:
+        """Enqueue one step and return without waiting for the device. Rank 0 (`sample` given)
+        samples and starts a copy of the tokens to the host; with tensor parallelism it broadcasts
+        them, so that on every rank the next step's in-flight rows read their input token from
+        `prev` (the step launched before this one) on the device."""
         input_ids, positions = self.prepare(step)
-        try:
-            self.run_model(input_ids, positions, step.is_decode_only)
-        finally:
-            reset_context()
-
-    @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, prev: "InFlight | None", step: StepInput | None = None) -> "InFlight":
-        """Rank 0: enqueue one step (forward and sampling) and return without waiting for the
-        device. Decode rows whose input token `prev` (the step still in flight) sampled read it
-        from prev's device tensor, so the host can plan this step before it has seen those tokens.
-        `step`: the batch's StepInput when the caller built it already (tensor parallel sends it)."""
-        step = step or StepInput.from_batch(batch)
-        input_ids, positions = self.prepare(step)
-        on_device = [(row, prev.row_of[seq.seq_id]) for row, (seq, (_, ids, _)) in
-                     enumerate(zip(batch.seqs, step.rows)) if ids is None]
+        on_device = [(row, ids) for row, (_, ids, _) in enumerate(step.rows) if isinstance(ids, int)]
         if on_device:
             dst, src = zip(*on_device)
+            tokens = prev.tokens.index_select(0, self._to_device(list(src), torch.int64))
             if len(dst) == input_ids.shape[0]:  # every row: one gather
-                input_ids = prev.tokens.index_select(0, self._to_device(list(src), torch.int64))
+                input_ids = tokens
             else:
-                input_ids[self._to_device(list(dst), torch.int64)] = \
-                    prev.tokens.index_select(0, self._to_device(list(src), torch.int64))
-        sample_args = SamplingTensors.build(batch.seqs, self.config.hf_config.vocab_size, batch.eos_token_ids,
-                                           self.device, batch.samples, prev)
-        wanted = _prompt_logprob_rows(batch)
-        prompt_logprobs = None
+                input_ids[self._to_device(list(dst), torch.int64)] = tokens
+        sample_args = prompt_logprobs = logprobs = None
+        if sample is not None:
+            sample_args = SamplingTensors.from_plan(sample.plan, self.device, prev.tokens if prev else None)
         try:
-            if wanted is not None:  # logits for those prompt positions too, after each row's last token
-                last = list(accumulate(batch.query_lens, initial=-1))[1:]
-                get_context().logits_indices = self._to_device(last + wanted[1], torch.int64)
+            if step.prompt_logit_rows:  # those prompt positions' logits too, after each row's last token
+                nd = step.num_decode
+                last = [end - 1 for end in accumulate([1] * nd + [len(ids) for _, ids, _ in step.rows[nd:]])]
+                get_context().logits_indices = self._to_device(last + step.prompt_logit_rows, torch.int64)
             logits = self.run_model(input_ids, positions, step.is_decode_only)
-            if wanted is not None:
-                B = len(batch.seqs)
-                prompt_logprobs = self._prompt_logprobs(logits[B:], wanted)
-                logits = logits[:B]
-            tokens, logprobs = self.sampler.sample(logits, sample_args)
+            if sample is None:  # a rank that does not sample
+                tokens = torch.empty(len(step.rows), dtype=torch.int64, device=self.device)
+            else:
+                B = len(step.rows)
+                if sample.prompt_logprobs is not None:
+                    prompt_logprobs = self._prompt_logprobs(logits[B:], sample.prompt_logprobs)
+                    logits = logits[:B]
+                try:
+                    tokens, logprobs = self.sampler.sample(logits, sample_args)
+                except Exception as e:  # e.g. a user's logits processor
+                    if self.world_size == 1:
+                        raise
+                    dist.broadcast(torch.zeros(B, dtype=torch.int64, device=self.device), 0)  # the others wait
+                    raise SamplingFailed(f"{type(e).__name__}: {e}") from e
+                tokens = tokens.to(torch.int64)
+            if self.world_size > 1:
+                dist.broadcast(tokens, 0)
         finally:
             reset_context()
-        host = torch.empty(len(batch.seqs), dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
+        if sample is None:
+            return InFlight(tokens)
+        host = torch.empty(len(step.rows), dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
         host.copy_(tokens, non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        row_of = {seq.seq_id: row for row, seq in enumerate(batch.seqs) if batch.samples[row]}
-        return InFlight(batch, tokens, host, event, row_of, sample_args, logprobs, prompt_logprobs)
+        return InFlight(tokens, host, event, sample_args, logprobs, prompt_logprobs)
 
     def _prompt_logprobs(self, logits: torch.Tensor, wanted) -> tuple:
         """Raw log-softmax of the prompt positions' logits: the next prompt token's logprob and
         rank, and the top-k. In slices, so the float32 copy stays small for long prompts."""
-        segments, _, targets, k = wanted
+        segments, targets, k = wanted
         targets = self._to_device(targets, torch.int64)
         parts = []
         for lo in range(0, logits.shape[0], 1024):
@@ -302,11 +290,9 @@ class ModelRunner:
             parts.append((tok[:, 0], (lp > tok).sum(dim=-1) + 1, top.indices, top.values))
         return segments, *(torch.cat(x) for x in zip(*parts))
 
-    def collect(self, inflight: "InFlight") -> tuple[list[int], list | None, list | None]:
-        """Wait for a launched step; returns its sampled token ids (one per row), when asked per-row
-        logprobs (see SamplerOutput), and when asked prompt logprobs: (seq, first position, entries)
-        per prefill row, an entry (logprob, rank, top ids, top logprobs) per position from the first
-        on, predicting the prompt token after it."""
+    def collect(self, inflight: InFlight) -> StepResult:
+        """Rank 0: wait for a launched step and bring its results to the host (see StepResult;
+        a prompt-logprob entry predicts the prompt token after its position)."""
         if inflight.event is not None:
             inflight.event.synchronize()
         tokens = inflight.host.tolist()
@@ -317,11 +303,11 @@ class ModelRunner:
             segments, *tensors = inflight.prompt_logprobs
             tok_lp, rank, top_ids, top_lp = (x.tolist() for x in tensors)
             prompt_logprobs, i = [], 0
-            for seq, start, count, n in segments:
-                prompt_logprobs.append((seq, start, [(tok_lp[j], rank[j], top_ids[j][:n], top_lp[j][:n])
+            for row, start, count, n in segments:
+                prompt_logprobs.append((row, start, [(tok_lp[j], rank[j], top_ids[j][:n], top_lp[j][:n])
                                                      for j in range(i, i + count)]))
                 i += count
-        return tokens, logprobs, prompt_logprobs
+        return StepResult(tokens, logprobs, prompt_logprobs)
 
     @torch.inference_mode()
     def _capture_cuda_graphs(self):
@@ -356,6 +342,14 @@ class ModelRunner:
             torch.cuda.synchronize(dev)
             reset_context()
         logger.info("captured %d CUDA graphs for decode batch sizes up to %d", len(self.graphs), max_bs)
+
+    def info(self) -> dict:
+        """For benchmarks and tests: the attention backend, whether decode replays CUDA graphs,
+        whether all-reduces of up to max_num_seqs rows go through symmetric memory, this rank's KV
+        heads and parameter count (its shard)."""
+        return dict(backend=self.backend, cuda_graphs=bool(self.graphs), num_kv_heads=self.num_kv_heads,
+                    one_shot_all_reduce=self.one_shot_all_reduce,
+                    num_parameters=sum(p.numel() for p in self.model.parameters()))
 
     def exit(self):
         """Release the KV cache, graphs and weights now: the engine object may outlive exit()."""

@@ -29,6 +29,8 @@ STEP_TIMEOUT_ENV = "NANOINFER_TP_STEP_TIMEOUT_S"
 DEFAULT_STEP_TIMEOUT_S = 60.0  # a step unanswered this long means a rank is stuck (raise it for slow steps)
 EXIT_TIMEOUT_S = 10.0          # a polite exit, then SIGKILL
 _MAX_ERROR_CHARS = 16000
+# NVLink multicast off: the small all-reduces of decode do not need it, and it is a shared machine's risk
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def step_timeout() -> float:
@@ -55,6 +57,8 @@ def _free_port() -> int:
 def serve_rank(channel, config: Config, init_method: str):
     """A worker's loop: load this rank's shard, then run the engine's calls until "exit".
     Answers to launch/flush: [(step id, StepResult or an error string)] for steps reported now."""
+    for name, value in NO_MULTICAST.items():  # unless the user asks otherwise
+        os.environ.setdefault(name, value)
     runner = ModelRunner(config, channel.rank, init_method)
     channel.answer(runner.num_blocks)
     recent = {}          # step id -> InFlight, the last two launched (the next step reads one's tokens)

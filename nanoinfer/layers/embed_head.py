@@ -4,6 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.layers.all_reduce import AllReduce
 from nanoinfer.layers.linear import tp_rank_and_size
 from nanoinfer.utils.loader import check_shape
 from nanoinfer.utils.context import get_context
@@ -18,6 +19,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.shard_size
         self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        if self.tp_size > 1 and type(self) is VocabParallelEmbedding:  # (the LM head gathers instead)
+            self.all_reduce = AllReduce(embedding_dim)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         check_shape(loaded, [self.num_embeddings, param.shape[1]])  # before narrow cuts a larger vocabulary
@@ -29,8 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         local = x - self.vocab_start
         mine = (local >= 0) & (local < self.shard_size)
         y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        dist.all_reduce(y)
-        return y
+        return self.all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

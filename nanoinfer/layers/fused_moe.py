@@ -8,10 +8,10 @@ down row-split); the combined output is all-reduced once. The router is replicat
 CUDA runs our Triton kernel (kernels/fused_moe.py); elsewhere `fused_moe_torch`, the reference.
 """
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.layers.all_reduce import AllReduce
 from nanoinfer.layers.linear import ReplicatedLinear, tp_rank_and_size
 from nanoinfer.utils.loader import check_shape
 
@@ -100,6 +100,8 @@ class FusedMoE(nn.Module):
         self.experts = nn.Module()
         self.experts.gate_up_proj = ExpertsGateUp(num_experts, hidden_size, intermediate_size)
         self.experts.down_proj = ExpertsDown(num_experts, hidden_size, intermediate_size)
+        if tp_size > 1:
+            self.all_reduce = AllReduce(hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
@@ -110,5 +112,5 @@ class FusedMoE(nn.Module):
         else:
             out = fused_moe_torch(x, w13, w2, weights, ids)
         if self.tp_size > 1:
-            dist.all_reduce(out)
+            out = self.all_reduce(out)
         return out

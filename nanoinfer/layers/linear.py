@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.layers.all_reduce import AllReduce
 from nanoinfer.utils.loader import check_shape
 
 
@@ -132,6 +133,8 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         tp_size = tp_rank_and_size()[1]
         super().__init__(input_size // tp_size, output_size, bias, 1)
+        if tp_size > 1:
+            self.all_reduce = AllReduce(output_size)
 
     def weight_loader(self, param, loaded):
         check_shape(loaded, self.full_shape(param))
@@ -143,5 +146,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x):
         y = F.linear(x, self.weight)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            y = self.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -1,8 +1,9 @@
 """Per step, the batch's SamplingParams as a few device tensors for the Sampler (layers/sampler.py):
 [B]-sized temperatures and filters, and only for rows that use them penalty histories, banned
 tokens (min_tokens, bad words, allowed_token_ids), logit biases, seeds, logprob requests and logits
-processors. Built on the host (rank 0) by one Python loop over the batch; vocabulary-sized work
-happens only on the device."""
+processors. Two halves: the engine builds a SamplingPlan (plain lists, by one Python loop over the
+batch), and the rank that samples turns it into SamplingTensors; vocabulary-sized work happens only
+on the device."""
 from array import array
 from dataclasses import dataclass
 
@@ -66,18 +67,97 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, seqs, vocab_size: int, eos_token_ids, device: torch.device, samples=None,
-              prev=None) -> "SamplingTensors":
-        """One per step, on the host (rank 0): a Python loop over the batch reading each request's
-        options; vocabulary-sized work happens only on the device. `samples[i]`: row i's sample
-        is counted in its sequence's num_inflight (a scheduled step). `prev` is the step still in
-        flight (an InFlight): a token it sampled is not on the host yet, so it counts for seeds and
-        min_tokens, and joins the penalty history on the device."""
+              prev_row_of=None, prev_tokens=None) -> "SamplingTensors":
+        """SamplingPlan.build, then from_plan: both halves in one process (tests, one rank)."""
+        return cls.from_plan(SamplingPlan.build(seqs, vocab_size, eos_token_ids, samples, prev_row_of),
+                             device, prev_tokens)
+
+    @classmethod
+    def from_plan(cls, plan: "SamplingPlan", device: torch.device, prev_tokens=None) -> "SamplingTensors":
+        """The plan's lists as device tensors (rank 0). `prev_tokens`: the tokens of the step in
+        flight, on the device, which the plan's late penalty entries read."""
         pin = device.type == "cuda"
-        counted = samples or [False] * len(seqs)
 
         def dev(data, dtype):
             return torch.tensor(data, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
+        p = plan
+        t = cls(dev(p.temperatures, torch.float32), all_greedy=p.all_greedy, any_greedy=p.any_greedy)
+        if p.top_k is not None:
+            t.top_k, t.max_top_k = dev(p.top_k, torch.int64), p.max_top_k
+        if p.top_p is not None:
+            t.top_p = dev(p.top_p, torch.float32)
+        if p.min_p is not None:
+            t.min_p = dev(p.min_p, torch.float32)
+        if p.seeded_rows:
+            t.seeded_rows, t.seed_keys = dev(p.seeded_rows, torch.int64), dev(p.seed_keys, torch.int64)
+        if p.pen_tokens is not None:
+            padded = torch.frombuffer(p.pen_tokens, dtype=torch.int64).view(len(p.pen_prompt_lens), -1)
+            t.pen_rows = None if p.pen_rows is None else dev(p.pen_rows, torch.int64)
+            t.pen_tokens = padded.pin_memory().to(device, non_blocking=True) if pin else padded.clone()
+            if p.pen_late:  # a row's token still in flight goes after its host tokens
+                r, c, src = (dev(list(x), torch.int64) for x in zip(*p.pen_late))
+                t.pen_tokens[r, c] = prev_tokens.index_select(0, src).to(torch.int64)
+            t.pen_prompt_lens = dev(p.pen_prompt_lens, torch.int64)
+            t.presence = dev(p.presence, torch.float32)
+            t.frequency = dev(p.frequency, torch.float32)
+            t.repetition = dev(p.repetition, torch.float32)
+        if p.suppress_rows:
+            t.suppress_rows, t.suppress_tokens = dev(p.suppress_rows, torch.int64), dev(p.suppress_tokens, torch.int64)
+        if p.lp_counts:
+            t.lp_rows = None if p.lp_rows is None else dev(p.lp_rows, torch.int64)
+            t.lp_rows_list = list(range(len(p.temperatures))) if p.lp_rows is None else p.lp_rows
+            t.lp_counts, t.lp_max = p.lp_counts, p.lp_max
+        if p.allowed:
+            t.allowed_rows = dev([i for i, _ in p.allowed], torch.int64)
+            t.allowed_pos = dev([j for j, (_, ids) in enumerate(p.allowed) for _ in ids], torch.int64)
+            t.allowed_tokens = dev([tok for _, ids in p.allowed for tok in ids], torch.int64)
+        if p.bias:
+            t.bias_rows = dev([i for i, b in p.bias for _ in b], torch.int64)
+            t.bias_tokens = dev([tok for _, b in p.bias for tok in b], torch.int64)
+            t.bias_values = dev([v for _, b in p.bias for v in b.values()], torch.float32)
+        if p.processors:
+            t.processors = p.processors
+        return t
+
+
+@dataclass
+class SamplingPlan:
+    """What SamplingTensors holds, as plain lists: built by the engine (which has the requests),
+    pickled to the rank that samples when that rank is another process."""
+    temperatures: list[float]
+    all_greedy: bool
+    any_greedy: bool
+    top_k: list[int] | None = None
+    max_top_k: int = 0
+    top_p: list[float] | None = None
+    min_p: list[float] | None = None
+    seeded_rows: list[int] | None = None
+    seed_keys: list[list[int]] | None = None
+    pen_rows: list[int] | None = None          # None: every row
+    pen_tokens: array | None = None            # [P, L] int64 ('q'), row-major, padded with -1
+    pen_late: list[tuple[int, int, int]] | None = None  # (pen row, column, previous step's row)
+    pen_prompt_lens: list[int] | None = None
+    presence: list[float] | None = None
+    frequency: list[float] | None = None
+    repetition: list[float] | None = None
+    suppress_rows: list[int] | None = None
+    suppress_tokens: list[int] | None = None
+    lp_rows: list[int] | None = None           # None: every row (when lp_counts is set)
+    lp_counts: list[int] | None = None
+    lp_max: int | None = None
+    allowed: list | None = None                # (row, allowed token ids)
+    bias: list | None = None                   # (row, {token: bias})
+    processors: list | None = None             # (row, callables, prompt ids, output ids)
+
+    @classmethod
+    def build(cls, seqs, vocab_size: int, eos_token_ids, samples=None, prev_row_of=None) -> "SamplingPlan":
+        """One per step: a Python loop over the batch reading each request's options.
+        `samples[i]`: row i's sample is counted in its sequence's num_inflight (a scheduled step).
+        `prev_row_of`: seq_id -> row of the step still in flight, for rows that sampled: such a
+        token is not on the host yet, so it counts for seeds and min_tokens, and joins the penalty
+        history on the device."""
+        counted = samples or [False] * len(seqs)
         temps, top_ks, top_ps, min_ps = [], [], [], []
         pen, supp_rows, supp_toks, seeded, seed_keys, lp_rows, lp_counts = [], [], [], [], [], [], []
         allowed, bias, procs = [], [], []
@@ -126,55 +206,38 @@ class SamplingTensors:
                     procs.append((i, sp.logits_processors, seq.token_ids[:n], seq.token_ids[n:]))
         B = len(seqs)
         all_greedy = all(t == 0.0 for t in temps)
-        t = cls(dev(temps, torch.float32), all_greedy=all_greedy, any_greedy=any(t == 0.0 for t in temps))
+        p = cls(temps, all_greedy=all_greedy, any_greedy=any(t == 0.0 for t in temps))
         if not all_greedy:
             if use_top_k:
-                t.top_k = dev(top_ks, torch.int64)
-                t.max_top_k = max(k for k in top_ks if k != TOP_K_OFF)
+                p.top_k, p.max_top_k = top_ks, max(k for k in top_ks if k != TOP_K_OFF)
             if use_top_p:
-                t.top_p = dev(top_ps, torch.float32)
+                p.top_p = top_ps
             if use_min_p:
-                t.min_p = dev(min_ps, torch.float32)
+                p.min_p = min_ps
             if seeded:
-                t.seeded_rows = dev(seeded, torch.int64)
-                t.seed_keys = dev(seed_keys, torch.int64)
+                p.seeded_rows, p.seed_keys = seeded, seed_keys
         if pen:
             rows = [seqs[i] for i in pen]
-            # a row's token still in flight (prev) goes after its host tokens, filled in on the device
-            late = [(j, len(s.token_ids), prev.row_of[s.seq_id]) for j, s in enumerate(rows)
-                    if prev is not None and s.seq_id in prev.row_of and s.num_inflight - counted[pen[j]] > 0]
+            late = [(j, len(s.token_ids), prev_row_of[s.seq_id]) for j, s in enumerate(rows)
+                    if prev_row_of and s.seq_id in prev_row_of and s.num_inflight - counted[pen[j]] > 0]
             width = max(len(s.token_ids) for s in rows) + (1 if late else 0)
-            flat = array("q")  # C-level copies of the histories: ~2x faster than a tensor per row
+            flat = array("q")  # C-level copies of the histories: ~2x faster than a list per row
             for s in rows:
                 flat.extend(s.token_ids)
                 flat.extend([-1] * (width - len(s.token_ids)))
-            padded = torch.frombuffer(flat, dtype=torch.int64).view(len(rows), width)
-            t.pen_rows = None if len(pen) == B else dev(pen, torch.int64)
-            t.pen_tokens = padded.pin_memory().to(device, non_blocking=True) if pin else padded
-            if late:
-                r, c, src = (dev(list(x), torch.int64) for x in zip(*late))
-                t.pen_tokens[r, c] = prev.tokens.index_select(0, src).to(torch.int64)
-            t.pen_prompt_lens = dev([s.num_prompt_tokens for s in rows], torch.int64)
-            t.presence = dev([s.sampling_params.presence_penalty for s in rows], torch.float32)
-            t.frequency = dev([s.sampling_params.frequency_penalty for s in rows], torch.float32)
-            t.repetition = dev([s.sampling_params.repetition_penalty for s in rows], torch.float32)
+            p.pen_rows = None if len(pen) == B else pen
+            p.pen_tokens, p.pen_late = flat, late
+            p.pen_prompt_lens = [s.num_prompt_tokens for s in rows]
+            p.presence = [s.sampling_params.presence_penalty for s in rows]
+            p.frequency = [s.sampling_params.frequency_penalty for s in rows]
+            p.repetition = [s.sampling_params.repetition_penalty for s in rows]
         if supp_rows:
-            t.suppress_rows = dev(supp_rows, torch.int64)
-            t.suppress_tokens = dev(supp_toks, torch.int64)
+            p.suppress_rows, p.suppress_tokens = supp_rows, supp_toks
         if lp_rows:
-            t.lp_rows = None if len(lp_rows) == B else dev(lp_rows, torch.int64)
-            t.lp_rows_list, t.lp_counts, t.lp_max = lp_rows, lp_counts, min(max(lp_counts), vocab_size)
-        if allowed:
-            t.allowed_rows = dev([i for i, _ in allowed], torch.int64)
-            t.allowed_pos = dev([j for j, (_, ids) in enumerate(allowed) for _ in ids], torch.int64)
-            t.allowed_tokens = dev([tok for _, ids in allowed for tok in ids], torch.int64)
-        if bias:
-            t.bias_rows = dev([i for i, b in bias for _ in b], torch.int64)
-            t.bias_tokens = dev([tok for _, b in bias for tok in b], torch.int64)
-            t.bias_values = dev([v for _, b in bias for v in b.values()], torch.float32)
-        if procs:
-            t.processors = procs
-        return t
+            p.lp_rows = None if len(lp_rows) == B else lp_rows
+            p.lp_counts, p.lp_max = lp_counts, min(max(lp_counts), vocab_size)
+        p.allowed, p.bias, p.processors = allowed or None, bias or None, procs or None
+        return p
 
 
 def _banned_by_bad_words(bad_words: list[list[int]], token_ids: list[int], num_prompt: int) -> list[int]:
