@@ -65,20 +65,20 @@ class LLM(LLMEngine):
         return self._stream(request_ids, [sp.n if sp is not None else 1 for sp in params])
 
     def _stream(self, request_ids, ns) -> Iterator[StreamDelta]:
-        index = {rid: i for i, rid in enumerate(request_ids)}
         left = dict(zip(request_ids, ns))  # completions of each request not finished yet
         try:
             while left:
                 if self.is_finished():
                     raise RuntimeError("the engine has no work left but requests are unfinished")
                 self.advance()
-                for rid in list(left):
-                    deltas = self.stream_deltas(rid, index[rid])
-                    left[rid] -= sum(d.finished for d in deltas)
-                    if not left[rid]:
-                        deltas[-1].output = self.pop_output(rid)
-                        del left[rid]
-                    yield from deltas
+                deltas = self.take_stream_deltas(left)  # index: the position in request_ids
+                for d in deltas:  # (a request's deltas are together, its completions in order)
+                    if d.finished:
+                        left[d.request_id] -= 1
+                        if not left[d.request_id]:
+                            d.output = self.pop_output(d.request_id)
+                            del left[d.request_id]
+                yield from deltas
         finally:
             for rid in left:
                 self.pop_output(rid)  # aborts what still runs

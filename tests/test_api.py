@@ -1,12 +1,13 @@
 """The vLLM-style offline API on the tiny checkpoint: outputs, logprobs vs HF, seeds, stop strings,
 stop token ids, min_tokens, n > 1 block sharing, chat, streaming, abort, incremental detokenization."""
+import copy
 import random
 
 import pytest
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine.detokenizer import IncrementalDetokenizer, decode
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer, decode, decoder
 from nanoinfer.outputs import RequestOutput
 
 from hf_reference import hf_model
@@ -237,6 +238,65 @@ def test_stream_deltas_concatenate(llm):
     assert_all_blocks_free(llm)
 
 
+def test_take_stream_deltas_takes_a_step_of_the_given_requests_at_once(llm):
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a, b = llm.add_requests(PROMPTS[:2], [sp, SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=6, logprobs=2)],
+                            stream=True, keep_output=True)
+    other = llm.add_request(PROMPTS[2], sp, stream=True, keep_output=True)
+    texts, ids, lps, done = {}, {}, {}, set()
+    while not llm.is_finished():
+        llm.advance()
+        deltas = llm.take_stream_deltas({a, b})
+        keys = [(d.request_id, d.completion_index) for d in deltas]
+        assert len(keys) == len(set(keys)) and not done & set(keys)  # one delta per completion and step
+        for d in deltas:
+            assert d.request_id in (a, b) and d.index == (0 if d.request_id == a else 1)  # its add_requests position
+            key = (d.request_id, d.completion_index)
+            texts[key] = texts.get(key, "") + d.text
+            ids[key] = ids.get(key, []) + d.token_ids
+            lps[key] = lps.get(key, []) + (d.logprobs or [])
+            if d.finished:
+                done.add(key)
+    assert done == {(a, 0), (b, 0), (b, 1)}
+    for rid in (a, b):
+        for c in llm.pop_output(rid).outputs:
+            assert (texts[(rid, c.index)], ids[(rid, c.index)]) == (c.text, c.token_ids)
+            assert lps[(rid, c.index)] == (c.logprobs or [])
+    rest = llm.stream_deltas(other)  # the request not asked for kept its news
+    out = llm.pop_output(other)
+    assert "".join(d.text for d in rest) == out["text"] and sum((d.token_ids for d in rest), []) == out["token_ids"]
+    assert not llm.output_processor.news  # popped requests are forgotten
+    assert_all_blocks_free(llm)
+
+
+def test_decoder_calls_the_rust_backend_and_decodes_the_same(llm):
+    """A stock fast tokenizer is decoded by its backend, skipping the Python wrapper's per-call
+    cost (streaming decodes twice a token); the text is the wrapper's, special tokens and ids past
+    the vocabulary included."""
+    tok = copy.copy(llm.tokenizer)  # (its own attributes: the spy below stays on it)
+    rng = random.Random(0)
+    cases = [[rng.randrange(len(tok) + 8) for _ in range(rng.randrange(1, 12))] for _ in range(300)]
+    cases += [[0, 1, 2, 5, 1, 6]]  # special tokens between others
+    want = {(tuple(ids), skip): tok.decode([t for t in ids if t < len(tok)], skip_special_tokens=skip,
+                                           clean_up_tokenization_spaces=False)
+            for ids in cases for skip in (True, False)}
+    tok.decode = lambda *a, **k: pytest.fail("the Python wrapper was called")
+    for (ids, skip), text in want.items():
+        assert decoder(tok, skip)(list(ids)) == text == decode(tok, list(ids), skip)
+
+
+def test_decoder_keeps_a_tokenizer_class_that_overrides_decode(llm):
+    tok = copy.copy(llm.tokenizer)
+
+    class Shouting(type(tok)):
+        def decode(self, *args, **kwargs):
+            return super().decode(*args, **kwargs).upper()
+
+    tok.__class__ = Shouting
+    ids = tok.encode("Hello, my name is")
+    assert decoder(tok)(ids) == llm.tokenizer.decode(ids).upper()
+
+
 def test_stream_close_early_aborts(llm):
     gen = llm.stream(PROMPTS, SamplingParams(max_tokens=50, ignore_eos=True))
     for i, _ in enumerate(gen):
@@ -301,7 +361,7 @@ def test_progress_bar(llm, capsys):
 
 
 def test_incremental_detokenizer_multibyte(llm):
-    tok = llm.tokenizer
+    tok = copy.copy(llm.tokenizer)  # (its own attributes: the spy below stays on it)
     rng = random.Random(0)
     samples = [tok.encode(t) for t in ["Naïve café résumé — 你好，世界！ emoji 🙂 numbers", "🙂🙂 你好 café"]]
     samples += [[rng.randrange(len(tok)) for _ in range(60)] for _ in range(20)]  # invalid UTF-8 too

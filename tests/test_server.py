@@ -562,3 +562,53 @@ def test_bad_engine_option_exits_with_the_error(tiny_qwen3, tmp_path):
                               stdout=out, stderr=subprocess.STDOUT, cwd=REPO, timeout=STARTUP_TIMEOUT).returncode
     text = log.read_text()
     assert code == 2 and "max_num_seqs must be" in text, text
+
+
+class _Pipe:
+    """An in-memory Connection end for driving EngineCore in this process."""
+
+    def __init__(self):
+        self.items = []
+
+    def send(self, obj):
+        self.items.append(obj)
+
+    def poll(self):
+        return bool(self.items)
+
+    def recv(self):
+        return self.items.pop(0)
+
+
+def test_engine_core_takes_each_steps_deltas_in_one_call(llm, monkeypatch):
+    """The engine process asks the engine for a step's deltas once (not once per request), and
+    each delta reaches its submission and prompt: the deltas concatenate to the final outputs."""
+    from nanoinfer.serve.engine_process import EngineCore
+
+    commands, events = _Pipe(), _Pipe()
+    core = EngineCore(llm, commands, events)
+    calls = []
+    take = llm.take_stream_deltas
+    monkeypatch.setattr(llm, "take_stream_deltas", lambda ids: calls.append(1) or take(ids))
+    monkeypatch.setattr(llm, "stream_deltas", lambda *a: pytest.fail("one call per request"))
+    sp = SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=12, ignore_eos=True, logprobs=1, stop=["e"])
+    commands.send([("add", 7, PROMPTS[:3], sp, True), ("add", 8, PROMPTS[3:], SamplingParams(max_tokens=5), True)])
+    steps = 0
+    while not steps or core.requests:
+        core._apply_commands()
+        if not llm.is_finished():
+            core._step()
+            steps += 1
+        core._flush()
+    assert len(calls) == steps
+    texts, ids, finals = {}, {}, {}
+    for _, added, deltas, outs in events.items:
+        assert all(error is None for _, error in added)
+        for sub_id, i, j, _, text, token_ids, *_ in deltas:
+            texts[sub_id, i, j] = texts.get((sub_id, i, j), "") + text
+            ids[sub_id, i, j] = ids.get((sub_id, i, j), []) + token_ids
+        finals.update({(sub_id, i): out for sub_id, i, out in outs})
+    assert set(finals) == {(7, 0), (7, 1), (7, 2), (8, 0)}
+    for (sub_id, i), out in finals.items():
+        for c in out.outputs:
+            assert (texts[sub_id, i, c.index], ids[sub_id, i, c.index]) == (c.text, c.token_ids)

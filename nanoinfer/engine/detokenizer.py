@@ -14,6 +14,9 @@ completion's ids. That is the right answer, not the alternatives: decoding from 
 unfinished character would either drop those bytes without a trace (what the windowed decode did,
 one U+FFFD fewer) or put the prompt's bytes into the completion's text.
 """
+from transformers import PreTrainedTokenizerFast
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
 from nanoinfer.sampling_params import SamplingParams
 
 # Like vLLM: a few prompt tokens of context for decoding the first completion tokens.
@@ -35,10 +38,25 @@ def decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = True,
            spaces_between_special_tokens: bool = True) -> str:
     """Decode, skipping ids past the tokenizer's vocabulary (checkpoints pad the embedding).
     spaces_between_special_tokens: as in vLLM, only slow tokenizers use it (fast ones ignore it)."""
+    return decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)(token_ids)
+
+
+def decoder(tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+    """`decode` with the tokenizer and options bound, its checks made once: ids -> str.
+
+    A fast tokenizer whose class keeps the stock decode is called through its Rust backend: with
+    clean-up off the stock decode returns exactly the backend's text, and skipping the wrapper cuts
+    a decode from ~4.5 to ~1.2 us. Streaming decodes twice per token, so the wrapper was a large
+    part of a step's host time."""
     n = len(tokenizer)
-    return tokenizer.decode([t for t in token_ids if t < n], skip_special_tokens=skip_special_tokens,
-                            spaces_between_special_tokens=spaces_between_special_tokens,
-                            clean_up_tokenization_spaces=False)
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and cls.decode is PreTrainedTokenizerBase.decode and \
+            cls._decode is PreTrainedTokenizerFast._decode:
+        return lambda ids: backend.decode([t for t in ids if t < n], skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode([t for t in ids if t < n], skip_special_tokens=skip_special_tokens,
+                                        spaces_between_special_tokens=spaces_between_special_tokens,
+                                        clean_up_tokenization_spaces=False)
 
 
 def prompt_context(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
@@ -63,8 +81,8 @@ def completion_text(tokenizer, prompt_token_ids: list[int], token_ids: list[int]
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], sp: SamplingParams):
-        self.tokenizer = tokenizer
         self.options = (sp.skip_special_tokens, sp.spaces_between_special_tokens)
+        self._decode = decoder(tokenizer, *self.options)
         self.stop = sp.stop
         self.include_stop = sp.include_stop_str_in_output
         # while running, this many trailing characters are withheld from streaming: they may be the
@@ -76,9 +94,6 @@ class IncrementalDetokenizer:
         self.read_offset = len(context)
         self.text = ""
         self.stopped = False
-
-    def _decode(self, ids):
-        return decode(self.tokenizer, ids, *self.options)
 
     def add(self, token_id: int | None, check_stop: bool = True, final: bool = False) -> str | None:
         """Feed one generated token (None: none, only `final`); returns the stop string the new text

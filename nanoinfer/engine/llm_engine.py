@@ -187,8 +187,8 @@ class LLMEngine:
                 raise type(e)(f"prompts[{i}]: {e}") from e
         rids = []
         with self._step_lock:  # an abort from another thread reads the registry meanwhile
-            for seqs, text in made:
-                req = self.output_processor.new_request(seqs, text, keep_output, stream)
+            for i, (seqs, text) in enumerate(made):
+                req = self.output_processor.new_request(seqs, text, keep_output, stream, i)
                 self.requests[req.request_id] = req
                 self.scheduler.add(seqs[0])
                 for seq in seqs[1:]:
@@ -249,12 +249,20 @@ class LLMEngine:
                 self._aborts.append(request_id)
                 self._apply_aborts()
             self.requests.pop(request_id, None)  # (an aborted hand request has already left)
+            self.output_processor.forget(req)
             return self.output_processor.request_output(req)
 
     def stream_deltas(self, request_id: int, index: int = 0) -> list[StreamDelta]:
         """For a request added with stream=True: what each of its completions produced since the
         last call; a completion's last delta has finished=True. `index` fills StreamDelta.index."""
         return self.output_processor.stream_deltas(self._request(request_id), index)
+
+    def take_stream_deltas(self, request_ids) -> list[StreamDelta]:
+        """stream_deltas of all the requests in `request_ids` (a set or dict of ids) at once, in one
+        call per step: only the requests with news are visited. A request's StreamDelta.index is
+        its prompt's position in its add_requests call."""
+        with self._step_lock:  # an abort from another thread records news meanwhile
+            return self.output_processor.take_deltas(request_ids)
 
     def _request(self, request_id: int) -> Request:
         req = self.requests.get(request_id)
@@ -342,6 +350,7 @@ class LLMEngine:
             self._finished_ids.append(rid)
             if not req.keep_output:
                 del self.requests[rid]
+                self.output_processor.forget(req)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

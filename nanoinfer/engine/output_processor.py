@@ -9,7 +9,7 @@ text while running are decoded once when their output is built.
 """
 import time
 
-from nanoinfer.engine.detokenizer import IncrementalDetokenizer, completion_text, decode
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer, completion_text, decoder
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 
@@ -31,8 +31,11 @@ class Completion:
 
 
 class Request:
-    def __init__(self, seqs: list[Sequence], prompt: str | None, keep_output: bool, detoks: list):
+    def __init__(self, seqs: list[Sequence], prompt: str | None, keep_output: bool, detoks: list,
+                 stream: bool = False, index: int = 0):
         self.request_id = seqs[0].request_id
+        self.stream = stream  # take_deltas reports it
+        self.index = index    # its prompt's position in its add_requests call (StreamDelta.index)
         self.seqs = seqs
         self.prompt = prompt
         self.prompt_token_ids = seqs[0].token_ids[:seqs[0].num_prompt_tokens]
@@ -51,12 +54,20 @@ class Request:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        # streamed requests with a token or a finish not yet taken as deltas: take_deltas visits
+        # only these, not every streamed request
+        self.news: dict[int, Request] = {}
 
-    def new_request(self, seqs: list[Sequence], prompt: str | None, keep_output: bool, stream: bool) -> Request:
+    def new_request(self, seqs: list[Sequence], prompt: str | None, keep_output: bool, stream: bool,
+                    index: int = 0) -> Request:
         prompt_ids = seqs[0].token_ids[:seqs[0].num_prompt_tokens]
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, s.sampling_params)
                   if (stream or s.sampling_params.stop) and s.sampling_params.detokenize else None for s in seqs]
-        return Request(seqs, prompt, keep_output, detoks)
+        return Request(seqs, prompt, keep_output, detoks, stream, index)
+
+    def forget(self, req: Request):
+        """The request left the engine's registry."""
+        self.news.pop(req.request_id, None)
 
     @staticmethod
     def on_prompt_logprobs(req: Request, start: int, entries: list):
@@ -64,10 +75,11 @@ class OutputProcessor:
         for prompt token start + i + 1 (a re-prefill after preemption writes the same values)."""
         req.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
 
-    @staticmethod
-    def on_token(req: Request, seq: Sequence, logprobs, stopped_by_token: bool, final: bool,
+    def on_token(self, req: Request, seq: Sequence, logprobs, stopped_by_token: bool, final: bool,
                  now: float) -> str | None:
         """Record the token just appended to `seq`; returns the stop string its text completed."""
+        if req.stream:
+            self.news[req.request_id] = req
         c = req.completions[seq.index]
         if c.first_token_time is None:
             c.first_token_time = now
@@ -82,8 +94,9 @@ class OutputProcessor:
         return c.detok.add(seq.token_ids[-1] if keep else None, check_stop=seq.num_completion_tokens >= sp.min_tokens,
                            final=final)
 
-    @staticmethod
-    def mark_finished(req: Request, seq: Sequence, now: float):
+    def mark_finished(self, req: Request, seq: Sequence, now: float):
+        if req.stream:
+            self.news[req.request_id] = req
         c = req.completions[seq.index]
         if c.finished_time is None:
             c.finished_time = now
@@ -103,8 +116,10 @@ class OutputProcessor:
 
     def _logprob_dicts(self, records, detokenize: bool = True) -> list[dict[int, Logprob]]:
         """records: (token, (top ids, top logprobs, token's logprob, its rank)) per position."""
+        decode = decoder(self.tokenizer, False) if detokenize else None
+
         def text(t):
-            return decode(self.tokenizer, [t], False) if detokenize else None
+            return decode([t]) if decode is not None else None
 
         out = []
         for token, (top_ids, top_lps, lp, rank) in records:
@@ -141,9 +156,19 @@ class OutputProcessor:
                              [self.completion_output(c) for c in req.completions], finished, metrics,
                              req.completions[0].num_cached_tokens, self._prompt_logprobs(req))
 
+    def take_deltas(self, request_ids) -> list[StreamDelta]:
+        """stream_deltas of every request in `request_ids` (a set or dict) that has news, with
+        StreamDelta.index its Request.index; the requests' deltas in the order their news came."""
+        deltas = []
+        for rid, req in list(self.news.items()):
+            if rid in request_ids:
+                deltas += self.stream_deltas(req, req.index)
+        return deltas
+
     def stream_deltas(self, req: Request, index: int) -> list[StreamDelta]:
         """What each completion of the request produced since the last call (text is released up to
         a character boundary, minus a possible stop-string prefix)."""
+        self.news.pop(req.request_id, None)
         deltas = []
         for c in req.completions:
             seq = c.seq

@@ -152,14 +152,11 @@ class EngineCore:
 
     def _step(self):
         finished, _ = self.llm.advance()
-        # Every running request gets a token per step, so each streamed one is asked for its
-        # news; one still waiting for its prompt's turn answers an empty list.
-        stream_deltas, requests, out = self.llm.stream_deltas, self.requests, self.deltas
-        for rid in self.streaming:
-            for d in stream_deltas(rid):
-                sub_id, i = requests[rid]
-                out.append((sub_id, i, d.completion_index, rid, d.text, d.token_ids, d.logprobs, d.finished,
-                            d.finish_reason, d.stop_reason))
+        # the step's deltas in one call; d.index is the prompt's position in its submission
+        requests = self.requests
+        self.deltas += [(requests[d.request_id][0], d.index, d.completion_index, d.request_id, d.text, d.token_ids,
+                         d.logprobs, d.finished, d.finish_reason, d.stop_reason)
+                        for d in self.llm.take_stream_deltas(self.streaming)]
         for rid in finished:
             if rid in self.requests:
                 self._finish(rid)
