@@ -74,14 +74,16 @@ class Profiler:
 
 
 def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate, tp_size=1):
-    """MoE models: a step reads the non-expert weights and the experts its tokens route to (expected
-    under uniform routing); a token's matmul FLOPs count its top-k experts only."""
+    """Per rank (`weight_bytes`: rank 0's shard; KV heads, attention and the vocabulary split
+    tp_size ways). MoE models: a step reads the non-expert weights and the experts its tokens route
+    to (expected under uniform routing); a token's matmul FLOPs count its top-k experts only."""
     from nanoinfer.bench.moe import moe_step_costs
-    kv_per_token = hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * 2 * dtype_bytes
+    kv_heads = max(hf.num_key_value_heads // tp_size, 1)  # (replicated when fewer than ranks)
+    kv_per_token = hf.num_hidden_layers * kv_heads * hf.head_dim * 2 * dtype_bytes
     all_experts, expert_flops = moe_step_costs(hf, dtype_bytes, float("inf"), tp_size)
     weight_bytes -= all_experts  # what every step reads
     params = weight_bytes / dtype_bytes
-    embed = hf.vocab_size * hf.hidden_size
+    embed = hf.vocab_size * hf.hidden_size / tp_size
     matmul_params = params - embed * (1 if hf.tie_word_embeddings else 2)  # per token, excluding vocab
     byte_time = flop_time = 0.0
     for step in steps:
@@ -95,7 +97,7 @@ def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate, tp_
             tokens = sum(q for q, _ in prefill)
             attn = sum(q * (ctx - q) + q * (q + 1) / 2 for q, ctx in prefill)  # causal query-key pairs
             flops = 2 * matmul_params * tokens + expert_flops * tokens + 2 * embed * len(prefill) \
-                + 4 * hf.num_hidden_layers * hf.num_attention_heads * hf.head_dim * attn
+                + 4 * hf.num_hidden_layers * hf.num_attention_heads // tp_size * hf.head_dim * attn
             flop_time += flops / flops_rate
     return byte_time + flop_time
 
