@@ -135,15 +135,14 @@ class WorkerGroup:
 
     @staticmethod
     def _start(proc):
-        """Start a worker with SIGINT ignored, so that a Ctrl-C while it imports does not kill it
-        half-way: the parent handles Ctrl-C and stops the workers itself."""
-        if threading.current_thread() is not threading.main_thread():
-            return proc.start()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        """Start a worker with SIGINT blocked: the worker inherits the mask, so a Ctrl-C while it
+        imports does not kill it half-way (the parent handles Ctrl-C and stops the workers itself),
+        and here a Ctrl-C is delivered once the worker is started, not lost."""
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             proc.start()
         finally:
-            signal.signal(signal.SIGINT, previous)
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     # ---- calls ----------------------------------------------------------------------------------
     def call(self, messages: list[tuple], payload: bytes | None = None):
