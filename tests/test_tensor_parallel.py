@@ -222,9 +222,10 @@ def test_sampling_features_and_a_raising_logits_processor(tiny_qwen3):
         bad = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logits_processors=[fail_on_third_token])
         good = llm.add_request(prompts[0], GREEDY, keep_output=True)
         failing = llm.add_request(prompts[1], bad)
-        with pytest.raises(RuntimeError, match="(?s)sampling failed.*processor failed on purpose"):
-            while not llm.is_finished():
-                llm.step()
+        for _ in range(2):  # twice in a row: the other request's step stays in flight meanwhile
+            with pytest.raises(RuntimeError, match="(?s)sampling failed.*processor failed on purpose"):
+                while not llm.is_finished():
+                    llm.step()
         llm.abort_request(failing)  # the other request finishes as if alone
         while not llm.is_finished():
             llm.step()

@@ -61,7 +61,7 @@ def serve_rank(channel, config: Config, init_method: str):
         os.environ.setdefault(name, value)
     runner = ModelRunner(config, channel.rank, init_method)
     channel.answer(runner.num_blocks)
-    recent = {}          # step id -> InFlight, the last two launched (the next step reads one's tokens)
+    recent = {}          # step id -> InFlight: the last launched, and the one it read (the next step reads one of them)
     unreported = None    # rank 0: the step id launched and not reported yet
     while True:
         message = channel.recv()
@@ -75,10 +75,11 @@ def serve_rank(channel, config: Config, init_method: str):
                 recent[k] = runner.launch(step, sample, recent.get(prev))
             except SamplingFailed:  # a user's logits processor raised; the ranks are still in step
                 reported.append((k, f"rank 0: {traceback.format_exc()[-_MAX_ERROR_CHARS:]}"))
-            recent.pop(k - 2, None)
             if unreported is not None:
                 reported.insert(0, (unreported, runner.collect(recent[unreported])))
                 unreported = None
+            # the next step reads k's tokens, or prev's again if the engine drops k (its sampling failed)
+            recent = {key: recent[key] for key in (prev, k) if key in recent}
             if sample is not None and k in recent:
                 if report_now:
                     reported.append((k, runner.collect(recent[k])))
