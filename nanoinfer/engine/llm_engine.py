@@ -26,7 +26,7 @@ from nanoinfer.config import Config
 from nanoinfer.engine.detokenizer import encode
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor, Request
-from nanoinfer.engine.scheduler import Scheduler
+from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.engine.step_message import encode_step, sampled_rows
 from nanoinfer.engine.tp_executor import TensorParallelExecutor
@@ -314,7 +314,7 @@ class LLMEngine:
         pairs, self._unreported = self._unreported, []
         return pairs, num_tokens
 
-    def _launch(self, batch) -> "Launched":
+    def _launch(self, batch: ScheduledBatch) -> "Launched":
         prev = self.inflight
         step, sample = encode_step(batch, prev.rows if prev else None, self.vocab_size, batch.eos_token_ids)
         handle = self.model_runner.launch(step, sample, prev.handle if prev else None)
@@ -400,9 +400,9 @@ def _sigint_deferred():
 class Launched:
     """A step launched and not processed yet: its batch, its sampling rows (seq_id -> row), and the
     runner's handle for collecting it."""
-    batch: object
+    batch: ScheduledBatch
     rows: dict[int, int]
-    handle: object
+    handle: object  # the runner's: an InFlight (one rank) or a step id (tensor parallel)
 
 
 @dataclass(slots=True)
