@@ -122,6 +122,7 @@ class LLMEngine:
             except Exception as e:
                 raise ValueError("logits_processors must be picklable with tensor_parallel_size > 1 (they run in "
                                  f"the sampling worker process; define them at module level): {e}") from None
+            # (a fresh copy each step: state a processor keeps between calls is not kept there)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(sp, name) is not None and getattr(sp, name) > self.vocab_size:
                 raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, "

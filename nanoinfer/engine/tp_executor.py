@@ -21,14 +21,13 @@ import traceback
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner, SamplingFailed
 from nanoinfer.engine.step_message import SampleInput, StepInput, StepResult
-from nanoinfer.engine.worker_group import WorkerFailure, WorkerGroup
+from nanoinfer.engine.worker_group import MAX_ERROR_CHARS, WorkerFailure, WorkerGroup
 
 logger = logging.getLogger("nanoinfer")
 
 STEP_TIMEOUT_ENV = "NANOINFER_TP_STEP_TIMEOUT_S"
 DEFAULT_STEP_TIMEOUT_S = 60.0  # a step unanswered this long means a rank is stuck (raise it for slow steps)
 EXIT_TIMEOUT_S = 10.0          # a polite exit, then SIGKILL
-_MAX_ERROR_CHARS = 16000
 # NVLink multicast off: the small all-reduces of decode do not need it, and it is a shared machine's risk
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -62,7 +61,7 @@ def serve_rank(channel, config: Config, init_method: str):
     runner = ModelRunner(config, channel.rank, init_method)
     channel.answer(runner.num_blocks)
     recent = {}          # step id -> InFlight: the last launched, and the one it read (the next step reads one of them)
-    unreported = None    # rank 0: the step id launched and not reported yet
+    awaiting_report = None  # rank 0: the id of the step launched and not reported yet
     while True:
         message = channel.recv()
         kind = message[0]
@@ -73,22 +72,24 @@ def serve_rank(channel, config: Config, init_method: str):
             reported = []
             try:
                 recent[k] = runner.launch(step, sample, recent.get(prev))
-            except SamplingFailed:  # a user's logits processor raised; the ranks are still in step
-                reported.append((k, f"rank 0: {traceback.format_exc()[-_MAX_ERROR_CHARS:]}"))
-            if unreported is not None:
-                reported.insert(0, (unreported, runner.collect(recent[unreported])))
-                unreported = None
+            except SamplingFailed:  # e.g. a user's logits processor raised; the ranks are still in step
+                if not report_now:  # (nothing else is expected to fail there: the worker fails, loudly)
+                    raise
+                reported.append((k, f"rank 0: {traceback.format_exc()[-MAX_ERROR_CHARS:]}"))
+            if awaiting_report is not None:
+                reported.insert(0, (awaiting_report, runner.collect(recent[awaiting_report])))
+                awaiting_report = None
             # the next step reads k's tokens, or prev's again if the engine drops k (its sampling failed)
             recent = {key: recent[key] for key in (prev, k) if key in recent}
             if sample is not None and k in recent:
                 if report_now:
                     reported.append((k, runner.collect(recent[k])))
                 else:
-                    unreported = k
+                    awaiting_report = k
             channel.answer(reported)
         elif kind == "flush":
-            reported = [] if unreported is None else [(unreported, runner.collect(recent[unreported]))]
-            unreported = None
+            reported = [] if awaiting_report is None else [(awaiting_report, runner.collect(recent[awaiting_report]))]
+            awaiting_report = None
             channel.answer(reported)
         elif kind == "allocate_kv_cache":
             runner.allocate_kv_cache(message[1])
@@ -157,11 +158,11 @@ class TensorParallelExecutor:
         while k not in self._results:
             if not self._answers_pending:  # nobody will report it unasked: the last step launched
                 self._call([("flush",)] * self.world_size)
+                self._settle()
+                if k not in self._results:
+                    raise RuntimeError(f"step {k} was never launched or was already collected")
             self._settle()
-        result = self._results.pop(k)
-        if isinstance(result, str):  # (only a report_now step may fail and leave the group usable)
-            self._fail(WorkerFailure(result), "in a step")
-        return result
+        return self._results.pop(k)
 
     def info(self) -> dict:
         """Rank 0's ModelRunner.info()."""
@@ -186,7 +187,7 @@ class TensorParallelExecutor:
             try:
                 self._settle(timeout=5.0)
                 self.group.call([("exit",)] * self.world_size)
-                self.group.wait("exit", timeout=EXIT_TIMEOUT_S)
+                self.group.wait("exit", timeout=EXIT_TIMEOUT_S, exiting=True)
                 polite = True
             except (WorkerFailure, RuntimeError):
                 pass

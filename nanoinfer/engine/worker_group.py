@@ -28,7 +28,7 @@ logger = logging.getLogger("nanoinfer")
 
 INITIAL_SEGMENT_BYTES = 1 << 20
 PARENT_POLL_S = 0.5           # how often a worker checks that its parent is alive
-_MAX_ERROR_CHARS = 16000      # a worker's traceback must fit the pipe buffer: it sends, then exits
+MAX_ERROR_CHARS = 16000      # a worker's traceback must fit the pipe buffer: it sends, then exits
 
 
 class WorkerFailure(Exception):
@@ -69,6 +69,7 @@ class WorkerChannel:
 
 def _worker_entry(target, rank: int, conn, segment: str, args: tuple):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (blocked while starting) for our children
     parent = os.getppid()
 
     def exit_with_parent():  # a thread: works while the main thread is stuck in a collective
@@ -82,7 +83,7 @@ def _worker_entry(target, rank: int, conn, segment: str, args: tuple):
         channel.close()
     except BaseException:
         try:
-            conn.send(("error", f"rank {rank}: {traceback.format_exc()[-_MAX_ERROR_CHARS:]}"))
+            conn.send(("error", f"rank {rank}: {traceback.format_exc()[-MAX_ERROR_CHARS:]}"))
         except Exception:
             pass
         os._exit(1)  # no finalizers: a broken process group must not hold us up
@@ -125,9 +126,16 @@ class WorkerGroup:
                 proc = ctx.Process(target=_worker_entry, name=f"{name}{rank}", daemon=True,
                                    args=(target, rank, child, self.shm.name, args_of(rank)))
                 self.conns.append(conn)
-                self._start(proc)
-                child.close()
-                self.procs.append(proc)
+                # SIGINT blocked: the worker inherits the mask (a Ctrl-C while it imports must not
+                # kill it half-way; it ignores SIGINT once running), and here a Ctrl-C arrives
+                # once the worker is in self.procs, for stop() to find
+                previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+                try:
+                    self._start(proc)
+                    self.procs.append(proc)
+                    child.close()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         except BaseException:  # e.g. Ctrl-C while spawning
             self.stop(0.0)
             raise
@@ -135,14 +143,7 @@ class WorkerGroup:
 
     @staticmethod
     def _start(proc):
-        """Start a worker with SIGINT blocked: the worker inherits the mask, so a Ctrl-C while it
-        imports does not kill it half-way (the parent handles Ctrl-C and stops the workers itself),
-        and here a Ctrl-C is delivered once the worker is started, not lost."""
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            proc.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        proc.start()
 
     # ---- calls ----------------------------------------------------------------------------------
     def call(self, messages: list[tuple], payload: bytes | None = None):
@@ -162,14 +163,16 @@ class WorkerGroup:
                 pass
         self._pending = set(range(len(self.procs)))
 
-    def wait(self, what: str, timeout: float | None = None) -> list:
+    def wait(self, what: str, timeout: float | None = None, exiting: bool = False) -> list:
         """Every worker's answer to the last call, in rank order. Raises WorkerFailure as soon as
-        one reports an error or dies, or when some are silent at `timeout` seconds."""
+        one reports an error or any dies (also one that has answered: on CUDA a rank answers once
+        its step is queued, and its peers then wait for it on the device), or when some are silent
+        at `timeout` seconds. `exiting`: the call ends the workers, who may exit once answered."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._pending:
             pending = sorted(self._pending)
             left = 1.0 if deadline is None else max(min(deadline - time.monotonic(), 1.0), 0.0)
-            wait_ready([self.conns[i] for i in pending] + [self.procs[i].sentinel for i in pending], timeout=left)
+            wait_ready([self.conns[i] for i in pending] + [p.sentinel for p in self.procs], timeout=left)
             for i in pending:
                 conn = self.conns[i]
                 try:
@@ -185,6 +188,8 @@ class WorkerGroup:
                     self._pending.discard(i)
                 elif not self.procs[i].is_alive():
                     raise WorkerFailure(self._describe({}))
+            if not exiting and not all(p.is_alive() for p in self.procs):
+                raise WorkerFailure(self._describe({}))
             if self._pending and deadline is not None and time.monotonic() >= deadline:
                 raise WorkerFailure(self._describe_silent(what, timeout))
         results = [self._results.pop(i, None) for i in range(len(self.procs))]
@@ -199,7 +204,7 @@ class WorkerGroup:
         silent = [i for i in sorted(self._pending) if not self.conns[i].poll()]
         stopped = [i for i in silent if _is_stopped(self.procs[i].pid)]
         return "\n".join(f"rank {i}: process {self.procs[i].pid} did not answer {what} within {timeout:g} s "
-                         f"({'stopped' if i in stopped else 'hung, or waiting for a peer'})"
+                         f"({'stopped' if i in stopped else 'slow, hung, or waiting for a peer'})"
                          for i in (stopped or silent))
 
     def _describe(self, errors: dict[int, str]) -> str:

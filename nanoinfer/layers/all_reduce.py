@@ -2,8 +2,9 @@
 15-36 us on two H200s, PyTorch's one-shot all-reduce through symmetric memory (each rank reads its
 peers' buffers over NVLink; no multicast) 6.5-19 us (`python -m nanoinfer.bench.allreduce`), and
 an 8B decode step does 72 of them. So each layer that all-reduces owns an AllReduce, and on CUDA
-`use_symmetric_memory` gives each its own symmetric buffer for inputs of up to `max_rows` rows:
-its own, so that a rank running ahead never overwrites a buffer a peer is still reading (the next
+`use_symmetric_memory` gives each its own symmetric buffer for inputs of up to `max_rows` rows
+and at most BUFFER_BYTES (where one-shot was measured ahead; it also bounds the memory): its own,
+so that a rank running ahead never overwrites a buffer a peer is still reading (the next
 all-reduce's barrier is between two uses). Larger inputs (prefill) and CPU use NCCL / gloo."""
 import logging
 
@@ -12,6 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 logger = logging.getLogger("nanoinfer")
+
+BUFFER_BYTES = 2 << 20  # 256 rows of an 8B model's hidden size in bf16
 
 
 class AllReduce(nn.Module):
@@ -40,9 +43,10 @@ def use_symmetric_memory(model: nn.Module, max_rows: int, dtype: torch.dtype, de
         group = dist.group.WORLD.group_name
         buffers = []
         for site in sites:
-            buf = symm_mem.empty(max_rows * site.features, dtype=dtype, device=device)
+            rows = max(1, min(max_rows, BUFFER_BYTES // (site.features * dtype.itemsize)))
+            buf = symm_mem.empty(rows * site.features, dtype=dtype, device=device)
             symm_mem.rendezvous(buf, group)
-            buffers.append(buf.view(max_rows, site.features))
+            buffers.append(buf.view(rows, site.features))
         probe = buffers[0][:1]
         probe.fill_(dist.get_rank() + 1)
         total = torch.ops.symm_mem.one_shot_all_reduce(probe, "sum", group)

@@ -17,8 +17,8 @@ _TP_OVERRIDE: tuple[int, int] | None = None
 
 @contextmanager
 def tp_shard(rank: int, size: int):
-    """Build layers for this (rank, size) whatever torch.distributed says: a tp=1 engine built while
-    a TP engine's process group is alive in the same process must not shard."""
+    """Build layers for this (rank, size) whatever torch.distributed says: a tp=1 engine built in
+    a process where the user initialized torch.distributed must not shard."""
     global _TP_OVERRIDE
     previous, _TP_OVERRIDE = _TP_OVERRIDE, (rank, size)
     try:

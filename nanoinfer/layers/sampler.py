@@ -1,8 +1,8 @@
 """Batched sampling on the device.
 
-Per step, `SamplingTensors.build` turns the batch's SamplingParams into a few [B]-sized tensors (and,
-only for rows that use them, penalty token tensors, min_tokens suppression indices, seeds and
-logprob requests). `Sampler.forward` then runs, all batched:
+Per step, the engine's SamplingPlan becomes SamplingTensors (layers/sampling_tensors.py): a few
+[B]-sized tensors (and, only for rows that use them, penalty token tensors, min_tokens suppression
+indices, seeds and logprob requests). `Sampler.forward` then runs, all batched:
 
     raw logits --(logprobs: log_softmax of the raw logits, top-N + sampled token's)
       -> logits_processors (per request, its row)        (rows that use them only)
