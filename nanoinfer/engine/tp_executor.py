@@ -130,8 +130,7 @@ class TensorParallelExecutor:
 
     # ---- the runner's interface -----------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int):
-        self._call([("allocate_kv_cache", num_blocks)] * self.world_size)  # (graph capture runs collectives)
-        self._answers("allocate_kv_cache")
+        self._everyone("allocate_kv_cache", "allocate_kv_cache", num_blocks)  # (graph capture runs collectives)
         self.num_blocks = num_blocks
 
     def launch(self, step: StepInput, sample: SampleInput, prev: int | None) -> int:
@@ -154,27 +153,23 @@ class TensorParallelExecutor:
         return k
 
     def collect(self, k: int) -> StepResult:
-        """The results of step `k`, waiting for them."""
-        while k not in self._results:
-            if not self._answers_pending:  # nobody will report it unasked: the last step launched
-                self._call([("flush",)] * self.world_size)
-                self._settle()
-                if k not in self._results:
-                    raise RuntimeError(f"step {k} was never launched or was already collected")
+        """The results of step `k`, waiting for them: in the answers to a later launch, or, for the
+        last step launched, which nobody reports unasked, in the answers to a flush."""
+        self._settle()
+        if k not in self._results:
+            self._call([("flush",)] * self.world_size)
             self._settle()
+        if k not in self._results:
+            raise RuntimeError(f"step {k} was never launched or was already collected")
         return self._results.pop(k)
 
     def info(self) -> dict:
         """Rank 0's ModelRunner.info()."""
-        self._settle()
-        self._call([("info",)] * self.world_size)
-        return self._answers("info")[0]
+        return self._everyone("info", "info")[0]
 
     def ping(self):
         """A round trip through every rank without a forward (what the RPC costs)."""
-        self._settle()
-        self._call([("ping",)] * self.world_size)
-        self._answers("a ping")
+        self._everyone("a ping", "ping")
 
     def exit(self):
         if self._closed:
@@ -215,6 +210,12 @@ class TensorParallelExecutor:
             self._fail(e, f"waiting for {what}")
         self._answers_pending = False
         return answers
+
+    def _everyone(self, what: str, *message) -> list:
+        """The same call to every rank, once the last call is answered; returns their answers."""
+        self._settle()
+        self._call([message] * self.world_size)
+        return self._answers(what)
 
     def _settle(self, timeout: float | None = None):
         """Collect the answers to the last call, if not yet: rank 0's carry step results."""

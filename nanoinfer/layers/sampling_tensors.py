@@ -66,11 +66,9 @@ class SamplingTensors:
                 or self.bias_rows is not None or self.processors is not None)
 
     @classmethod
-    def build(cls, seqs, vocab_size: int, eos_token_ids, device: torch.device, samples=None,
-              prev_row_of=None, prev_tokens=None) -> "SamplingTensors":
-        """SamplingPlan.build, then from_plan: both halves in one process (tests, one rank)."""
-        return cls.from_plan(SamplingPlan.build(seqs, vocab_size, eos_token_ids, samples, prev_row_of),
-                             device, prev_tokens)
+    def build(cls, seqs, vocab_size: int, eos_token_ids, device: torch.device) -> "SamplingTensors":
+        """SamplingPlan.build, then from_plan, for a batch with no step in flight (tests, benchmarks)."""
+        return cls.from_plan(SamplingPlan.build(seqs, vocab_size, eos_token_ids), device)
 
     @classmethod
     def from_plan(cls, plan: "SamplingPlan", device: torch.device, prev_tokens=None) -> "SamplingTensors":
