@@ -51,8 +51,9 @@ def test_float32_preemption_and_chunked_prefill_on_gpu(make_checkpoint):
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_float32_mixed_batches_match_hf(make_checkpoint, overlap):
-    """Prompts arriving while others decode, with a small token budget: steps mix decode rows (decode
-    kernel) and prompt chunks (prefill kernel); every greedy token equals HF's teacher-forced argmax."""
+    """Prompts arriving while others decode, with a small token budget: steps mix decode rows and
+    prompt chunks (prefill kernel, replayed from the CUDA graph of their token bucket); every greedy
+    token equals HF's teacher-forced argmax."""
     path = make_checkpoint(num_heads=8, num_kv_heads=2, head_dim=32, hidden_size=128)
     llm = LLM(path, dtype="float32", kvcache_block_size=16, max_model_len=1024, max_num_batched_tokens=96,
               max_num_seqs=16, async_scheduling=overlap)
@@ -68,6 +69,9 @@ def test_float32_mixed_batches_match_hf(make_checkpoint, overlap):
             llm.step()
         mixed = sum(1 for r in llm.step_log if 0 < r.num_decode < len(r.rows))
         assert mixed >= 5, f"only {mixed} mixed steps"
+        info = llm.model_runner.info()  # every step with prompt chunks (<= 96 tokens) replayed a graph
+        assert info["mixed_graph_sizes"] == [96]
+        assert info["mixed_graph_replays"] == sum(1 for r in llm.step_log if r.num_decode < len(r.rows))
         for p, rid in zip(prompts, rids):
             assert_greedy_matches_hf(path, p, llm.pop_output(rid)["token_ids"], tol=1e-3)
     finally:

@@ -103,6 +103,32 @@ def test_prefill_cached_prefix_and_chunked(dtype):
     assert err < tol(dtype), err
 
 
+def test_prefill_padded_as_in_a_cuda_graph():
+    """As a graph for steps with prompt chunks runs it (model_runner._replay_mixed): more rows than
+    the step's, with no query tokens, padded query tokens past the last row, and max_seqlen_q the
+    bucket's. The step's rows come out exactly as without the padding."""
+    torch.manual_seed(4)
+    block_size, heads, kv_heads, head_dim = 16, 4, 2, 16
+    q_lens, ctx_lens = [1, 1, 9, 20], [30, 5, 41, 20]
+    n, rows, bucket = sum(q_lens), 8, 64
+    num_blocks = sum((c + block_size - 1) // block_size for c in ctx_lens) + 4
+    k_cache, v_cache = make_cache(num_blocks, block_size, kv_heads, head_dim, torch.float32)
+    bt = make_block_tables(ctx_lens, block_size, num_blocks)
+    q = torch.randn(bucket, heads, head_dim, device=DEV)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
+    scale = head_dim ** -0.5
+    exact = prefill_attention(q[:n], k_cache, v_cache, cu, ctx, bt, max(q_lens), scale)
+    cu_pad = torch.full((rows + 1,), n, dtype=torch.int32, device=DEV)
+    cu_pad[:len(cu)] = cu
+    ctx_pad = torch.zeros(rows, dtype=torch.int32, device=DEV)
+    ctx_pad[:len(ctx_lens)] = ctx
+    bt_pad = torch.full((rows, bt.shape[1] + 2), 7, dtype=torch.int32, device=DEV)  # stale entries
+    bt_pad[:len(ctx_lens), :bt.shape[1]] = bt
+    padded = prefill_attention(q, k_cache, v_cache, cu_pad, ctx_pad, bt_pad, bucket, scale)
+    assert torch.equal(padded[:n], exact)
+
+
 def test_prefill_page_256_and_odd_head_dim():
     torch.manual_seed(2)
     err = run_prefill([30, 7], [300, 7], 4, 2, 16, 256, torch.float32)

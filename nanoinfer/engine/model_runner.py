@@ -1,6 +1,7 @@
 """One per tensor-parallel rank: loads the model, sizes and allocates the paged KV cache, turns a
-batch of sequences into flat input tensors, runs the forward (eagerly, or by replaying a CUDA graph
-for decode), and samples on rank 0."""
+step (engine/step_message.py) into flat input tensors, runs the forward (eagerly, or by replaying a
+CUDA graph: decode-only steps by batch size, steps with prompt chunks by token count), and samples
+on rank 0."""
 import logging
 from array import array
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from nanoinfer.config import Config
 from nanoinfer.engine.step_message import SampleInput, StepInput, StepResult
 from nanoinfer.layers.all_reduce import use_symmetric_memory
 from nanoinfer.layers.attention import select_backend
+from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.linear import tp_shard
 from nanoinfer.layers.sampler import Sampler
 from nanoinfer.layers.sampling_tensors import SamplingTensors
@@ -25,6 +27,17 @@ logger = logging.getLogger("nanoinfer")
 
 CPU_KV_BUDGET_BYTES = 1 << 30
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}  # array typecodes (8 and 4 bytes on our platforms)
+
+
+MIXED_GRAPH_MAX_TOKENS = 2048  # larger steps run eagerly: their device time dwarfs the launches
+
+
+def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token buckets of the CUDA graphs for steps that carry prompt chunks: every 256 tokens up to
+    2048 (or the token budget). An eager step costs 14-19 ms of host launches for 28 layers on the
+    H200, several times its device time at these sizes."""
+    top = min(max_num_batched_tokens, MIXED_GRAPH_MAX_TOKENS)
+    return sorted({*range(256, top, 256), top})
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -88,7 +101,8 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         self.num_blocks = self._measure_kv_capacity()
-        self.graphs = {}
+        self.graphs, self.mixed_graphs = {}, {}
+        self.mixed_graph_replays = 0
 
     # ---- KV cache -------------------------------------------------------------------------------
     @property
@@ -206,7 +220,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model(self, input_ids, positions, decode_only: bool):
         n = input_ids.shape[0]
-        if not decode_only or not self.graphs or n > self.graph_bs[-1]:
+        if not decode_only:
+            if not self.mixed_graphs or n > self.mixed_sizes[-1]:
+                return self.model.compute_logits(self.model(input_ids, positions))
+            return self._replay_mixed(input_ids, positions)
+        if not self.graphs or n > self.graph_bs[-1]:
             return self.model.compute_logits(self.model(input_ids, positions))
         bucket = next(b for b in self.graph_bs if b >= n)
         ctx, g = get_context(), self.graph_vars
@@ -222,6 +240,28 @@ class ModelRunner:
             if bucket > n:  # padded rows (context 0) last
                 g["decode_order"][n:bucket] = g["rows"][n:bucket]
         self.graphs[bucket].replay()
+        return self.model.compute_logits(g["outputs"][:n])
+
+    def _replay_mixed(self, input_ids, positions):
+        """A step with prompt chunks, through the graph of the smallest token bucket that holds it.
+        The graph's attention has max_num_seqs rows and the bucket's query length: rows past the
+        step's have no query tokens, and padded tokens have slot -1, so they compute nothing that
+        is kept. The logits are taken outside, from the step's own context."""
+        n = input_ids.shape[0]
+        bucket = next(b for b in self.mixed_sizes if b >= n)
+        ctx, g = get_context(), self.graph_vars
+        rows = ctx.context_lens.shape[0]
+        g["input_ids"][:n] = input_ids
+        g["positions"][:n] = positions
+        g["slot_mapping"].fill_(-1)
+        g["slot_mapping"][:n] = ctx.slot_mapping
+        g["cu_seqlens_q"].fill_(n)
+        g["cu_seqlens_q"][:rows + 1] = ctx.cu_seqlens_q
+        g["context_lens"].zero_()
+        g["context_lens"][:rows] = ctx.context_lens
+        g["block_tables"][:rows, :ctx.block_tables.shape[1]] = ctx.block_tables
+        self.mixed_graphs[bucket].replay()
+        self.mixed_graph_replays += 1
         return self.model.compute_logits(g["outputs"][:n])
 
     @torch.inference_mode()
@@ -312,18 +352,23 @@ class ModelRunner:
     @torch.inference_mode()
     def _capture_cuda_graphs(self):
         """Decode graphs for batch buckets covering 1..max_num_seqs, block tables as wide as
-        max_model_len needs; padded rows have slot -1 and context length 0."""
+        max_model_len needs; padded rows have slot -1 and context length 0. Then, with our Triton
+        attention and a dense model, graphs for steps with prompt chunks (mixed_graph_sizes)."""
         max_bs = self.config.max_num_seqs
         self.graph_bs = graph_batch_sizes(max_bs)
+        mixed = self.backend == "triton" and not any(isinstance(m, FusedMoE) for m in self.model.modules())
+        self.mixed_sizes = mixed_graph_sizes(self.config.max_num_batched_tokens) if mixed else []
+        tokens = max([max_bs, *self.mixed_sizes])
         hidden = self.config.hf_config.hidden_size
         dev = self.device
         g = self.graph_vars = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            input_ids=torch.zeros(tokens, dtype=torch.int64, device=dev),
+            positions=torch.zeros(tokens, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
+            cu_seqlens_q=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
             block_tables=torch.full((max_bs, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
-            outputs=torch.zeros(max_bs, hidden, dtype=self.config.torch_dtype, device=dev),
+            outputs=torch.zeros(tokens, hidden, dtype=self.config.torch_dtype, device=dev),
             rows=torch.arange(max_bs, dtype=torch.int32, device=dev),
         )
         g["decode_order"] = g["rows"].clone()
@@ -341,19 +386,34 @@ class ModelRunner:
             self.graphs[bs] = graph
             torch.cuda.synchronize(dev)
             reset_context()
-        logger.info("captured %d CUDA graphs for decode batch sizes up to %d", len(self.graphs), max_bs)
+        for t in reversed(self.mixed_sizes):  # (zero query lengths: the captures attend to nothing)
+            graph = torch.cuda.CUDAGraph()
+            set_context(is_prefill=True, cu_seqlens_q=g["cu_seqlens_q"], max_seqlen_q=t, context_lens=g["context_lens"],
+                        block_tables=g["block_tables"], slot_mapping=g["slot_mapping"][:t])
+            g["outputs"][:t] = self.model(g["input_ids"][:t], g["positions"][:t])  # warm-up
+            with torch.cuda.graph(graph, pool):
+                g["outputs"][:t] = self.model(g["input_ids"][:t], g["positions"][:t])
+            self.mixed_graphs[t] = graph
+            torch.cuda.synchronize(dev)
+            reset_context()
+        logger.info("captured %d CUDA graphs for decode batch sizes up to %d and %d for steps with prompt chunks "
+                    "up to %d tokens", len(self.graphs), max_bs, len(self.mixed_graphs),
+                    max(self.mixed_sizes, default=0))
 
     def info(self) -> dict:
-        """For benchmarks and tests: the attention backend, whether decode replays CUDA graphs,
+        """For benchmarks and tests: the attention backend, whether decode replays CUDA graphs, the
+        token buckets of the graphs for steps with prompt chunks and how often they replayed,
         whether all-reduces of up to max_num_seqs rows go through symmetric memory, this rank's KV
         heads and parameter count (its shard)."""
-        return dict(backend=self.backend, cuda_graphs=bool(self.graphs), num_kv_heads=self.num_kv_heads,
+        return dict(backend=self.backend, cuda_graphs=bool(self.graphs), mixed_graph_sizes=list(self.mixed_graphs),
+                    mixed_graph_replays=self.mixed_graph_replays, num_kv_heads=self.num_kv_heads,
                     one_shot_all_reduce=self.one_shot_all_reduce,
                     num_parameters=sum(p.numel() for p in self.model.parameters()))
 
     def exit(self):
         """Release the KV cache, graphs and weights now: the engine object may outlive exit()."""
         self.graphs.clear()
+        self.mixed_graphs.clear()
         self.graph_vars = None
         for layer in self.layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
