@@ -32,6 +32,22 @@ def test_float32_cuda_graphs_match_hf(make_checkpoint, block_size):
         llm.exit()
 
 
+@pytest.mark.parametrize("arch, enforce_eager", [("qwen3", False), ("qwen3", True), ("llama", False)])
+def test_float32_batch_one_matches_hf(make_checkpoint, arch, enforce_eager):
+    """One sequence at a time: every projection takes the GEMV kernel, with the RMSNorm and
+    SiLU*mul fused into it (kernels/gemv.py); attention and MLP biases included."""
+    path = make_checkpoint(arch=arch, num_heads=8, num_kv_heads=2, head_dim=32, hidden_size=128,
+                           attention_bias=True, mlp_bias=arch == "llama")
+    llm = LLM(path, dtype="float32", kvcache_block_size=16, max_model_len=1024, max_num_seqs=4,
+              enforce_eager=enforce_eager)
+    try:
+        for p in prompts_for(llm.vocab_size, n=3, seed=5):
+            out = llm.generate([p], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)[0]
+            assert_greedy_matches_hf(path, p, out["token_ids"], tol=1e-3)
+    finally:
+        llm.exit()
+
+
 def test_float32_preemption_and_chunked_prefill_on_gpu(make_checkpoint):
     path = make_checkpoint(num_heads=8, num_kv_heads=2, head_dim=32, hidden_size=128)
     prompts = prompts_for(384, n=10, seed=1)

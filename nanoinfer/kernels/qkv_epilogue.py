@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer.kernels.pdl import pdl_options
+
 
 @triton.jit
 def _norm_rope(x1, x2, w_ptr, offs, d_mask, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
@@ -32,8 +34,10 @@ def _qkv_epilogue_kernel(qkv_ptr, stride_t, pos_ptr, cos_sin_ptr, stride_cs, qw_
                          q_ptr, stride_qt, k_cache_ptr, v_cache_ptr, slot_ptr, cache_stride_s, cache_stride_h,
                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          H_PAD: tl.constexpr, KH_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-                         D_PAD: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr):
+                         D_PAD: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    if PDL:  # (kernels/pdl.py) the qkv rows come from the kernel before
+        tl.extra.cuda.gdc_wait()
     DTYPE = qkv_ptr.dtype.element_ty
     HALF: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, HALF_PAD)
@@ -50,6 +54,8 @@ def _qkv_epilogue_kernel(qkv_ptr, stride_t, pos_ptr, cos_sin_ptr, stride_cs, qw_
     q2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     q1, q2 = _norm_rope(q1, q2, qw_ptr, offs, d_mask, cos, sin, eps, HEAD_DIM, HAS_NORM, DTYPE)
     dst = q_ptr + t * stride_qt + heads[:, None] * HEAD_DIM + offs[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(dst, q1.to(DTYPE), mask=mask)
     tl.store(dst + HALF, q2.to(DTYPE), mask=mask)
 
@@ -103,5 +109,5 @@ def qkv_epilogue(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
         k_cache.stride(2) if store else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, H_PAD=h_pad, KH_PAD=kh_pad,
         HALF_PAD=triton.next_power_of_2(head_dim // 2), D_PAD=triton.next_power_of_2(head_dim),
-        HAS_NORM=has_norm, STORE=store, num_warps=4 if h_pad * head_dim >= 2048 else 2)
+        HAS_NORM=has_norm, STORE=store, num_warps=4 if h_pad * head_dim >= 2048 else 2, **pdl_options(qkv.device))
     return q

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer.kernels.pdl import pdl_options
+
 _LOG2E = 1.4426950408889634
 
 
@@ -38,8 +40,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
                    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, FP32: tl.constexpr,
-                   HAS_ORDER: tl.constexpr):
+                   HAS_ORDER: tl.constexpr, PDL: tl.constexpr):
     kvh = tl.program_id(0)
+    if PDL:  # (kernels/pdl.py) q and the newest K/V come from the kernel before
+        tl.extra.cuda.gdc_wait()
     split = tl.program_id(1)
     seq = tl.program_id(2)
     if HAS_ORDER:
@@ -104,6 +108,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if NUM_SPLITS == 1:
         if D_PAD == HEAD_DIM:
             o_mask = g_mask[:, None]
@@ -122,8 +128,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
 @triton.jit
 def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh,
                           NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          D_PAD: tl.constexpr):
+                          D_PAD: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0)
+    if PDL:  # (kernels/pdl.py) the partials come from the decode kernel
+        tl.extra.cuda.gdc_wait()
     h = tl.program_id(1)
     row = seq.to(tl.int64) * tl.num_programs(1) + h
     offs_s = tl.arange(0, S_PAD)
@@ -137,6 +145,8 @@ def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh,
                  mask=s_mask[:, None], other=0.0)
     denom = tl.sum(w, 0)
     o = tl.sum(w[:, None] * po, 0) / tl.where(denom > 0, denom, 1.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + seq.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
              o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
@@ -204,11 +214,13 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: flo
         block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, USE_DOT=use_dot, FP32=q.dtype == torch.float32,
-        HAS_ORDER=order is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        HAS_ORDER=order is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_options(q.device))
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             po, plse, out, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-            S_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=4)
+            S_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=4,
+            **pdl_options(q.device))
     return out
 
 

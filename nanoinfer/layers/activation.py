@@ -3,6 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.kernels import norm_act
+from nanoinfer.layers.linear import Deferred, takes_gemv
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -13,7 +14,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     """silu(gate) * up, for a merged gate_up projection output [..., 2 * intermediate]."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer: bool = False) -> "torch.Tensor | Deferred":
+        """defer=True (the caller feeds a linear layer): a single row is left to its GEMV."""
+        if defer and takes_gemv(x):
+            return Deferred(x, silu_mul=True)
         if x.is_cuda:  # one Triton kernel (kernels/norm_act.py); silu_and_mul is its reference
             return norm_act.silu_and_mul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], x.shape[-1] // 2)
         return silu_and_mul(x)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.all_reduce import AllReduce
-from nanoinfer.layers.linear import tp_rank_and_size
+from nanoinfer.layers.linear import linear, tp_rank_and_size
 from nanoinfer.utils.loader import check_shape
 from nanoinfer.utils.context import get_context
 
@@ -45,7 +45,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             hidden = hidden[ctx.logits_indices]
         elif ctx.is_prefill:
             hidden = hidden[ctx.cu_seqlens_q[1:] - 1]
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         shards = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from nanoinfer.kernels import norm_act
+from nanoinfer.layers.linear import Deferred, takes_gemv
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,8 +25,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """With a residual, adds it first and returns (normed, new residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, defer: bool = False):
+        """With a residual, adds it first and returns (normed, new residual). defer=True (the
+        caller feeds a linear layer): a single row is left to that layer's GEMV (Deferred)."""
+        if defer and takes_gemv(x) and (residual is None or residual.is_contiguous()):
+            if residual is None:
+                return Deferred(x, self.weight, self.eps)
+            out = torch.empty_like(residual)  # written by the GEMV
+            return Deferred(x, self.weight, self.eps, residual, out), out
         if x.is_cuda:  # one Triton kernel (kernels/norm_act.py); these functions are its reference
             shape = x.shape
             out = norm_act.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps,

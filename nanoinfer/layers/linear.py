@@ -2,14 +2,47 @@
 checkpoint tensor's shape, then cuts the shard out of it. With one rank they are plain linear layers.
 Fused layers declare their shards in `param.shard_ids` (see utils/loader.py)."""
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.kernels.gemv import gemv
 from nanoinfer.layers.all_reduce import AllReduce
 from nanoinfer.utils.loader import check_shape
+
+
+def takes_gemv(x: torch.Tensor) -> bool:
+    """One contiguous row on CUDA (decode at batch 1): linear layers use kernels/gemv.py, measured
+    faster than cuBLAS there, and can fuse the elementwise step before them (Deferred)."""
+    return x.is_cuda and x.shape[0] == 1 and x.is_contiguous()
+
+
+@dataclass
+class Deferred:
+    """A linear layer's input whose last elementwise step, RMSNorm (with the residual add) or
+    SiLU * mul, is left to the layer's GEMV, which applies it while loading: one kernel fewer per
+    use at batch 1. Made by RMSNorm / SiluAndMul(defer=True), for takes_gemv inputs only. For
+    silu_mul, `x` is [1, 2K] (gate, up); with a residual, the GEMV stores x + residual into
+    `residual_out`, which the norm has already returned as the new residual."""
+    x: torch.Tensor
+    norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+    silu_mul: bool = False
+
+
+def linear(x: "torch.Tensor | Deferred", weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias): the GEMV kernel for one row on CUDA, else F.linear."""
+    if isinstance(x, Deferred):
+        return gemv(x.x, weight, bias, norm_weight=x.norm_weight, eps=x.eps, residual=x.residual,
+                    residual_out=x.residual_out, silu_mul=x.silu_mul)
+    if takes_gemv(x) and weight.is_contiguous():
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 _TP_OVERRIDE: tuple[int, int] | None = None
@@ -68,7 +101,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, None)
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -79,7 +112,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size // tp_size, bias, 0)
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -144,7 +177,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded)
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.tp_size > 1:
             y = self.all_reduce(y)
         return y if self.bias is None else y + self.bias

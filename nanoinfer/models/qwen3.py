@@ -8,7 +8,7 @@ from nanoinfer.layers.activation import SiluAndMul
 from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.layernorm import RMSNorm
-from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoinfer.layers.linear import Deferred, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoinfer.layers.rotary_embedding import RotaryEmbedding
 from nanoinfer.utils.context import get_context
 
@@ -38,9 +38,9 @@ class Qwen3Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        n = hidden.shape[0]
+    def forward(self, positions: torch.Tensor, hidden: "torch.Tensor | Deferred") -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        n = qkv.shape[0]
         if qkv.is_cuda:  # q/k norm, RoPE and the K/V store in one kernel; attention reads K/V from the cache
             from nanoinfer.kernels.qkv_epilogue import qkv_epilogue
             q = qkv_epilogue(qkv, positions, self.rotary_emb.cos_sin_cache,
@@ -71,7 +71,7 @@ class Qwen3MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x), defer=True))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -83,13 +83,14 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
+        # (defer: at batch 1 on CUDA the norms run inside the next projection's GEMV)
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, defer=True)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, defer=True)
         hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, defer=isinstance(self.mlp, Qwen3MLP))
         return self.mlp(hidden), residual
 
 

@@ -1,0 +1,107 @@
+"""y = prologue(x) @ W^T (+ bias) for one row (decode at batch 1), one Triton kernel (CUDA).
+
+At one row a GEMM only streams its weight, and cuBLAS took 1.1-2.5x the time of this kernel on the
+0.6B shapes on the H200 (nanoinfer.bench.gemv; at 2-16 rows a tensor-core variant lost to cuBLAS,
+so those keep cuBLAS). Each program owns BLOCK_N output features and walks all of K, so every
+weight byte is read once and no partial sums cross programs.
+
+The prologue fuses the small kernel that would otherwise run just before the GEMV:
+- norm_weight: x (+ residual) through RMSNorm, with layers/layernorm.py's roundings. Every program
+  computes the row's norm itself (one extra pass over K values, from L2), and program 0 stores
+  x + residual, the new residual.
+- silu_mul: x is [1, 2K] (gate, up); the GEMV reads silu(gate) * up, with layers/activation.py's
+  roundings.
+
+On Hopper and later it is a programmatic dependent launch (kernels/pdl.py): it loads its first
+weight tile while the kernel before it still runs, then waits for that kernel's results.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanoinfer.kernels.pdl import pdl_options
+
+
+@triton.jit
+def _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk, K, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+                DTYPE: tl.constexpr):
+    """One BLOCK_K slice of the GEMV's input, prologue applied, as float32 (holding a DTYPE value)."""
+    mask = rk < K
+    if PROLOGUE == 2:  # silu(gate) * up, silu rounded to DTYPE first
+        gate = tl.load(x_ptr + rk, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + rk, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
+        return (act * up).to(DTYPE).to(tl.float32)
+    x = tl.load(x_ptr + rk, mask=mask, other=0.0).to(tl.float32)
+    if PROLOGUE == 1:  # weight * (x (+ residual), normalised and rounded to DTYPE), rounded
+        if HAS_RES:
+            x += tl.load(res_ptr + rk, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + rk, mask=mask, other=0.0).to(tl.float32)
+        x = (w * (x * rstd).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, res_out_ptr, nw_ptr, eps,
+                 N: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    DTYPE = w_ptr.dtype.element_ty
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk0 = tl.arange(0, BLOCK_K)
+    w_first = tl.load(w_ptr + rn[:, None] * K + rk0[None, :], mask=(rn[:, None] < N) & (rk0[None, :] < K), other=0.0)
+    if PDL:  # the weight tile above does not depend on the previous kernel; x and residual do
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    rstd = 0.0
+    if PROLOGUE == 1:  # the row's RMS over all of K first (program 0 also stores the new residual)
+        ss = tl.zeros((BLOCK_K,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+            if HAS_RES:
+                x += tl.load(res_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+                if pid == 0:
+                    tl.store(res_out_ptr + rk, x.to(DTYPE), mask=rk < K)
+            ss += x * x
+        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+    x = _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk0, K, PROLOGUE, HAS_RES, DTYPE)
+    acc = tl.sum(w_first.to(tl.float32) * x[None, :], 1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk, K, PROLOGUE, HAS_RES, DTYPE)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, acc.to(DTYPE), mask=rn < N)
+
+
+def default_config(n: int, k: int) -> dict:
+    """Tiles and launch options for an [n, k] weight, from sweeps on the H200 (nanoinfer.bench.gemv
+    --sweep: 0.6B and 8B projections, LM heads): four output features a program, so that even
+    n = 1024 spreads over the SMs; 1024-wide K tiles; 8 warps, 4 for the 8B-sized K."""
+    return dict(BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4 if k >= 4096 else 8,
+                num_stages=2)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+         residual_out: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None):
+    """x: [1, K] (silu_mul: [1, 2K]), contiguous; weight: [N, K], contiguous. Returns y: [1, N].
+    With norm_weight, y = rms_norm(x (+ residual)) @ W^T, and x + residual is stored into
+    residual_out (which must then be given)."""
+    N, K = weight.shape
+    if x.shape != (1, 2 * K if silu_mul else K) or not (x.is_contiguous() and weight.is_contiguous()):
+        raise ValueError(f"gemv takes one contiguous row and a contiguous weight, got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if residual is not None and (norm_weight is None or residual_out is None):
+        raise ValueError("gemv: a residual needs norm_weight and residual_out")
+    y = torch.empty((1, N), dtype=weight.dtype, device=x.device)
+    cfg = dict(config or default_config(N, K), **pdl_options(x.device))
+    _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+        x, weight, weight if bias is None else bias, y, x if residual is None else residual,
+        y if residual_out is None else residual_out, weight if norm_weight is None else norm_weight, eps,
+        N=N, K=K, PROLOGUE=1 if norm_weight is not None else 2 if silu_mul else 0, HAS_RES=residual is not None,
+        HAS_BIAS=bias is not None, **cfg)
+    return y
