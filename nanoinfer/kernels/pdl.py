@@ -14,7 +14,7 @@ import torch
 def _enabled(index: int) -> bool:
     if os.environ.get("NANOINFER_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9  # NVIDIA Hopper+
 
 
 def pdl_options(device: torch.device) -> dict:
