@@ -35,7 +35,7 @@ def test_float32_cuda_graphs_match_hf(make_checkpoint, block_size):
 @pytest.mark.parametrize("arch, enforce_eager", [("qwen3", False), ("qwen3", True), ("llama", False)])
 def test_float32_batch_one_matches_hf(make_checkpoint, arch, enforce_eager):
     """One sequence at a time: every projection takes the GEMV kernel, with the RMSNorm and
-    SiLU*mul fused into it (kernels/gemv.py); attention and MLP biases included."""
+    SiLU*mul fused into it (kernels/gemv.py); with attention biases, and MLP biases for llama."""
     path = make_checkpoint(arch=arch, num_heads=8, num_kv_heads=2, head_dim=32, hidden_size=128,
                            attention_bias=True, mlp_bias=arch == "llama")
     llm = LLM(path, dtype="float32", kvcache_block_size=16, max_model_len=1024, max_num_seqs=4,

@@ -48,8 +48,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, res_out_ptr, nw_ptr, eps,
     pid = tl.program_id(0)
     DTYPE = w_ptr.dtype.element_ty
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if N * K >= 2 ** 31:  # weight offsets past int32
+        rows = rn.to(tl.int64) * K
+    else:
+        rows = rn * K
     rk0 = tl.arange(0, BLOCK_K)
-    w_first = tl.load(w_ptr + rn[:, None] * K + rk0[None, :], mask=(rn[:, None] < N) & (rk0[None, :] < K), other=0.0)
+    w_first = tl.load(w_ptr + rows[:, None] + rk0[None, :], mask=(rn[:, None] < N) & (rk0[None, :] < K), other=0.0)
     if PDL:  # the weight tile above does not depend on the previous kernel; x and residual do
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -70,7 +74,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, res_out_ptr, nw_ptr, eps,
     for k0 in range(BLOCK_K, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk, K, PROLOGUE, HAS_RES, DTYPE)
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rows[:, None] + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
         acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
@@ -89,14 +93,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
          residual_out: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None):
     """x: [1, K] (silu_mul: [1, 2K]), contiguous; weight: [N, K], contiguous. Returns y: [1, N].
-    With norm_weight, y = rms_norm(x (+ residual)) @ W^T, and x + residual is stored into
-    residual_out (which must then be given)."""
+    With norm_weight ([K]), y = rms_norm(x (+ residual)) @ W^T, and x + residual is stored into
+    residual_out, a [1, K] tensor that must not share memory with x or residual (every program
+    reads them while program 0 writes it)."""
     N, K = weight.shape
     if x.shape != (1, 2 * K if silu_mul else K) or not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError(f"gemv takes one contiguous row and a contiguous weight, got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
-    if residual is not None and (norm_weight is None or residual_out is None):
-        raise ValueError("gemv: a residual needs norm_weight and residual_out")
+    if norm_weight is not None and norm_weight.shape != (K,):
+        raise ValueError(f"gemv: norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
+    if residual is not None:
+        if norm_weight is None or residual_out is None:
+            raise ValueError("gemv: a residual needs norm_weight and residual_out")
+        if residual.shape != (1, K) or residual_out.shape != (1, K) or not residual.is_contiguous():
+            raise ValueError(f"gemv: residual and residual_out must be contiguous [1, {K}]")
+        if any(residual_out.data_ptr() == t.data_ptr() for t in (x, residual)):
+            raise ValueError("gemv: residual_out must not share memory with x or residual")
     y = torch.empty((1, N), dtype=weight.dtype, device=x.device)
     cfg = dict(config or default_config(N, K), **pdl_options(x.device))
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](

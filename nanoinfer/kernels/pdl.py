@@ -1,20 +1,23 @@
-"""Programmatic dependent launch (Hopper and later): a kernel launched this way may start while the
-kernel before it in the stream is still running. It calls gdc_wait() before reading anything that
-kernel writes (and may load what no kernel writes, such as weights, before), and gdc_launch_dependents()
-once it has waited, to let the next such kernel start. Decode at small batch is a chain of short
-kernels whose launch gaps are a large part of the step; this overlaps them. NANOINFER_PDL=0 turns it
-off (for comparisons)."""
+"""Programmatic dependent launch (NVIDIA Hopper and later, Triton >= 3.4): a kernel launched this way
+may start while the kernel before it in the stream is still running. It calls gdc_wait() before
+reading or writing anything the kernels before it touch (it may load what no kernel writes, such as
+weights, earlier), and gdc_launch_dependents() only after that wait, to let the next such kernel
+start. Decode at small batch is a chain of short kernels whose launch gaps are a large part of the
+step; this overlaps them. NANOINFER_PDL=0 turns it off (for comparisons)."""
 import functools
 import os
 
 import torch
+import triton.language as tl
 
 
 @functools.cache
 def _enabled(index: int) -> bool:
     if os.environ.get("NANOINFER_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9  # NVIDIA Hopper+
+    if torch.version.hip is not None or not hasattr(tl.extra.cuda, "gdc_wait"):  # ROCm; Triton < 3.4
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_options(device: torch.device) -> dict:

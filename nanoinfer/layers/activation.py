@@ -3,7 +3,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.kernels import norm_act
-from nanoinfer.layers.linear import Deferred, takes_gemv
+from nanoinfer.layers import linear as linear_layers
+from nanoinfer.layers.linear import Deferred
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -16,7 +17,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor, defer: bool = False) -> "torch.Tensor | Deferred":
         """defer=True (the caller feeds a linear layer): a single row is left to its GEMV."""
-        if defer and takes_gemv(x):
+        if defer and linear_layers.takes_gemv(x):
             return Deferred(x, silu_mul=True)
         if x.is_cuda:  # one Triton kernel (kernels/norm_act.py); silu_and_mul is its reference
             return norm_act.silu_and_mul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], x.shape[-1] // 2)

@@ -2,7 +2,8 @@ import torch
 from torch import nn
 
 from nanoinfer.kernels import norm_act
-from nanoinfer.layers.linear import Deferred, takes_gemv
+from nanoinfer.layers import linear as linear_layers
+from nanoinfer.layers.linear import Deferred
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,9 +27,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, defer: bool = False):
-        """With a residual, adds it first and returns (normed, new residual). defer=True (the
-        caller feeds a linear layer): a single row is left to that layer's GEMV (Deferred)."""
-        if defer and takes_gemv(x) and (residual is None or residual.is_contiguous()):
+        """With a residual, adds it first and returns (normed, new residual). defer=True: for a
+        single row on CUDA the norm is left to the GEMV of the linear layer the caller passes the
+        result to (a Deferred; layers/linear.py), which also fills the returned residual. Only
+        for callers whose next step is a linear layer."""
+        if defer and linear_layers.takes_gemv(x) and (residual is None or residual.is_contiguous()):
             if residual is None:
                 return Deferred(x, self.weight, self.eps)
             out = torch.empty_like(residual)  # written by the GEMV
