@@ -1,6 +1,8 @@
 """Tensor-parallel linear layers. Each holds only its rank's shard; `weight_loader` checks the full
 checkpoint tensor's shape, then cuts the shard out of it. With one rank they are plain linear layers.
-Fused layers declare their shards in `param.shard_ids` (see utils/loader.py)."""
+Fused layers declare their shards in `param.shard_ids` (see utils/loader.py). Every product goes
+through `linear`: one-row inputs on CUDA take the GEMV kernel (kernels/gemv.py), which can also
+apply the RMSNorm or SiLU * mul before it (Deferred)."""
 from contextlib import contextmanager
 from dataclasses import dataclass
 
