@@ -1,8 +1,8 @@
 """y = prologue(x) @ W^T (+ bias) for one row (decode at batch 1), one Triton kernel (CUDA).
 
-At one row a GEMM only streams its weight, and cuBLAS took 1.1-2.5x the time of this kernel on the
-0.6B shapes on the H200 (nanoinfer.bench.gemv; at 2-16 rows a tensor-core variant lost to cuBLAS,
-so those keep cuBLAS). Each program owns BLOCK_N output features and walks all of K, so every
+At one row a GEMM only streams its weight. On the H200, cuBLAS plus the kernel before it took
+1.4-4.1x this kernel's time on the 0.6B projections and 1.05-1.2x on the 8B ones
+(nanoinfer.bench.gemv; at 2-16 rows a tensor-core variant lost to cuBLAS, so those keep cuBLAS). Each program owns BLOCK_N output features and walks all of K, so every
 weight byte is read once and no partial sums cross programs.
 
 The prologue fuses the small kernel that would otherwise run just before the GEMV:
