@@ -37,6 +37,9 @@ def test_plain_and_bias(n, k, dtype):
     x, w, b, _, _ = tensors(n, k, dtype, n + k)
     assert_close(gemv(x, w), F.linear(x.float(), w.float()), dtype)
     assert_close(gemv(x, w, b), F.linear(x.float(), w.float(), b.float()), dtype)
+    out = torch.empty(1, n, dtype=dtype, device=DEV)
+    assert gemv(x, w, out=out) is out  # (tensor parallel: straight into the all-reduce's buffer)
+    assert_close(out, F.linear(x.float(), w.float()), dtype)
 
 
 @pytest.mark.parametrize("n, k", SHAPES)

@@ -5,7 +5,8 @@
 - abort_request from another thread while generate() drives the engine: no internal error, no
   leaked block;
 - requests queued by hand are reported by step(), whoever drove the engine;
-- after exit(), every entry point is a clear RuntimeError;
+- after exit(), every entry point is a clear RuntimeError; exit() from another thread waits for the
+  running step;
 - a prompt ending inside a UTF-8 character: generate, generate with a stop string and stream give
   the same text, tokenizer.decode of the completion;
 - a lone surrogate in a prompt is a ValueError.
@@ -190,6 +191,44 @@ def test_every_entry_point_after_exit_is_a_runtime_error(tiny_qwen3):
                  lambda: llm.step(), lambda: llm.chat([{"role": "user", "content": "hi"}], sp)):
         with pytest.raises(RuntimeError, match="exited"):
             call()
+
+
+def test_exit_from_another_thread_waits_for_the_running_step(tiny_qwen3):
+    """A step is held inside a logits processor while another thread calls exit(): exit() returns
+    only after the step has ended (which must not fail), and the next step is a clear RuntimeError."""
+    llm = LLM(tiny_qwen3, kvcache_block_size=BS, max_model_len=128)
+    inside, release, events = threading.Event(), threading.Event(), []
+
+    def hold(token_ids, logits):
+        if not inside.is_set():
+            inside.set()
+            release.wait(30)
+            events.append("step ends")
+        return logits
+
+    llm.add_request([1, 2, 3], SamplingParams(max_tokens=8, logits_processors=[hold]))
+    stepper_error = []
+
+    def drive():
+        try:
+            llm.step()
+        except BaseException as e:  # noqa: BLE001 (checked below)
+            stepper_error.append(e)
+
+    stepper = threading.Thread(target=drive)
+    stepper.start()
+    assert inside.wait(30)
+    exiter = threading.Thread(target=lambda: (llm.exit(), events.append("exit returns")))
+    exiter.start()
+    exiter.join(0.3)
+    assert exiter.is_alive() and not events  # exit() waits while the step runs
+    release.set()
+    stepper.join(30)
+    exiter.join(30)
+    assert not stepper_error
+    assert events == ["step ends", "exit returns"]
+    with pytest.raises(RuntimeError, match="exited"):
+        llm.step()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 """All-reduce latency at decode sizes on two GPUs: what each of a tensor-parallel layer's two
-all-reduces costs, replayed in a CUDA graph as decode runs. NCCL (what the engine uses, NVLink
-multicast off) against PyTorch's one-shot all-reduce through symmetric memory (peer loads over
-CUDA IPC buffers, no multicast), when this PyTorch has it.
+all-reduces costs, replayed in a CUDA graph as decode runs. NCCL (NVLink multicast off) against
+PyTorch's one-shot all-reduce through symmetric memory (peer loads over CUDA IPC buffers, no
+multicast), when this PyTorch has it; then what the engine does, an all-reduce followed by the
+residual add and RMSNorm: the copy into the buffer + one-shot + norm kernel, against the fused
+kernel (kernels/all_reduce_norm.py) reading the partial sums where the projection wrote them.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m nanoinfer.bench.allreduce [--hidden 4096]
 """
@@ -11,6 +13,9 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from nanoinfer.kernels.norm_act import rms_norm
+from nanoinfer.layers.all_reduce import AllReduce, PartialSum, use_symmetric_memory
 
 REPEAT = 64  # all-reduces per graph: 32 layers x 2, an 8B model's decode step
 
@@ -47,6 +52,8 @@ def worker(rank: int, world: int, port: int, hidden: int, batches: list[int], re
                             device_id=torch.device("cuda", rank))
     rows = []
     symm = None
+    site = AllReduce(hidden)
+    fused = use_symmetric_memory(site, max(batches), torch.bfloat16, torch.device("cuda", rank))
     try:
         import torch.distributed._symmetric_memory as symm_mem
         buf = symm_mem.empty(max(batches) * hidden, dtype=torch.bfloat16, device=f"cuda:{rank}")
@@ -67,7 +74,14 @@ def worker(rank: int, world: int, port: int, hidden: int, batches: list[int], re
             except Exception as e:
                 rows.append(f"one_shot_all_reduce failed at {b}: {type(e).__name__}: {e}")
                 symm = None
-        rows.append((b, b * hidden * 2, nccl, one_shot))
+        pair = None
+        if fused:
+            weight = torch.rand(hidden, dtype=torch.bfloat16, device="cuda") + 0.5
+            residual = torch.randn(b, hidden, dtype=torch.bfloat16, device="cuda")
+            partial = PartialSum(site.partial_buffer(b), site)
+            pair = (graph_time(lambda: rms_norm(site(x), weight, 1e-6, residual)),
+                    graph_time(lambda: partial.reduce_norm(weight, 1e-6, residual)))
+        rows.append((b, b * hidden * 2, nccl, one_shot, pair))
     if rank == 0:
         results.extend(rows)
     dist.barrier()
@@ -88,14 +102,16 @@ def main():
     results = mp.Manager().list()
     mp.spawn(worker, args=(2, port, args.hidden, args.batches, results), nprocs=2)
     print(f"all-reduce of [batch, {args.hidden}] bf16 on 2 GPUs, {REPEAT} per CUDA graph (us each)")
-    print(f"{'batch':>6} {'bytes':>9} {'NCCL us':>9} {'one-shot us':>12} {'per 8B step (64x), NCCL ms':>27}")
+    print(f"{'batch':>6} {'bytes':>9} {'NCCL us':>9} {'one-shot us':>12} {'copy+one-shot+norm us':>22} "
+          f"{'fused us':>9}")
     for row in results:
         if isinstance(row, str):
             print(row)
             continue
-        b, nbytes, nccl, one_shot = row
+        b, nbytes, nccl, one_shot, pair = row
         shot = f"{one_shot * 1e6:12.1f}" if one_shot is not None else f"{'-':>12}"
-        print(f"{b:>6} {nbytes:>9} {nccl * 1e6:9.1f} {shot} {nccl * REPEAT * 1e3:27.2f}")
+        pair = f"{pair[0] * 1e6:22.1f} {pair[1] * 1e6:9.1f}" if pair else f"{'-':>22} {'-':>9}"
+        print(f"{b:>6} {nbytes:>9} {nccl * 1e6:9.1f} {shot} {pair}")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ class LLMEngine:
         self.inflight: Launched | None = None
         self.step_log: list | None = None   # set to a list to record each step's StepRecord (bench.py)
         self._step_lock = threading.Lock()  # held while a step runs
+        self._stepping: int | None = None   # the thread running a step (advance), if any
         self._aborts: deque[int] = deque()  # abort_request ids not applied yet
         self._finished_ids: list[int] = []  # requests finished outside a step, for the next advance()
         self._unreported: list[tuple[int, list[int]]] = []  # step()'s pairs not returned yet
@@ -278,31 +279,41 @@ class LLMEngine:
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
         with self._step_lock, _sigint_deferred():
-            self._apply_aborts()
-            t0 = time.perf_counter()
-            batch = self.scheduler.schedule()
-            if batch is None and self.inflight is None and not self.scheduler.is_finished():
-                batch = self.scheduler.schedule()  # a lone sequence preempted itself: re-admit it now
-                if batch is None:
-                    raise RuntimeError("the scheduler cannot make progress (a request does not fit the KV cache)")
-            t1 = time.perf_counter()
+            if self._exited:  # exit() ran on another thread while this one waited
+                raise RuntimeError("this engine has exited; create a new LLM")
+            self._stepping = threading.get_ident()
             try:
-                launched = self._launch(batch) if batch is not None else None
-            except BaseException:
-                self.scheduler.unschedule(batch)  # the engine stays consistent; the caller sees the error
-                raise
-            t2 = time.perf_counter()
-            prev, self.inflight = self.inflight, launched
-            if prev is not None:
-                self._process(prev)
-            if launched is not None and not self.overlap:
-                self.inflight = None
-                self._process(launched)
-            self._drop_wasted_step()
-            if self.step_log is not None and batch is not None:
-                self.step_log.append(StepRecord.of(batch, t0, t1, t2, time.perf_counter()))
-            finished, self._finished_ids = self._finished_ids, []
-            return finished, batch.num_tokens if batch is not None else 0
+                return self._advance()
+            finally:
+                self._stepping = None
+
+    def _advance(self):
+        """advance()'s step, under the step lock."""
+        self._apply_aborts()
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is None and self.inflight is None and not self.scheduler.is_finished():
+            batch = self.scheduler.schedule()  # a lone sequence preempted itself: re-admit it now
+            if batch is None:
+                raise RuntimeError("the scheduler cannot make progress (a request does not fit the KV cache)")
+        t1 = time.perf_counter()
+        try:
+            launched = self._launch(batch) if batch is not None else None
+        except BaseException:
+            self.scheduler.unschedule(batch)  # the engine stays consistent; the caller sees the error
+            raise
+        t2 = time.perf_counter()
+        prev, self.inflight = self.inflight, launched
+        if prev is not None:
+            self._process(prev)
+        if launched is not None and not self.overlap:
+            self.inflight = None
+            self._process(launched)
+        self._drop_wasted_step()
+        if self.step_log is not None and batch is not None:
+            self.step_log.append(StepRecord.of(batch, t0, t1, t2, time.perf_counter()))
+        finished, self._finished_ids = self._finished_ids, []
+        return finished, batch.num_tokens if batch is not None else 0
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
         """Run one step (nano-vllm's contract). Returns the (sequence id, completion token ids) pairs
@@ -363,6 +374,16 @@ class LLMEngine:
         return self.inflight is None and self.scheduler.is_finished()
 
     def exit(self):
+        """Release the model, the KV cache and any worker processes. Called from another thread,
+        it first waits for the running step to end (a step never uses a released engine); from
+        inside a step (a signal handler on the stepping thread) it cannot wait for itself."""
+        if self._stepping == threading.get_ident():
+            self._release()
+            return
+        with self._step_lock:
+            self._release()
+
+    def _release(self):
         if self._exited:
             return
         self._exited = True

@@ -91,11 +91,12 @@ def default_config(n: int, k: int) -> dict:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-         residual_out: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None):
+         residual_out: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None,
+         out: torch.Tensor | None = None):
     """x: [1, K] (silu_mul: [1, 2K]), contiguous; weight: [N, K], contiguous. Returns y: [1, N].
     With norm_weight ([K]), y = rms_norm(x (+ residual)) @ W^T, and x + residual is stored into
     residual_out, a [1, K] tensor that must not share memory with x or residual (every program
-    reads them while program 0 writes it)."""
+    reads them while program 0 writes it). `out`: a contiguous [1, N] tensor to write y into."""
     N, K = weight.shape
     if x.shape != (1, 2 * K if silu_mul else K) or not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError(f"gemv takes one contiguous row and a contiguous weight, got x {tuple(x.shape)}, "
@@ -109,7 +110,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             raise ValueError(f"gemv: residual and residual_out must be contiguous [1, {K}]")
         if any(residual_out.data_ptr() == t.data_ptr() for t in (x, residual)):
             raise ValueError("gemv: residual_out must not share memory with x or residual")
-    y = torch.empty((1, N), dtype=weight.dtype, device=x.device)
+    if out is not None and (out.shape != (1, N) or not out.is_contiguous()):
+        raise ValueError(f"gemv: out must be contiguous [1, {N}], got {tuple(out.shape)}")
+    y = torch.empty((1, N), dtype=weight.dtype, device=x.device) if out is None else out
     cfg = dict(config or default_config(N, K), **pdl_options(x.device))
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, weight, weight if bias is None else bias, y, x if residual is None else residual,

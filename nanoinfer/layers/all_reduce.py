@@ -5,8 +5,13 @@ an 8B decode step does 72 of them. So each layer that all-reduces owns an AllRed
 `use_symmetric_memory` gives each its own symmetric buffer for inputs of up to `max_rows` rows
 and at most BUFFER_BYTES (where one-shot was measured ahead; it also bounds the memory): its own,
 so that a rank running ahead never overwrites a buffer a peer is still reading (the next
-all-reduce's barrier is between two uses). Larger inputs (prefill) and CPU use NCCL / gloo."""
+all-reduce's barrier is between two uses). Larger inputs (prefill) and CPU use NCCL / gloo.
+
+Where an RMSNorm follows (a row-parallel projection's output, then the residual add and norm), the
+projection can write straight into the buffer and hand the norm a PartialSum: the norm then runs
+the all-reduce, residual add and norm as one kernel (kernels/all_reduce_norm.py)."""
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -15,6 +20,21 @@ from torch import nn
 logger = logging.getLogger("nanoinfer")
 
 BUFFER_BYTES = 2 << 20  # 256 rows of an 8B model's hidden size in bf16
+# Fewer rows keep the copy + one-shot + norm: at one row of 4096 the fused kernel took 10.2 us
+# against 9.1 (its barrier spans all its programs); from 8 rows on it was ahead (8.9 vs 9.4 us at 8,
+# 14.6 vs 23.0 at 256; nanoinfer.bench.allreduce on two H200s)
+FUSED_MIN_ROWS = 8
+
+
+@dataclass
+class Peers:
+    """What the fused kernel needs to reach every rank: int64 device tensors of their buffer and
+    flag addresses, this rank's barrier counters (kernels/all_reduce_norm.py), and this rank."""
+    buffer_ptrs: torch.Tensor
+    flag_ptrs: torch.Tensor
+    counters: torch.Tensor
+    rank: int
+    handles: list  # the symmetric-memory handles: the peers' addresses are valid while they live
 
 
 class AllReduce(nn.Module):
@@ -23,6 +43,7 @@ class AllReduce(nn.Module):
         self.features = features
         self.buffer: torch.Tensor | None = None  # [max_rows, features], symmetric memory
         self.group_name: str | None = None
+        self.peers: Peers | None = None
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         n = y.shape[0]
@@ -32,32 +53,80 @@ class AllReduce(nn.Module):
         dist.all_reduce(y)
         return y
 
+    def partial_buffer(self, n: int) -> torch.Tensor | None:
+        """Where a projection followed by an RMSNorm writes its [n, features] partial sums (then
+        wrapped in a PartialSum), or None: n rows do not fit, are too few to gain, or there is no
+        fused kernel here."""
+        if self.peers is None or not FUSED_MIN_ROWS <= n <= self.buffer.shape[0]:
+            return None
+        return self.buffer[:n]
+
+
+@dataclass
+class PartialSum:
+    """This rank's share of a sum over ranks, in its site's symmetric buffer: for an RMSNorm to
+    reduce, add its residual and normalise in one kernel (RMSNorm handles it)."""
+    value: torch.Tensor   # [n, features], a view of site.buffer
+    site: AllReduce
+
+    def reduce_norm(self, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+        from nanoinfer.kernels.all_reduce_norm import all_reduce_norm
+        peers = self.site.peers
+        n, features = self.value.shape
+        return all_reduce_norm(peers.buffer_ptrs, peers.flag_ptrs, peers.counters, peers.rank, n, features,
+                               self.value.dtype, weight, eps, residual)
+
 
 def use_symmetric_memory(model: nn.Module, max_rows: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Give every AllReduce of the model a symmetric buffer (collective: every rank calls it at
-    the same point). Checks one reduction first; every rank falls back to NCCL if any rank cannot."""
+    the same point), and the fused all-reduce + norm kernel what it needs. Every rank falls back
+    to NCCL if any rank cannot: what can fail on one rank alone (PyTorch too old, no peer access,
+    allocation) is tried before any collective and agreed on, so no rank skips a collective that
+    a peer waits in. A rendezvous or check reduction that then raises fails the rank loudly."""
+    from nanoinfer.kernels.all_reduce_norm import PROGRAMS
     sites = [m for m in model.modules() if isinstance(m, AllReduce)]
-    ok = torch.ones(1, device=device)
+    if not sites:
+        return False
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tensors = None
     try:
         import torch.distributed._symmetric_memory as symm_mem
-        group = dist.group.WORLD.group_name
-        buffers = []
-        for site in sites:
-            rows = max(1, min(max_rows, BUFFER_BYTES // (site.features * dtype.itemsize)))
-            buf = symm_mem.empty(rows * site.features, dtype=dtype, device=device)
-            symm_mem.rendezvous(buf, group)
-            buffers.append(buf.view(rows, site.features))
-        probe = buffers[0][:1]
-        probe.fill_(dist.get_rank() + 1)
-        total = torch.ops.symm_mem.one_shot_all_reduce(probe, "sum", group)
-        world = dist.get_world_size()
-        ok.fill_(float(torch.all(total == world * (world + 1) // 2)))
-    except Exception as e:  # an older PyTorch, no peer access between the GPUs, ...
+        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce"):
+            raise RuntimeError("this PyTorch has no one-shot all-reduce")
+        others = [torch.device("cuda", r) for r in range(world) if r != rank]
+        if not all(torch.cuda.can_device_access_peer(device, other) for other in others):
+            raise RuntimeError("no peer access between the GPUs")
+        rows = [max(1, min(max_rows, BUFFER_BYTES // (site.features * dtype.itemsize))) for site in sites]
+        tensors = [symm_mem.empty(n * site.features, dtype=dtype, device=device) for n, site in zip(rows, sites)]
+        tensors.append(symm_mem.empty(world * PROGRAMS, dtype=torch.int64, device=device).zero_())  # the flags
+    except Exception as e:
         logger.info("one-shot all-reduce unavailable (%s: %s); using NCCL", type(e).__name__, e)
-        ok.zero_()
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not ok.item():
+        tensors = None
+    if not _everyone(tensors is not None, device):
         return False
-    for site, buf in zip(sites, buffers):
+    group = dist.group.WORLD.group_name
+    handles = [symm_mem.rendezvous(t, group) for t in tensors]  # (the peers' mappings live with them)
+    pointers = []  # every rank's copy of each tensor, at the address this rank sees it
+    for t, handle in zip(tensors, handles):
+        offset = t.data_ptr() - handle.buffer_ptrs[rank]
+        pointers.append(torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device))
+    buffers = [t.view(n, site.features) for t, n, site in zip(tensors, rows, sites)]
+    probe = buffers[0][:1]
+    probe.fill_(rank + 1)
+    total = torch.ops.symm_mem.one_shot_all_reduce(probe, "sum", group)
+    # (the reduction also orders every rank's zeroed flags before any kernel signals into them)
+    if not _everyone(bool(torch.all(total == world * (world + 1) // 2)), device):
+        logger.info("one-shot all-reduce gave a wrong sum; using NCCL")
+        return False
+    counters = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)  # shared: every rank calls in one order
+    for site, buf, ptrs in zip(sites, buffers, pointers):
         site.buffer, site.group_name = buf, group
+        site.peers = Peers(ptrs, pointers[-1], counters, rank, handles)
     return True
+
+
+def _everyone(ok: bool, device: torch.device) -> bool:
+    """Whether `ok` holds on every rank (a collective)."""
+    flag = torch.tensor([float(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

@@ -3,6 +3,7 @@ from torch import nn
 
 from nanoinfer.kernels import norm_act
 from nanoinfer.layers import linear as linear_layers
+from nanoinfer.layers.all_reduce import PartialSum
 from nanoinfer.layers.linear import Deferred
 
 
@@ -26,11 +27,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, defer: bool = False):
+    def forward(self, x: "torch.Tensor | PartialSum", residual: torch.Tensor | None = None, defer: bool = False):
         """With a residual, adds it first and returns (normed, new residual). defer=True: for a
         single row on CUDA the norm is left to the GEMV of the linear layer the caller passes the
         result to (a Deferred; layers/linear.py), which also fills the returned residual. Only
-        for callers whose next step is a linear layer."""
+        for callers whose next step is a linear layer. A PartialSum x (tensor parallel) is summed
+        over the ranks in the same kernel as the residual add and norm."""
+        if isinstance(x, PartialSum):
+            return x.reduce_norm(self.weight, self.eps, residual)
         if defer and linear_layers.takes_gemv(x) and (residual is None or residual.is_contiguous()):
             if residual is None:
                 return Deferred(x, self.weight, self.eps)

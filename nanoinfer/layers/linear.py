@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.kernels.gemv import gemv
-from nanoinfer.layers.all_reduce import AllReduce
+from nanoinfer.layers.all_reduce import AllReduce, PartialSum
 from nanoinfer.utils.loader import check_shape
 
 
@@ -37,13 +37,19 @@ class Deferred:
     silu_mul: bool = False
 
 
-def linear(x: "torch.Tensor | Deferred", weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias): the GEMV kernel for one row on CUDA, else F.linear."""
+def linear(x: "torch.Tensor | Deferred", weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias): the GEMV kernel for one row on CUDA, else F.linear. `out` (no bias):
+    a contiguous [rows, out features] tensor to write the product into, which is returned."""
     if isinstance(x, Deferred):
         return gemv(x.x, weight, bias, norm_weight=x.norm_weight, eps=x.eps, residual=x.residual,
-                    residual_out=x.residual_out, silu_mul=x.silu_mul)
+                    residual_out=x.residual_out, silu_mul=x.silu_mul, out=out)
     if takes_gemv(x) and weight.is_contiguous():
-        return gemv(x, weight, bias)
+        return gemv(x, weight, bias, out=out)
+    if out is not None:
+        if bias is not None:
+            raise ValueError("linear: out= takes no bias")
+        return torch.mm(x, weight.t(), out=out)
     return F.linear(x, weight, bias)
 
 
@@ -163,7 +169,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed with an all-reduce.
-    The bias is added once, after the reduction."""
+    The bias is added once, after the reduction. A caller whose next step is an RMSNorm may ask
+    for the sum to be left to it (reduce_later): the product is then written into the all-reduce's
+    symmetric buffer and returned as a PartialSum, where the fused kernel applies (layers/all_reduce.py)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         tp_size = tp_rank_and_size()[1]
@@ -178,7 +186,12 @@ class RowParallelLinear(LinearBase):
             loaded = loaded.narrow(1, self.tp_rank * size, size)
         param.data.copy_(loaded)
 
-    def forward(self, x):
+    def forward(self, x, reduce_later: bool = False):
+        if self.tp_size > 1 and reduce_later and self.bias is None:
+            rows = (x.x if isinstance(x, Deferred) else x).shape[0]
+            buffer = self.all_reduce.partial_buffer(rows)
+            if buffer is not None:
+                return PartialSum(linear(x, self.weight, out=buffer), self.all_reduce)
         y = linear(x, self.weight)
         if self.tp_size > 1:
             y = self.all_reduce(y)

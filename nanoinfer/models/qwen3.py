@@ -38,7 +38,9 @@ class Qwen3Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: "torch.Tensor | Deferred") -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: "torch.Tensor | Deferred", reduce_later: bool = False):
+        """reduce_later: the caller normalises the output next, and can take a PartialSum
+        (RowParallelLinear)."""
         qkv = self.qkv_proj(hidden)
         n = qkv.shape[0]
         if qkv.is_cuda:  # q/k norm, RoPE and the K/V store in one kernel; attention reads K/V from the cache
@@ -48,7 +50,7 @@ class Qwen3Attention(nn.Module):
                              self.k_norm.weight if self.qk_norm else None,
                              self.q_norm.eps if self.qk_norm else 0.0, self.attn.k_cache, self.attn.v_cache,
                              get_context().slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
-            return self.o_proj(self.attn(q))
+            return self.o_proj(self.attn(q), reduce_later)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -57,7 +59,7 @@ class Qwen3Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v), reduce_later)
 
 
 class Qwen3MLP(nn.Module):
@@ -70,8 +72,8 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_up_proj(x), defer=True))
+    def forward(self, x, reduce_later: bool = False):
+        return self.down_proj(self.act_fn(self.gate_up_proj(x), defer=True), reduce_later)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -89,9 +91,11 @@ class Qwen3DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden, defer=True)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, defer=True)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, defer=isinstance(self.mlp, Qwen3MLP))
-        return self.mlp(hidden), residual
+        # (reduce_later: with tensor parallelism, the all-reduces run inside the norms after them)
+        hidden = self.self_attn(positions, hidden, reduce_later=True)
+        dense = isinstance(self.mlp, Qwen3MLP)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, defer=dense)
+        return (self.mlp(hidden, reduce_later=True) if dense else self.mlp(hidden)), residual
 
 
 class Qwen3Model(nn.Module):

@@ -1,0 +1,104 @@
+"""The tensor-parallel all-reduce fused with the residual add and RMSNorm that follow it (CUDA).
+
+Each rank's row-parallel projection writes its partial sums into its own symmetric-memory buffer
+(layers/all_reduce.py); this kernel then waits until every rank has done so, reads all the ranks'
+buffers over NVLink (peer loads, no multicast), sums them in rank order (so every rank computes the
+same bits), rounds the sum to the model's dtype as an all-reduce would, adds the residual and
+normalises, with the roundings of kernels/norm_act.py. One kernel instead of three (copy into the
+buffer, PyTorch's one-shot all-reduce, the norm), and with more programs than PyTorch's kernel
+uses, so the peer loads keep NVLink busy.
+
+The wait is a barrier between program p of every rank: p bumps its own counter, stores it into its
+slot of every rank's flags (a release at system scope: the partial sums, written by the kernel
+before, are visible first), then waits until every rank's slot in its own flags has reached it (an
+acquire). Counters are 64-bit, so they never wrap. A rank can be at most one all-reduce ahead of a
+peer (it cannot finish this one before the peer has arrived), so a buffer is never rewritten
+while a peer reads it: each site has its own buffer and the next write to it is two barriers away.
+Every call must use the same number of programs on every rank (PROGRAMS), and all of them must be
+resident at once, which PROGRAMS keeps under the SM count.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+PROGRAMS = 128  # programs per call, on every rank and at every call (the barrier pairs program p with p)
+
+
+@triton.jit
+def _wait_at_least(flag, count):
+    """Spin until *flag >= count, with acquire loads at system scope: in PTX, since Triton's
+    loads carry no memory order (every thread spins on the same word; the L2 serves them)."""
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        .reg .s64 v;
+        spin${:uid}:
+        ld.acquire.sys.global.b64 v, [$1];
+        setp.lt.s64 p, v, $2;
+        @p bra spin${:uid};
+        mov.u32 $0, 0;
+        }""", "=r,l,l", [flag, count], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _all_reduce_norm_kernel(buffer_ptrs, flag_ptrs, counter_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+                            n_rows, eps, RANK: tl.constexpr, WORLD: tl.constexpr, N: tl.constexpr,
+                            BLOCK: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr,
+                            INTERPRET: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    count = tl.load(counter_ptr + pid) + 1
+    tl.store(counter_ptr + pid, count)
+    for r in tl.static_range(WORLD):  # "my partial sums are ready", into every rank's flags
+        flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(flags + RANK * programs + pid, count, sem="release", scope="sys")
+    own = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int64))
+    for r in tl.static_range(WORLD):
+        if INTERPRET:  # (programs run one by one there: the flags are set beforehand)
+            tl.device_assert(tl.load(own + r * programs + pid) >= count, "a peer has not signalled")
+        else:
+            _wait_at_least(own + r * programs + pid, count)
+    tl.debug_barrier()  # every thread of the program reads after the acquire
+
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, n_rows, programs):
+        base = row * N  # (a buffer holds at most BUFFER_BYTES: no 32-bit overflow)
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for r in tl.static_range(WORLD):
+            buf = tl.load(buffer_ptrs + r).to(tl.pointer_type(DTYPE))
+            acc += tl.load(buf + base + offs, mask=mask, other=0.0).to(tl.float32)
+        x = acc.to(DTYPE).to(tl.float32)  # the all-reduced value, in the model's dtype
+        if HAS_RES:
+            x += tl.load(res_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(res_out_ptr + base + offs, x.to(DTYPE), mask=mask)
+        rstd = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+        tl.store(out_ptr + base + offs, (w * (x * rstd).to(DTYPE).to(tl.float32)).to(DTYPE), mask=mask)
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def all_reduce_norm(buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, counters: torch.Tensor, rank: int,
+                    n: int, features: int, dtype: torch.dtype, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None):
+    """Sum rows [0, n) of every rank's buffer ([rows, features] of `dtype`, addresses in
+    `buffer_ptrs`, an int64 tensor), then (with a residual, [n, features] contiguous) add it and
+    normalise. `flag_ptrs`: every rank's int64 flags, [world, PROGRAMS] each, zero at first;
+    `counters`: this rank's int64 [PROGRAMS], zero at first. Returns weight * norm(sum), or that and
+    sum + residual, as norm_act.rms_norm does."""
+    world = buffer_ptrs.shape[0]
+    out = torch.empty((n, features), dtype=dtype, device=weight.device)
+    res_out = torch.empty_like(out) if residual is not None else out
+    if residual is not None and (residual.shape != (n, features) or not residual.is_contiguous()):
+        raise ValueError(f"all_reduce_norm: residual must be contiguous [{n}, {features}], got {tuple(residual.shape)}")
+    block = triton.next_power_of_2(features)
+    _all_reduce_norm_kernel[(PROGRAMS,)](
+        buffer_ptrs, flag_ptrs, counters, out if residual is None else residual, weight, out, res_out, n, eps,
+        RANK=rank, WORLD=world, N=features, BLOCK=block, HAS_RES=residual is not None, DTYPE=_TL_DTYPES[dtype],
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=min(max(block // 512, 1), 8))
+    return out if residual is None else (out, res_out)
