@@ -76,3 +76,56 @@ def test_signals_reach_every_rank():
     ranks.run(0, 4, weight, 1e-6, None)
     assert ranks.flags[1][:PROGRAMS].tolist() == [1] * PROGRAMS  # rank 0's signal in rank 1's flags
     assert ranks.flags[0][PROGRAMS:].tolist() == [7] * PROGRAMS
+
+
+def _late_peer_rank(rank, port, late, results):
+    """A rank of test_two_gpus_wait_for_a_late_peer: NCCL group, symmetric buffers as the engine
+    sets them up, then one fused call; the late rank sleeps ~25 ms on its GPU before writing."""
+    import os
+
+    import torch.distributed as dist
+
+    from nanoinfer.layers.all_reduce import AllReduce, PartialSum, use_symmetric_memory
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)
+    try:
+        n, features, dtype = 64, 4096, torch.bfloat16
+        site = AllReduce(features)
+        assert use_symmetric_memory(site, n, dtype, device)
+        g = torch.Generator().manual_seed(0)  # every rank knows every rank's partial sums
+        partials = [torch.randn(n, features, generator=g).to(device, dtype) for _ in range(2)]
+        weight = (torch.rand(features, generator=g) + 0.5).to(device, dtype)
+        residual = torch.randn(n, features, generator=g).to(device, dtype)
+        buffer = site.partial_buffer(n)
+        buffer.fill_(float("nan"))
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == late:
+            torch.cuda._sleep(50_000_000)
+        buffer.copy_(partials[rank])
+        out, res = PartialSum(buffer, site).reduce_norm(weight, 1e-6, residual)
+        ref_out, ref_res = reference(partials, weight, 1e-6, residual)
+        results[rank] = (torch.equal(res, ref_res),
+                         bool(torch.allclose(out.float(), ref_out.float(), rtol=1e-2, atol=1e-2)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("late", [0, 1])
+def test_two_gpus_wait_for_a_late_peer(late):
+    """Across two GPUs, as the engine runs it: the punctual rank must wait for the late one's
+    partial sums (its own view of them is NaN until the late rank writes)."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_late_peer_rank, args=(port, late, results), nprocs=2)
+    assert dict(results) == {0: (True, True), 1: (True, True)}
