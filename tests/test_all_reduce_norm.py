@@ -50,33 +50,73 @@ def test_sum_add_norm_on_every_rank(world, n, features, dtype):
         partials = [(torch.randn(n, features, generator=g) * 3).to(DEV, dtype) for _ in range(world)]
         for buf, p in zip(ranks.buffers, partials):
             buf[:n] = p
-        for flags in ranks.flags:  # every peer has signalled this call (ranks run one at a time here)
-            flags.fill_(call)
         ref_out, ref_res = reference(partials, weight, 1e-6, residual)
-        outs = [ranks.run(rank, n, weight, 1e-6, residual) for rank in range(world)]
+        outs = []
+        for rank in range(world):  # ranks that ran already have signalled; the others, set by hand
+            for later in range(rank + 1, world):
+                ranks.flags[rank][later * PROGRAMS:(later + 1) * PROGRAMS] = call
+            outs.append(ranks.run(rank, n, weight, 1e-6, residual))
         for out, res in outs:
             assert torch.equal(res, ref_res)  # the residual is bit-exact, on every rank
             torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
                                        atol=1e-5 if dtype == torch.float32 else 1e-2)
             assert torch.equal(out, outs[0][0])  # every rank holds the same bits
-        for counters in ranks.counters:
-            assert counters.tolist() == [call] * PROGRAMS
+        for counters, flags in zip(ranks.counters, ranks.flags):
+            assert counters.tolist() == [call] * PROGRAMS and flags.tolist() == [call] * (world * PROGRAMS)
     ranks.flags[0].fill_(3)
     no_res = ranks.run(0, n, weight, 1e-6, None)
     torch.testing.assert_close(no_res.float(), reference(partials, weight, 1e-6, None).float(), rtol=1e-2, atol=1e-2)
 
 
-def test_signals_reach_every_rank():
-    """Each program stores its count into its slot of every rank's flags (rank r's slots: r * PROGRAMS...)."""
-    ranks = Ranks(2, 4, 32, dtypes()[0])
-    for flags in ranks.flags:
-        flags.fill_(1)
-    ranks.flags[0][PROGRAMS:] = 7  # rank 1 is already further: rank 0 does not wait, and leaves it
-    weight = torch.ones(32, dtype=dtypes()[0], device=DEV)
+def test_signals_reach_every_rank_and_the_wait_reads_each_peers_slot():
+    """Rank 0's programs store their count into their slots of every rank's flags (rank r's slots
+    are r * PROGRAMS...), and each waits on its peers' slots in its own flags: with rank 1's slot
+    unset, rank 0 must not pass (the interpreter's stand-in for the wait asserts)."""
+    dtype = dtypes()[0]
+    ranks = Ranks(2, 4, 32, dtype)
+    weight = torch.ones(32, dtype=dtype, device=DEV)
+    ranks.flags[0][PROGRAMS:] = 7  # rank 1 is further already: rank 0 does not wait, and leaves it
     ranks.run(0, 4, weight, 1e-6, None)
-    assert ranks.flags[1][:PROGRAMS].tolist() == [1] * PROGRAMS  # rank 0's signal in rank 1's flags
-    assert ranks.flags[0][PROGRAMS:].tolist() == [7] * PROGRAMS
+    assert ranks.flags[1].tolist() == [1] * PROGRAMS + [0] * PROGRAMS  # rank 0's signal, in rank 1's flags
+    assert ranks.flags[0].tolist() == [1] * PROGRAMS + [7] * PROGRAMS
+    if DEV == "cpu":  # (on a GPU this would spin forever)
+        ranks = Ranks(2, 4, 32, dtype)
+        with pytest.raises(Exception, match="has not signalled"):
+            ranks.run(0, 4, weight, 1e-6, None)
 
+
+
+def test_row_parallel_projection_hands_the_norm_a_partial_sum():
+    """The layers' path (rank 0 of 2, the peer simulated): RowParallelLinear(reduce_later) writes
+    x @ W^T into its site's buffer and returns a PartialSum from FUSED_MIN_ROWS rows on; RMSNorm
+    then sums the ranks' buffers, adds the residual and normalises."""
+    from nanoinfer.layers.all_reduce import FUSED_MIN_ROWS, PartialSum, Peers
+    from nanoinfer.layers.layernorm import RMSNorm
+    from nanoinfer.layers.linear import RowParallelLinear, tp_shard
+    dtype, n, k, hidden = dtypes()[0], FUSED_MIN_ROWS + 3, 48, 40
+    g = torch.Generator().manual_seed(3)
+    with torch.device(DEV), tp_shard(0, 2):
+        proj = RowParallelLinear(2 * k, hidden).to(dtype)
+    proj.weight.data = (torch.randn(hidden, k, generator=g) / k ** 0.5).to(DEV, dtype)
+    norm = RMSNorm(hidden, 1e-6).to(DEV, dtype)
+    norm.weight.data = (torch.rand(hidden, generator=g) + 0.5).to(DEV, dtype)
+    ranks = Ranks(2, n + 2, hidden, dtype)
+    ranks.flags[0][PROGRAMS:] = 1  # the peer has arrived
+    site = proj.all_reduce
+    site.buffer = ranks.buffers[0]
+    site.peers = Peers(ranks.buffer_ptrs, ranks.flag_ptrs, ranks.counters[0], 0, [])
+    x = torch.randn(n, k, generator=g).to(DEV, dtype)
+    peer = torch.randn(n, hidden, generator=g).to(DEV, dtype)
+    ranks.buffers[1][:n] = peer
+    residual = torch.randn(n, hidden, generator=g).to(DEV, dtype)
+    partial = proj(x, reduce_later=True)
+    assert isinstance(partial, PartialSum) and partial.value.data_ptr() == site.buffer.data_ptr()
+    out, res = norm(partial, residual)
+    ref_out, ref_res = reference([partial.value.clone(), peer], norm.weight, 1e-6, residual)
+    torch.testing.assert_close(partial.value.float(), (x.float() @ proj.weight.float().t()), rtol=1e-2, atol=1e-2)
+    assert torch.equal(res, ref_res)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-2, atol=1e-2)
+    assert site.partial_buffer(FUSED_MIN_ROWS - 1) is None and site.partial_buffer(n + 3) is None
 
 def _late_peer_rank(rank, port, late, results):
     """A rank of test_two_gpus_wait_for_a_late_peer: NCCL group, symmetric buffers as the engine

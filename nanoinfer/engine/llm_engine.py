@@ -12,6 +12,7 @@ Requests live in one registry, `requests` (request id -> Request). Only `abort_r
 called from another thread: the abort is applied between steps.
 """
 import atexit
+import logging
 import pickle
 import signal
 import threading
@@ -34,6 +35,10 @@ from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
 from nanoinfer.utils.main_guard import check_main_guard
+
+logger = logging.getLogger("nanoinfer")
+
+EXIT_WAIT_S = 60.0  # how long exit() from another thread waits for a running step to end
 
 
 class LLMEngine:
@@ -61,8 +66,8 @@ class LLMEngine:
         self.overlap = config.async_scheduling
         self.inflight: Launched | None = None
         self.step_log: list | None = None   # set to a list to record each step's StepRecord (bench.py)
-        self._step_lock = threading.Lock()  # held while a step runs
-        self._stepping: int | None = None   # the thread running a step (advance), if any
+        self._step_lock = threading.Lock()  # held while a step or a registry change runs (_locked)
+        self._lock_holder: int | None = None  # the thread holding it
         self._aborts: deque[int] = deque()  # abort_request ids not applied yet
         self._finished_ids: list[int] = []  # requests finished outside a step, for the next advance()
         self._unreported: list[tuple[int, list[int]]] = []  # step()'s pairs not returned yet
@@ -188,7 +193,9 @@ class LLMEngine:
                     raise
                 raise type(e)(f"prompts[{i}]: {e}") from e
         rids = []
-        with self._step_lock:  # an abort from another thread reads the registry meanwhile
+        with self._locked():  # an abort from another thread reads the registry meanwhile
+            if self._exited:  # exit() ran on another thread meanwhile
+                raise RuntimeError("this engine has exited; create a new LLM")
             for i, (seqs, text) in enumerate(made):
                 req = self.output_processor.new_request(seqs, text, keep_output, stream, i)
                 self.requests[req.request_id] = req
@@ -210,11 +217,9 @@ class LLMEngine:
         blocks are freed, the other requests go on. Safe from any thread: while a step is running
         the abort waits for the step's end."""
         self._aborts.append(request_id)
-        if self._step_lock.acquire(blocking=False):
-            try:
+        with self._locked(blocking=False) as acquired:
+            if acquired:
                 self._apply_aborts()
-            finally:
-                self._step_lock.release()
 
     def _apply_aborts(self):
         now = time.time()
@@ -245,7 +250,7 @@ class LLMEngine:
 
     def pop_output(self, request_id: int) -> RequestOutput:
         """The request's output; the engine then forgets the request (aborting what still runs)."""
-        with self._step_lock:  # an abort from another thread reads the registry meanwhile
+        with self._locked():  # an abort from another thread reads the registry meanwhile
             req = self._request(request_id)
             if not req.finished:
                 self._aborts.append(request_id)
@@ -263,7 +268,7 @@ class LLMEngine:
         """stream_deltas of all the requests in `request_ids` (a set or dict of ids) at once, in one
         call per step: only the requests with news are visited. A request's StreamDelta.index is
         its prompt's position in its add_requests call."""
-        with self._step_lock:  # an abort from another thread records news meanwhile
+        with self._locked():  # an abort from another thread records news meanwhile
             return self.output_processor.take_deltas(request_ids)
 
     def _request(self, request_id: int) -> Request:
@@ -278,14 +283,25 @@ class LLMEngine:
         aborted) in it, and the number of tokens the launched step computes (see step())."""
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
-        with self._step_lock, _sigint_deferred():
+        with self._locked(), _sigint_deferred():
             if self._exited:  # exit() ran on another thread while this one waited
                 raise RuntimeError("this engine has exited; create a new LLM")
-            self._stepping = threading.get_ident()
-            try:
-                return self._advance()
-            finally:
-                self._stepping = None
+            return self._advance()
+
+    @contextmanager
+    def _locked(self, blocking: bool = True):
+        """The step lock, recording the thread that holds it: exit() called on that thread (from a
+        signal handler) must not wait for itself. Yields whether it was acquired (always, when
+        blocking)."""
+        if not self._step_lock.acquire(blocking):
+            yield False
+            return
+        self._lock_holder = threading.get_ident()
+        try:
+            yield True
+        finally:
+            self._lock_holder = None
+            self._step_lock.release()
 
     def _advance(self):
         """advance()'s step, under the step lock."""
@@ -375,13 +391,20 @@ class LLMEngine:
 
     def exit(self):
         """Release the model, the KV cache and any worker processes. Called from another thread,
-        it first waits for the running step to end (a step never uses a released engine); from
-        inside a step (a signal handler on the stepping thread) it cannot wait for itself."""
-        if self._stepping == threading.get_ident():
+        it first waits for the running step to end (a step never uses a released engine), up to
+        EXIT_WAIT_S; on the thread inside a step (a signal handler) it cannot wait for itself."""
+        if self._lock_holder == threading.get_ident():
             self._release()
             return
-        with self._step_lock:
+        acquired = self._step_lock.acquire(timeout=EXIT_WAIT_S)
+        try:
+            if not acquired:
+                logger.warning("exit(): the running step did not end within %g s; releasing the engine anyway",
+                               EXIT_WAIT_S)
             self._release()
+        finally:
+            if acquired:
+                self._step_lock.release()
 
     def _release(self):
         if self._exited:

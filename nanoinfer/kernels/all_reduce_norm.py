@@ -14,8 +14,11 @@ before, are visible first), then waits until every rank's slot in its own flags 
 acquire). Counters are 64-bit, so they never wrap. A rank can be at most one all-reduce ahead of a
 peer (it cannot finish this one before the peer has arrived), so a buffer is never rewritten
 while a peer reads it: each site has its own buffer and the next write to it is two barriers away.
-Every call must use the same number of programs on every rank (PROGRAMS), and all of them must be
-resident at once, which PROGRAMS keeps under the SM count.
+Two fused calls in a row on one site (with no other all-reduce between) would break that; every
+model here alternates sites (attention, then MLP). Every call uses the same number of programs on
+every rank (PROGRAMS); program p waits only for program p of its peers, which starts once the
+programs numbered below it have been dispatched (GPUs dispatch in order; on an H200 all 128 are
+resident at once).
 """
 import os
 
@@ -56,10 +59,12 @@ def _all_reduce_norm_kernel(buffer_ptrs, flag_ptrs, counter_ptr, res_ptr, w_ptr,
         tl.atomic_xchg(flags + RANK * programs + pid, count, sem="release", scope="sys")
     own = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int64))
     for r in tl.static_range(WORLD):
-        if INTERPRET:  # (programs run one by one there: the flags are set beforehand)
-            tl.device_assert(tl.load(own + r * programs + pid) >= count, "a peer has not signalled")
+        slot = own + r * programs + pid  # rank r's signal for this program
+        if INTERPRET:  # (programs run one by one there: a peer's signal must be there already)
+            if tl.load(slot) < count:
+                raise RuntimeError(f"rank {r} has not signalled")
         else:
-            _wait_at_least(own + r * programs + pid, count)
+            _wait_at_least(slot, count)
     tl.debug_barrier()  # every thread of the program reads after the acquire
 
     offs = tl.arange(0, BLOCK)
@@ -96,9 +101,10 @@ def all_reduce_norm(buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, counters
     if residual is not None and (residual.shape != (n, features) or not residual.is_contiguous()):
         raise ValueError(f"all_reduce_norm: residual must be contiguous [{n}, {features}], got {tuple(residual.shape)}")
     block = triton.next_power_of_2(features)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     _all_reduce_norm_kernel[(PROGRAMS,)](
         buffer_ptrs, flag_ptrs, counters, out if residual is None else residual, weight, out, res_out, n, eps,
         RANK=rank, WORLD=world, N=features, BLOCK=block, HAS_RES=residual is not None, DTYPE=_TL_DTYPES[dtype],
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        INTERPRET=interpret,
         num_warps=min(max(block // 512, 1), 8))
     return out if residual is None else (out, res_out)

@@ -110,8 +110,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             raise ValueError(f"gemv: residual and residual_out must be contiguous [1, {K}]")
         if any(residual_out.data_ptr() == t.data_ptr() for t in (x, residual)):
             raise ValueError("gemv: residual_out must not share memory with x or residual")
-    if out is not None and (out.shape != (1, N) or not out.is_contiguous()):
-        raise ValueError(f"gemv: out must be contiguous [1, {N}], got {tuple(out.shape)}")
+    if out is not None and (out.shape != (1, N) or not out.is_contiguous() or out.dtype != weight.dtype):
+        raise ValueError(f"gemv: out must be contiguous [1, {N}] of {weight.dtype}, got {tuple(out.shape)} "
+                         f"of {out.dtype}")
     y = torch.empty((1, N), dtype=weight.dtype, device=x.device) if out is None else out
     cfg = dict(config or default_config(N, K), **pdl_options(x.device))
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](

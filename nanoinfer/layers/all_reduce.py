@@ -93,6 +93,8 @@ def use_symmetric_memory(model: nn.Module, max_rows: int, dtype: torch.dtype, de
         import torch.distributed._symmetric_memory as symm_mem
         if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce"):
             raise RuntimeError("this PyTorch has no one-shot all-reduce")
+        if dtype not in (torch.bfloat16, torch.float32):  # what PyTorch's one-shot all-reduce takes
+            raise RuntimeError(f"PyTorch's one-shot all-reduce does not take {dtype}")
         others = [torch.device("cuda", r) for r in range(world) if r != rank]
         if not all(torch.cuda.can_device_access_peer(device, other) for other in others):
             raise RuntimeError("no peer access between the GPUs")
@@ -105,6 +107,8 @@ def use_symmetric_memory(model: nn.Module, max_rows: int, dtype: torch.dtype, de
     if not _everyone(tensors is not None, device):
         return False
     group = dist.group.WORLD.group_name
+    # from here on a failure is not caught: on one rank alone it would leave the others inside a
+    # collective, so that rank fails loudly (the engine stops every worker)
     handles = [symm_mem.rendezvous(t, group) for t in tensors]  # (the peers' mappings live with them)
     pointers = []  # every rank's copy of each tensor, at the address this rank sees it
     for t, handle in zip(tensors, handles):
