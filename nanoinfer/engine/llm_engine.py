@@ -8,8 +8,9 @@ detokenize, record logprobs) runs while the device computes step N+1. Without ov
 ModelRunner in this process (one rank) or a TensorParallelExecutor driving worker processes; both
 take the step as encoded by engine/step_message.py.
 
-Requests live in one registry, `requests` (request id -> Request). Only `abort_request` may be
-called from another thread: the abort is applied between steps.
+Requests live in one registry, `requests` (request id -> Request). Only `abort_request` and
+`exit` may be called from another thread: the abort is applied between steps, and exit waits for
+the running step to end.
 """
 import atexit
 import logging
