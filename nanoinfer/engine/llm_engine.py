@@ -218,7 +218,7 @@ class LLMEngine:
         blocks are freed, the other requests go on. Safe from any thread: while a step is running
         the abort waits for the step's end."""
         self._aborts.append(request_id)
-        with self._locked(blocking=False) as acquired:
+        with self._locked(timeout=0) as acquired:
             if acquired:
                 self._apply_aborts()
 
@@ -290,11 +290,11 @@ class LLMEngine:
             return self._advance()
 
     @contextmanager
-    def _locked(self, blocking: bool = True):
+    def _locked(self, timeout: float = -1):
         """The step lock, recording the thread that holds it: exit() called on that thread (from a
-        signal handler) must not wait for itself. Yields whether it was acquired (always, when
-        blocking)."""
-        if not self._step_lock.acquire(blocking):
+        signal handler) must not wait for itself. Yields whether it was acquired within `timeout`
+        seconds (always, with the default: no limit)."""
+        if not self._step_lock.acquire(timeout=timeout):
             yield False
             return
         self._lock_holder = threading.get_ident()
@@ -397,15 +397,11 @@ class LLMEngine:
         if self._lock_holder == threading.get_ident():
             self._release()
             return
-        acquired = self._step_lock.acquire(timeout=EXIT_WAIT_S)
-        try:
+        with self._locked(timeout=EXIT_WAIT_S) as acquired:
             if not acquired:
                 logger.warning("exit(): the running step did not end within %g s; releasing the engine anyway",
                                EXIT_WAIT_S)
             self._release()
-        finally:
-            if acquired:
-                self._step_lock.release()
 
     def _release(self):
         if self._exited:

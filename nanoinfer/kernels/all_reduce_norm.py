@@ -48,8 +48,8 @@ def _wait_at_least(flag, count):
 @triton.jit
 def _all_reduce_norm_kernel(buffer_ptrs, flag_ptrs, counter_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                             n_rows, eps, RANK: tl.constexpr, WORLD: tl.constexpr, N: tl.constexpr,
-                            BLOCK: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr,
-                            INTERPRET: tl.constexpr):
+                            BLOCK: tl.constexpr, HAS_RES: tl.constexpr, INTERPRET: tl.constexpr):
+    DTYPE = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     count = tl.load(counter_ptr + pid) + 1
@@ -84,9 +84,6 @@ def _all_reduce_norm_kernel(buffer_ptrs, flag_ptrs, counter_ptr, res_ptr, w_ptr,
         tl.store(out_ptr + base + offs, (w * (x * rstd).to(DTYPE).to(tl.float32)).to(DTYPE), mask=mask)
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
 def all_reduce_norm(buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, counters: torch.Tensor, rank: int,
                     n: int, features: int, dtype: torch.dtype, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None):
@@ -95,16 +92,15 @@ def all_reduce_norm(buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, counters
     normalise. `flag_ptrs`: every rank's int64 flags, [world, PROGRAMS] each, zero at first;
     `counters`: this rank's int64 [PROGRAMS], zero at first. Returns weight * norm(sum), or that and
     sum + residual, as norm_act.rms_norm does."""
+    if residual is not None and (residual.shape != (n, features) or not residual.is_contiguous()):
+        raise ValueError(f"all_reduce_norm: residual must be contiguous [{n}, {features}], got {tuple(residual.shape)}")
     world = buffer_ptrs.shape[0]
     out = torch.empty((n, features), dtype=dtype, device=weight.device)
     res_out = torch.empty_like(out) if residual is not None else out
-    if residual is not None and (residual.shape != (n, features) or not residual.is_contiguous()):
-        raise ValueError(f"all_reduce_norm: residual must be contiguous [{n}, {features}], got {tuple(residual.shape)}")
     block = triton.next_power_of_2(features)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     _all_reduce_norm_kernel[(PROGRAMS,)](
         buffer_ptrs, flag_ptrs, counters, out if residual is None else residual, weight, out, res_out, n, eps,
-        RANK=rank, WORLD=world, N=features, BLOCK=block, HAS_RES=residual is not None, DTYPE=_TL_DTYPES[dtype],
-        INTERPRET=interpret,
+        RANK=rank, WORLD=world, N=features, BLOCK=block, HAS_RES=residual is not None, INTERPRET=interpret,
         num_warps=min(max(block // 512, 1), 8))
     return out if residual is None else (out, res_out)
