@@ -132,7 +132,7 @@ def _late_peer_rank(rank, port, late, results):
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)
     try:
-        n, features, dtype = 64, 4096, torch.bfloat16
+        n, features, dtype = 200, 4096, torch.bfloat16  # (over PROGRAMS rows: two a program)
         site = AllReduce(features)
         assert use_symmetric_memory(site, n, dtype, device)
         g = torch.Generator().manual_seed(0)  # every rank knows every rank's partial sums

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 -m nanoinfer.bench.kernels            # table with the kernels' default configs
     PYTHONPATH=. python3 -m nanoinfer.bench.kernels --sweep    # also sweep tile/warp/stage/split variants
+    PYTHONPATH=. python3 -m nanoinfer.bench.kernels --ragged --heads 16 4   # one rank of an 8B model at tp=2
 
 Copy bandwidth: a large device-to-device copy (bytes read + written). Matmul: bf16 8192^3.
 Decode: bytes = K/V of every context token + q + out, over the median time (triton do_bench).
@@ -102,9 +103,10 @@ def ragged_decode_inputs(batch, lo, hi, width_tokens=4096):
 def sweep_ragged(copy_bw):
     """Splits per (sequence, KV head) for ragged batches like bench.py's decode phases, CUDA-graph
     timed: with one split, a few waves of unequal programs leave SMs idle at the tail."""
-    print("\n## ragged decode steps (width 4096 tokens), CUDA graph: % of copy bandwidth per splits")
-    for batch, lo, hi in [(256, 100, 1300), (208, 300, 1700), (144, 400, 2000), (96, 600, 2000),
-                          (48, 900, 2048), (32, 900, 2048), (16, 1000, 2048)]:
+    print(f"\n## ragged decode steps ({H} query / {KVH} KV heads, width 4096 tokens), CUDA graph: "
+          "% of copy bandwidth per splits")
+    for batch, lo, hi in [(256, 100, 1300), (208, 300, 1700), (144, 400, 2000), (128, 300, 1500), (96, 600, 2000),
+                          (64, 300, 1500), (48, 900, 2048), (32, 900, 2048), (16, 1000, 2048)]:
         sets = [ragged_decode_inputs(batch, lo, hi) for _ in range(3)]
         orders = [torch.argsort(s[3], descending=True).int() for s in sets]  # longest first, as the engine
         nbytes = sum(s[5] for s in sets) / len(sets)
@@ -261,12 +263,16 @@ def sweep_prefill(sdpa_best):
 
 
 def main():
+    global H, KVH
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--splits", action="store_true")
     ap.add_argument("--graph-splits", action="store_true")
     ap.add_argument("--ragged", action="store_true", help="splits sweep on engine-like ragged decode steps")
+    ap.add_argument("--heads", type=int, nargs=2, default=(H, KVH), metavar=("Q", "KV"),
+                    help="attention heads of the shapes (per rank: tensor parallelism divides both)")
     args = ap.parse_args()
+    H, KVH = args.heads
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     copy_bw, mm = ceilings()

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 PROGRAMS = 128  # programs per call, on every rank and at every call (the barrier pairs program p with p)
+MAX_TILE = 8192  # elements a program holds at once (rows x features)
 
 
 @triton.jit
@@ -48,7 +49,7 @@ def _wait_at_least(flag, count):
 @triton.jit
 def _all_reduce_norm_kernel(buffer_ptrs, flag_ptrs, counter_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                             n_rows, eps, RANK: tl.constexpr, WORLD: tl.constexpr, N: tl.constexpr,
-                            BLOCK: tl.constexpr, HAS_RES: tl.constexpr, INTERPRET: tl.constexpr):
+                            BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, INTERPRET: tl.constexpr):
     DTYPE = out_ptr.dtype.element_ty
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -57,6 +58,9 @@ def _all_reduce_norm_kernel(buffer_ptrs, flag_ptrs, counter_ptr, res_ptr, w_ptr,
     for r in tl.static_range(WORLD):  # "my partial sums are ready", into every rank's flags
         flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int64))
         tl.atomic_xchg(flags + RANK * programs + pid, count, sem="release", scope="sys")
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (loaded while the peers arrive)
     own = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int64))
     for r in tl.static_range(WORLD):
         slot = own + r * programs + pid  # rank r's signal for this program
@@ -67,21 +71,23 @@ def _all_reduce_norm_kernel(buffer_ptrs, flag_ptrs, counter_ptr, res_ptr, w_ptr,
             _wait_at_least(slot, count)
     tl.debug_barrier()  # every thread of the program reads after the acquire
 
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    for row in range(pid, n_rows, programs):
-        base = row * N  # (a buffer holds at most BUFFER_BYTES: no 32-bit overflow)
-        acc = tl.zeros((BLOCK,), tl.float32)
+    # ROWS rows at once: their peer loads are in flight together (NVLink latency, not bandwidth,
+    # bounds a program's rows)
+    for first in range(pid * ROWS, n_rows, programs * ROWS):
+        rows = first + tl.arange(0, ROWS)
+        m = (rows < n_rows)[:, None] & mask[None, :]
+        at = rows[:, None] * N + offs[None, :]  # (a buffer holds at most BUFFER_BYTES: no 32-bit overflow)
+        acc = tl.zeros((ROWS, BLOCK), tl.float32)
         for r in tl.static_range(WORLD):
             buf = tl.load(buffer_ptrs + r).to(tl.pointer_type(DTYPE))
-            acc += tl.load(buf + base + offs, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.load(buf + at, mask=m, other=0.0).to(tl.float32)
         x = acc.to(DTYPE).to(tl.float32)  # the all-reduced value, in the model's dtype
         if HAS_RES:
-            x += tl.load(res_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(res_out_ptr + base + offs, x.to(DTYPE), mask=mask)
-        rstd = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-        tl.store(out_ptr + base + offs, (w * (x * rstd).to(DTYPE).to(tl.float32)).to(DTYPE), mask=mask)
+            x += tl.load(res_ptr + at, mask=m, other=0.0).to(tl.float32)
+            tl.store(res_out_ptr + at, x.to(DTYPE), mask=m)
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / N + eps)
+        y = (x * rstd[:, None]).to(DTYPE).to(tl.float32)
+        tl.store(out_ptr + at, (w[None, :] * y).to(DTYPE), mask=m)
 
 
 def all_reduce_norm(buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, counters: torch.Tensor, rank: int,
@@ -98,9 +104,10 @@ def all_reduce_norm(buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, counters
     out = torch.empty((n, features), dtype=dtype, device=weight.device)
     res_out = torch.empty_like(out) if residual is not None else out
     block = triton.next_power_of_2(features)
+    rows = min(triton.next_power_of_2(triton.cdiv(n, PROGRAMS)), max(1, MAX_TILE // block))
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     _all_reduce_norm_kernel[(PROGRAMS,)](
         buffer_ptrs, flag_ptrs, counters, out if residual is None else residual, weight, out, res_out, n, eps,
-        RANK=rank, WORLD=world, N=features, BLOCK=block, HAS_RES=residual is not None, INTERPRET=interpret,
+        RANK=rank, WORLD=world, N=features, BLOCK=block, ROWS=rows, HAS_RES=residual is not None, INTERPRET=interpret,
         num_warps=min(max(block // 512, 1), 8))
     return out if residual is None else (out, res_out)
