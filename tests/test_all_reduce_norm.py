@@ -39,7 +39,7 @@ def reference(partials, weight, eps, residual):
 
 
 @pytest.mark.parametrize("world, n, features, dtype", [
-    (2, 1, 64, dtypes()[0]), (2, 5, 96, dtypes()[1]), (2, 130, 40, dtypes()[0]),  # rows past the programs
+    (2, 1, 64, dtypes()[0]), (2, 5, 96, dtypes()[1]), (2, 131, 40, dtypes()[0]),  # rows past the programs
     (3, 7, 48, dtypes()[0]), (3, 1, 64, dtypes()[1])])  # (96, 40: feature tails)
 def test_sum_add_norm_on_every_rank(world, n, features, dtype):
     g = torch.Generator().manual_seed(world * n + features)
@@ -132,7 +132,7 @@ def _late_peer_rank(rank, port, late, results):
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)
     try:
-        n, features, dtype = 200, 4096, torch.bfloat16  # (over PROGRAMS rows: two a program)
+        n, features, dtype = 201, 4096, torch.bfloat16  # (over PROGRAMS rows: two a program, one in the last)
         site = AllReduce(features)
         assert use_symmetric_memory(site, n, dtype, device)
         g = torch.Generator().manual_seed(0)  # every rank knows every rank's partial sums

@@ -181,18 +181,19 @@ def test_decode_all_padding_rows_writes_zeros():
         assert torch.equal(out, torch.zeros_like(out))
 
 
-# ------------------------------------------------------------------------------------------ GPU
 def test_decode_num_splits_nearest_power_of_two_that_fills_the_sms():
     # 132 SMs x 4 programs = 528 programs wanted
     assert decode_num_splits(128, 8, 64, 132) == 1    # 1024 programs already
     assert decode_num_splits(128, 4, 64, 132) == 2    # one rank of tp=2: 512 -> 1024
     assert decode_num_splits(64, 4, 64, 132) == 4     # wants 3 (2.06): 4
     assert decode_num_splits(16, 8, 64, 132) == 4     # wants 5: 4, not 8
+    assert decode_num_splits(6, 8, 64, 132) == 8      # wants 11: 8, not 16
     assert decode_num_splits(1, 8, 64, 132) == 64     # capped by max_splits
     assert decode_num_splits(1, 8, 5, 132) == 8       # and by the tiles (rounded up to a power of two)
     assert decode_num_splits(0, 8, 64, 132) == 64     # an empty batch never divides by zero
 
 
+# ------------------------------------------------------------------------------------------ GPU
 @pytest.mark.cuda
 @pytest.mark.parametrize("heads,head_dim,block_size", [((16, 8), 128, 256), ((32, 8), 128, 16),
                                                        ((16, 16), 64, 256), ((28, 4), 128, 256),

@@ -273,6 +273,8 @@ def main():
                     help="attention heads of the shapes (per rank: tensor parallelism divides both)")
     args = ap.parse_args()
     H, KVH = args.heads
+    if KVH < 1 or H % KVH:
+        ap.error(f"--heads: Q must be a multiple of KV (>= 1), got {H} {KVH}")
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     copy_bw, mm = ceilings()

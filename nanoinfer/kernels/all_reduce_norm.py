@@ -109,5 +109,5 @@ def all_reduce_norm(buffer_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, counters
     _all_reduce_norm_kernel[(PROGRAMS,)](
         buffer_ptrs, flag_ptrs, counters, out if residual is None else residual, weight, out, res_out, n, eps,
         RANK=rank, WORLD=world, N=features, BLOCK=block, ROWS=rows, HAS_RES=residual is not None, INTERPRET=interpret,
-        num_warps=min(max(block // 512, 1), 8))
+        num_warps=min(max(rows * block // 512, 1), 8))  # (16 elements a thread)
     return out if residual is None else (out, res_out)

@@ -180,7 +180,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_sms: in
     max_splits = max_splits or DECODE_CFG["max_splits"]
     want = triton.cdiv(num_sms * programs_per_sm, max(batch * num_kv_heads, 1))
     splits = triton.next_power_of_2(want)
-    if splits * 2 > want * 3:  # nearer the power of two below
+    if 4 * want < 3 * splits:  # nearer the power of two below
         splits //= 2
     splits = min(splits, max_splits, triton.next_power_of_2(max(max_tiles, 1)))
     return max(splits, 1)
