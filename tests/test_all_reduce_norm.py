@@ -160,12 +160,9 @@ def _late_peer_rank(rank, port, late, results):
 def test_two_gpus_wait_for_a_late_peer(late):
     """Across two GPUs, as the engine runs it: the punctual rank must wait for the late one's
     partial sums (its own view of them is NaN until the late rank writes)."""
-    import socket
-
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+
+    from nanoinfer.engine.tp_executor import free_port
     results = mp.Manager().dict()
-    mp.spawn(_late_peer_rank, args=(port, late, results), nprocs=2)
+    mp.spawn(_late_peer_rank, args=(free_port(), late, results), nprocs=2)
     assert dict(results) == {0: (True, True), 1: (True, True)}

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nanoinfer.engine.tp_executor import free_port
 from nanoinfer.kernels.norm_act import rms_norm
 from nanoinfer.layers.all_reduce import AllReduce, PartialSum, use_symmetric_memory
 
@@ -95,12 +96,8 @@ def main():
     args = p.parse_args()
     if torch.cuda.device_count() < 2:
         raise SystemExit("needs two CUDA devices")
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     results = mp.Manager().list()
-    mp.spawn(worker, args=(2, port, args.hidden, args.batches, results), nprocs=2)
+    mp.spawn(worker, args=(2, free_port(), args.hidden, args.batches, results), nprocs=2)
     print(f"all-reduce of [batch, {args.hidden}] bf16 on 2 GPUs, {REPEAT} per CUDA graph (us each)")
     print(f"{'batch':>6} {'bytes':>9} {'NCCL us':>9} {'one-shot us':>12} {'copy+one-shot+norm us':>22} "
           f"{'fused us':>9}")

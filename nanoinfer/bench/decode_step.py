@@ -9,11 +9,12 @@ parallelism the kernels run in the workers.
 import argparse
 import os
 import random
-import socket
 import time
 
 import torch
 import torch.multiprocessing as mp
+
+from nanoinfer.engine.tp_executor import free_port
 
 STEPS = 50
 
@@ -71,10 +72,7 @@ def main():
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.tp:
         raise SystemExit(f"needs {args.tp} CUDA device(s)")
     path = make_random_model_dir(args.config)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(args, path, port), nprocs=args.tp)
+    mp.spawn(rank_main, args=(args, path, free_port()), nprocs=args.tp)
 
 
 if __name__ == "__main__":

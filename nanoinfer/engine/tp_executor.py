@@ -46,7 +46,8 @@ def step_timeout() -> float:
     return timeout
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (for a process group's rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -112,7 +113,7 @@ class TensorParallelExecutor:
         self.config = config
         self.world_size = n = config.tensor_parallel_size
         self.step_timeout = step_timeout()
-        self.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self._broken: str | None = None   # why the group can no longer be used
         self._closed = False
         self._launched = 0                # step ids
