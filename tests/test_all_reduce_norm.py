@@ -7,7 +7,7 @@ apparently never starting beside the spinning kernel; cause not established.)"""
 import pytest
 import torch
 
-from nanoinfer.kernels.all_reduce_norm import PROGRAMS, all_reduce_norm
+from nanoinfer.kernels.all_reduce_norm import PROGRAMS, all_reduce_norm, rows_and_programs
 from nanoinfer.layers.layernorm import add_rms_norm, rms_norm
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,24 +61,35 @@ def test_sum_add_norm_on_every_rank(world, n, features, dtype):
             torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
                                        atol=1e-5 if dtype == torch.float32 else 1e-2)
             assert torch.equal(out, outs[0][0])  # every rank holds the same bits
-        for counters, flags in zip(ranks.counters, ranks.flags):
-            assert counters.tolist() == [call] * PROGRAMS and flags.tolist() == [call] * (world * PROGRAMS)
+        used = rows_and_programs(n, features)[1]  # programs of this call: each signals every peer once
+        for rank, (counters, flags) in enumerate(zip(ranks.counters, ranks.flags)):
+            assert counters.tolist() == [call] * used + [0] * (PROGRAMS - used)
+            for peer in range(world):
+                signals = flags[peer * PROGRAMS:(peer + 1) * PROGRAMS].tolist()
+                if peer < rank:  # ran before: its programs signalled
+                    assert signals == [call] * used + [0] * (PROGRAMS - used)
+                elif peer > rank:  # set by hand
+                    assert signals == [call] * PROGRAMS
+                else:  # a rank does not signal itself
+                    assert signals == [0] * PROGRAMS
     ranks.flags[0].fill_(3)
     no_res = ranks.run(0, n, weight, 1e-6, None)
     torch.testing.assert_close(no_res.float(), reference(partials, weight, 1e-6, None).float(), rtol=1e-2, atol=1e-2)
 
 
 def test_signals_reach_every_rank_and_the_wait_reads_each_peers_slot():
-    """Rank 0's programs store their count into their slots of every rank's flags (rank r's slots
-    are r * PROGRAMS...), and each waits on its peers' slots in its own flags: with rank 1's slot
-    unset, rank 0 must not pass (the interpreter's stand-in for the wait asserts)."""
+    """Rank 0's programs (one a row here) store their count into their slots of every peer's
+    flags (rank r's slots are r * PROGRAMS...), and each waits on its peers' slots in its own
+    flags: with rank 1's slot unset, rank 0 must not pass (the interpreter's stand-in for the wait
+    asserts)."""
     dtype = dtypes()[0]
     ranks = Ranks(2, 4, 32, dtype)
     weight = torch.ones(32, dtype=dtype, device=DEV)
     ranks.flags[0][PROGRAMS:] = 7  # rank 1 is further already: rank 0 does not wait, and leaves it
     ranks.run(0, 4, weight, 1e-6, None)
-    assert ranks.flags[1].tolist() == [1] * PROGRAMS + [0] * PROGRAMS  # rank 0's signal, in rank 1's flags
-    assert ranks.flags[0].tolist() == [1] * PROGRAMS + [7] * PROGRAMS
+    assert rows_and_programs(4, 32) == (1, 4)
+    assert ranks.flags[1].tolist() == [1] * 4 + [0] * (PROGRAMS - 4) + [0] * PROGRAMS  # rank 0's signals
+    assert ranks.flags[0].tolist() == [0] * PROGRAMS + [7] * PROGRAMS
     if DEV == "cpu":  # (on a GPU this would spin forever)
         ranks = Ranks(2, 4, 32, dtype)
         with pytest.raises(Exception, match="has not signalled"):
