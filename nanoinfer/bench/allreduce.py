@@ -79,7 +79,7 @@ def worker(rank: int, world: int, port: int, hidden: int, batches: list[int], re
         if fused and b <= site.buffer.shape[0]:
             weight = torch.rand(hidden, dtype=torch.bfloat16, device="cuda") + 0.5
             residual = torch.randn(b, hidden, dtype=torch.bfloat16, device="cuda")
-            partial = PartialSum(site.buffer[:b], site)  # (the engine fuses from FUSED_MIN_ROWS rows)
+            partial = PartialSum(site.buffer[:b], site)
             pair = (graph_time(lambda: rms_norm(site(x), weight, 1e-6, residual)),
                     graph_time(lambda: partial.reduce_norm(weight, 1e-6, residual)))
         rows.append((b, b * hidden * 2, nccl, one_shot, pair))
