@@ -299,3 +299,44 @@ def test_logits_processors_run_on_their_row_with_its_history():
     out = sample(logits, seqs)
     assert out == [int(logits[0].argmax()), 9, 19]
     assert calls == [("two", [4, 8], (20,)), ("three", [1, 2], [5])]
+
+
+def _vocab_shard_rank(rank, port, results):
+    """A rank of test_two_gpus_sample_their_vocabulary_shards: NCCL, its half of every row's logits."""
+    import torch.distributed as dist
+
+    from nanoinfer.kernels.sampling import sample_gumbel_argmax
+    from nanoinfer.layers.sampler import sample_vocab_shard
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)
+    try:
+        V = 151936  # Qwen3's vocabulary: each half ends inside a 4096-column tile
+        same = []
+        for B in (1, 37, 256):  # different chunk counts
+            g = torch.Generator().manual_seed(B)  # every rank makes the same full rows
+            full = (torch.randn(B, V, generator=g) * 3).to(device, torch.bfloat16)
+            full[0, [V // 2 - 1, V // 2]] = 40.0  # a tie across the ranks' boundary
+            temps = torch.tensor([0.0, 0.6, 1.0, 0.0][:B] * (B // 4) + [0.0, 0.6, 1.0][:B % 4], device=device)
+            shard = full[:, rank * V // 2:(rank + 1) * V // 2].contiguous()
+            for seed in (1, 2**31 - 2):
+                tokens = sample_vocab_shard(shard, temps, seed, rank * V // 2)
+                same.append(torch.equal(tokens, sample_gumbel_argmax(full, temps, seed)))
+            same.append(int(sample_vocab_shard(shard, temps, 3, rank * V // 2)[0]) == V // 2 - 1)
+        results[rank] = same
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_sample_their_vocabulary_shards():
+    """Each GPU samples its half of the vocabulary and they exchange their winners over NCCL: both
+    get the tokens the fused kernel takes on the full rows (same noise per column, ties to the
+    smaller index)."""
+    import torch.multiprocessing as mp
+
+    from nanoinfer.engine.tp_executor import free_port
+    results = mp.Manager().dict()
+    mp.spawn(_vocab_shard_rank, args=(free_port(), results), nprocs=2)
+    assert dict(results) == {0: [True] * 9, 1: [True] * 9}

@@ -207,3 +207,42 @@ def test_sampler_uses_the_kernel_on_cuda_only(monkeypatch):
     filtered = SamplingTensors.build([FakeSeq(SamplingParams(top_k=3))] * 4, 100, (7,), torch.device(DEV))
     Sampler().sample(logits.to(DEV), filtered)
     assert not calls
+
+
+# ---- a tensor-parallel rank's shard of the vocabulary -------------------------------------------
+@pytest.mark.parametrize("V, ranks, config, dtype", [(300, 2, None, torch.float32), (256, 2, None, torch.bfloat16),
+                                                     (1000, 4, {"max_chunks": 2}, torch.float32),
+                                                     (768, 3, {"max_chunks": 1}, torch.bfloat16)])
+def test_shards_pick_the_full_rows_token(V, ranks, config, dtype):
+    """Every rank's partials of its shard, stacked, give the token the whole row gives: the same
+    noise per column (shards not aligned to tiles: a tile is 128 columns on CPU), ties across the
+    shard boundary to the smaller index, -inf and NaN never chosen, an all -inf or NaN row 0."""
+    from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
+    torch.manual_seed(V)
+    shard = V // ranks
+    x = torch.randn(10, V) * 2
+    x[1, [shard - 1, shard]] = 9.0  # a tie across the boundary
+    x[2, [V - 1, shard + 1]] = 9.0
+    x[3, :shard] = float("-inf")  # a whole shard -inf
+    x[4] = float("-inf")
+    x[5] = float("nan")
+    x[6, :shard] = float("nan")
+    x[7, shard:] = 0.5  # a shard all equal
+    t = temps([0.0, 0.0, 0.0, 0.8, 1.0, 0.0, 1.3, 0.0, 2.5, 0.6])
+    logits = x.to(DEV, dtype)
+    for seed in (7, 2**31 - 2):
+        parts = [gumbel_argmax_partials(logits[:, r * shard:(r + 1) * shard].contiguous(), t, seed, r * shard,
+                                        config) for r in range(ranks)]
+        assert len({p.shape for p in parts}) == 1  # the same on every rank: they can be exchanged
+        tokens = pick_token(torch.stack(parts), config)
+        assert tokens.tolist() == sample_gumbel_argmax(logits, t, seed, config).tolist()
+    greedy = pick_token(torch.stack([gumbel_argmax_partials(logits[:, r * shard:(r + 1) * shard], temps([0.0] * 10),
+                                                              3, r * shard, config) for r in range(ranks)]), config)
+    want = logits.float().nan_to_num(nan=float("-inf")).argmax(-1).tolist()
+    assert greedy.tolist() == want[:5] + [0] + want[6:]
+
+
+def test_shard_partials_of_an_empty_batch():
+    from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
+    parts = gumbel_argmax_partials(torch.zeros(0, 150, device=DEV), temps([]), 1, 150)
+    assert pick_token(parts[None]).shape == (0,)

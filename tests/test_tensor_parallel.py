@@ -459,6 +459,26 @@ def test_cuda_tp2_float32_matches_hf(make_checkpoint, enforce_eager):
 @needs_two_gpus
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("nvls_off")
+def test_cuda_tp2_samples_the_tokens_tp1_samples(make_checkpoint):
+    """Temperature sampling at tp = 2 on two GPUs (each rank samples its vocabulary shard) takes the
+    tokens tp = 1 takes from the full rows, given the same seed (float32: the logits agree to ~1e-6)."""
+    path = make_checkpoint(num_heads=8, num_kv_heads=2, head_dim=32, hidden_size=128)
+    outs = {}
+    params = SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True)
+    for tp in (1, 2):
+        llm = LLM(path, tensor_parallel_size=tp, dtype="float32", device="cuda", seed=7,
+                  kvcache_block_size=16, max_model_len=512, max_num_seqs=16)
+        try:
+            outs[tp] = generate(llm, [[1 + i, 2, 3, 4, 5] for i in range(12)], params)
+        finally:
+            llm.exit()
+    assert outs[1] == outs[2] and len({tuple(o) for o in outs[1]}) > 1
+
+
+@pytest.mark.cuda
+@needs_two_gpus
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("nvls_off")
 @pytest.mark.parametrize("victim", [0, 1])
 def test_cuda_tp2_killed_worker_raises_within_5_s(make_checkpoint, victim):
     """A rank killed mid-generation on CUDA (its peer then waits in an NCCL collective forever):

@@ -1,7 +1,7 @@
 """Where a full-batch decode step's time goes, on every tensor-parallel rank: each rank builds its
 ModelRunner (random weights), fills a decode step of BATCH sequences with contexts of U[300, 1500]
-tokens, replays it (CUDA graphs, as the engine does) and prints the wall time per step and its
-kernels from torch.profiler. bench.py's --profile sees only the engine's process; with tensor
+tokens, replays it (CUDA graphs, as the engine does), samples it at temperature 0.6 as the engine
+would, and prints the wall time per step and its kernels from torch.profiler. bench.py's --profile sees only the engine's process; with tensor
 parallelism the kernels run in the workers.
 
     python3 -m nanoinfer.bench.decode_step [--config 8b] [--tp 2] [--batch 256]
@@ -22,7 +22,8 @@ STEPS = 50
 def rank_main(rank: int, args, path: str, port: int):
     from nanoinfer.config import Config
     from nanoinfer.engine.model_runner import ModelRunner
-    from nanoinfer.engine.step_message import StepInput
+    from nanoinfer.engine.step_message import SampleInput, StepInput
+    from nanoinfer.layers.sampling_tensors import SamplingPlan
     from nanoinfer.engine.tp_executor import NO_MULTICAST
     for name, value in NO_MULTICAST.items():
         os.environ.setdefault(name, value)
@@ -39,10 +40,14 @@ def rank_main(rank: int, args, path: str, port: int):
         used += n
     runner.allocate_kv_cache(used)
     step = StepInput([(c, [5], t) for c, t in zip(contexts, tables)], args.batch)
+    # sampled at temperature 0.6, as the engine samples such a step (tp > 1: on every rank's shard)
+    plan = SamplingPlan([0.6] * args.batch, all_greedy=False, any_greedy=False)
+    if args.tp > 1:
+        step.plain_sample = (plan.temperatures, 1)
 
     def run(n):
         for _ in range(n):
-            runner.launch(step, None, None)
+            runner.launch(step, SampleInput(plan) if rank == 0 else None, None)
         torch.cuda.synchronize()
 
     run(10)

@@ -17,6 +17,7 @@ class FakeSeq:
     def __init__(self, sp, prompt_len, output_len, vocab, gen):
         ids = torch.randint(0, vocab, (prompt_len + output_len,), generator=gen).tolist()
         self.sampling_params, self.token_ids, self.num_prompt_tokens = sp, ids, prompt_len
+        self.num_inflight = 0
 
     @property
     def num_completion_tokens(self):

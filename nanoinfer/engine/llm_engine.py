@@ -24,6 +24,8 @@ from copy import copy
 from dataclasses import dataclass
 from numbers import Integral
 
+import torch
+
 from nanoinfer.config import Config
 from nanoinfer.engine.detokenizer import encode
 from nanoinfer.engine.model_runner import ModelRunner
@@ -48,6 +50,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer)
         eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
+        self._seeds = torch.Generator().manual_seed(config.seed)  # the fused sampling kernel's, per step
         self._exited = False
         # tp > 1: every rank in a spawned worker; num_blocks is the minimum over ranks
         if config.tensor_parallel_size > 1:
@@ -345,7 +348,8 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch) -> "Launched":
         prev = self.inflight
-        step, sample = encode_step(batch, prev.rows if prev else None, self.vocab_size, batch.eos_token_ids)
+        step, sample = encode_step(batch, prev.rows if prev else None, self.vocab_size, batch.eos_token_ids,
+                                   self._seeds, self.config.tensor_parallel_size > 1 and self.config.device == "cuda")
         handle = self.model_runner.launch(step, sample, prev.handle if prev else None)
         return Launched(batch, sampled_rows(batch), handle)
 

@@ -1,7 +1,7 @@
 """One per tensor-parallel rank: loads the model, sizes and allocates the paged KV cache, turns a
 step (engine/step_message.py) into flat input tensors, runs the forward (eagerly, or by replaying a
 CUDA graph: decode-only steps by batch size, steps with prompt chunks by token count), and samples
-on rank 0."""
+on rank 0, or, for steps at temperature alone on CUDA, on every rank's vocabulary shard."""
 import logging
 from array import array
 from dataclasses import dataclass
@@ -16,7 +16,7 @@ from nanoinfer.layers.all_reduce import use_symmetric_memory
 from nanoinfer.layers.attention import select_backend
 from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.layers.linear import tp_shard
-from nanoinfer.layers.sampler import Sampler
+from nanoinfer.layers.sampler import Sampler, sample_vocab_shard
 from nanoinfer.layers.sampling_tensors import SamplingTensors
 from nanoinfer.models import get_model_class
 from nanoinfer.utils.context import get_context, reset_context, set_context
@@ -268,8 +268,9 @@ class ModelRunner:
     def launch(self, step: StepInput, sample: SampleInput | None, prev: InFlight | None) -> InFlight:
         """Enqueue one step and return without waiting for the device. Rank 0 (`sample` given)
         samples and starts a copy of the tokens to the host; with tensor parallelism it broadcasts
-        them, so that on every rank the next step's in-flight rows read their input token from
-        `prev` (the step launched before this one) on the device."""
+        them (or, for a step.plain_sample, every rank samples its vocabulary shard and all pick the
+        same tokens), so that on every rank the next step's in-flight rows read their input token
+        from `prev` (the step launched before this one) on the device."""
         input_ids, positions = self.prepare(step)
         on_device = [(row, ids) for row, (_, ids, _) in enumerate(step.rows) if isinstance(ids, int)]
         if on_device:
@@ -287,10 +288,16 @@ class ModelRunner:
                 nd = step.num_decode
                 last = [end - 1 for end in accumulate([1] * nd + [len(ids) for _, ids, _ in step.rows[nd:]])]
                 get_context().logits_indices = self._to_device(last + step.prompt_logit_rows, torch.int64)
-            logits = self.run_model(input_ids, positions, step.is_decode_only)
-            if sample is None:  # a rank that does not sample
+            logits = self.run_model(input_ids, positions, step.is_decode_only)  # this rank's vocabulary shard
+            if step.plain_sample is not None:
+                temps, seed = step.plain_sample
+                temps = sample_args.temperatures if sample_args is not None else self._to_device(temps, torch.float32)
+                tokens = sample_vocab_shard(logits, temps, seed, self.model.lm_head.vocab_start)
+            elif sample is None:  # a rank that does not sample: its shard goes to rank 0
+                self.model.lm_head.gather(logits)
                 tokens = torch.empty(len(step.rows), dtype=torch.int64, device=self.device)
             else:
+                logits = self.model.lm_head.gather(logits)  # the full rows
                 B = len(step.rows)
                 if sample.prompt_logprobs is not None:
                     prompt_logprobs = self._prompt_logprobs(logits[B:], sample.prompt_logprobs)
@@ -303,7 +310,7 @@ class ModelRunner:
                     dist.broadcast(torch.zeros(B, dtype=torch.int64, device=self.device), 0)  # the others wait
                     raise SamplingFailed(f"{type(e).__name__}: {e}") from e
                 tokens = tokens.to(torch.int64)
-            if self.world_size > 1:
+            if self.world_size > 1 and step.plain_sample is None:
                 dist.broadcast(tokens, 0)
         finally:
             reset_context()

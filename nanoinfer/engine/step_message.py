@@ -4,6 +4,8 @@ it answers with a StepResult. In-process (one rank) they are passed as they are;
 parallelism they are pickled to the worker processes, so they hold only plain data."""
 from dataclasses import dataclass
 
+import torch
+
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.layers.sampling_tensors import SamplingPlan
 
@@ -16,6 +18,9 @@ class StepInput:
     rows: list[tuple[int, list[int] | int, list[int]]]
     num_decode: int                         # leading rows with one query token
     prompt_logit_rows: list[int] | None = None  # flat token rows whose logits are also computed (prompt_logprobs)
+    # (temperatures, seed) when every rank samples its shard of the vocabulary (tensor parallelism
+    # on CUDA, rows that use temperature alone: layers/sampler.py, sample_vocab_shard)
+    plain_sample: tuple[list[float], int] | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -45,20 +50,24 @@ def sampled_rows(batch: ScheduledBatch) -> dict[int, int]:
     return {seq.seq_id: row for row, seq in enumerate(batch.seqs) if batch.samples[row]}
 
 
-def encode_step(batch: ScheduledBatch, prev_rows: dict[int, int] | None, vocab_size: int,
-                eos_token_ids) -> tuple[StepInput, SampleInput]:
-    """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any."""
+def encode_step(batch: ScheduledBatch, prev_rows: dict[int, int] | None, vocab_size: int, eos_token_ids,
+                seeds: torch.Generator | None = None, sample_on_shards: bool = False) -> tuple[StepInput, SampleInput]:
+    """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any.
+    `seeds`: the generator plain steps draw their seed from (SamplingPlan.build). `sample_on_shards`:
+    the ranks can sample their vocabulary shards (tensor parallelism on CUDA)."""
     rows = []
     for seq, start, n in zip(batch.seqs, batch.starts, batch.query_lens):
         tokens = seq.token_ids
         rows.append((start, tokens[start:start + n] if start + n <= len(tokens) else prev_rows[seq.seq_id],
                      seq.block_table))
     step = StepInput(rows, batch.num_decode)
-    sample = SampleInput(SamplingPlan.build(batch.seqs, vocab_size, eos_token_ids, batch.samples, prev_rows))
+    sample = SampleInput(SamplingPlan.build(batch.seqs, vocab_size, eos_token_ids, batch.samples, prev_rows, seeds))
     wanted = _prompt_logprob_rows(batch)
     if wanted is not None:
         segments, step.prompt_logit_rows, targets, k = wanted
         sample.prompt_logprobs = (segments, targets, k)
+    elif sample_on_shards and sample.plan.plain:
+        step.plain_sample = (sample.plan.temperatures, sample.plan.seed)
     return step, sample
 
 

@@ -14,6 +14,11 @@ Noise: Philox-4x32-10 (tl.randint4x), four 32-bit words per call, one for each q
 Key = the per-call seed; counter = (row << 32) + tile * quarter + lane: every row has its own stream,
 no counter can overflow whatever B * V, and the noise depends on (seed, row, column) only, not on the
 batch size or the chunking.
+
+With tensor parallelism each rank holds a shard of the vocabulary's logits: gumbel_argmax_partials
+scans a shard over the full row's tiles (so every column gets the same noise as in the full row),
+the ranks exchange their rows' per-chunk (max, index), a few bytes a row, and pick_token then takes
+the token sample_gumbel_argmax takes on the whole row.
 """
 
 import torch
@@ -54,34 +59,47 @@ def _keep_max(best_v, best_i, v, cols):
     return tl.where(better, v, best_v), tl.where(better, cols, best_i)
 
 
+@triton.jit
+def _in_shard(c, col0, end, SHARD: tl.constexpr):
+    if SHARD:
+        return (c >= col0) & (c < end)
+    else:
+        return c < end
+
+
 # The seed changes every step and the chunking with the batch size: never specialised on (==1, %16),
 # which would JIT-compile a new variant in the middle of serving.
-@triton.jit(do_not_specialize=["seed", "tiles_per_chunk"])
-def _sample_kernel(logits_ptr, temp_ptr, out_ptr, part_v_ptr, part_i_ptr, stride_b, V, seed,
-                   tiles_per_chunk, QUARTER: tl.constexpr, FAST_LOG: tl.constexpr):
+@triton.jit(do_not_specialize=["seed", "tiles_per_chunk", "col0", "first_tile", "part_stride"])
+def _sample_kernel(logits_ptr, temp_ptr, out_ptr, part_v_ptr, part_i_ptr, stride_b, V, col0, first_tile,
+                   part_stride, seed, tiles_per_chunk, QUARTER: tl.constexpr, FAST_LOG: tl.constexpr,
+                   SHARD: tl.constexpr):
+    """SHARD: the logits are columns [col0, col0 + V) of the vocabulary (a tensor-parallel rank's
+    shard); the tiles are the full row's, so each column gets the noise it gets in the full row.
+    The program then always writes its (max, index) to the partials."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
     t = tl.load(temp_ptr + row)
     sampled = t >= _EPS
     inv_t = 1.0 / tl.where(sampled, t, 1.0)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_b
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_b - col0  # column c of the vocabulary at row_ptr + c
+    end = col0 + V
     ctr_row = row.to(tl.int64) << 32
     offs = tl.arange(0, QUARTER)
 
     best_v = tl.full([QUARTER], float("-inf"), tl.float32)
-    best_i = tl.zeros([QUARTER], tl.int32)  # an all -inf row still returns a valid index
-    t_start = chunk * tiles_per_chunk
-    t_end = tl.minimum(t_start + tiles_per_chunk, tl.cdiv(V, 4 * QUARTER))
+    best_i = tl.zeros([QUARTER], tl.int32)  # an all -inf row still returns a valid index (0)
+    t_start = first_tile + chunk * tiles_per_chunk
+    t_end = tl.minimum(t_start + tiles_per_chunk, tl.cdiv(end, 4 * QUARTER))
     for tile in range(t_start, t_end):
         c0 = tile * (4 * QUARTER) + offs
         c1 = c0 + QUARTER
         c2 = c1 + QUARTER
         c3 = c2 + QUARTER
-        x0 = tl.load(row_ptr + c0, mask=c0 < V, other=float("-inf")).to(tl.float32)
-        x1 = tl.load(row_ptr + c1, mask=c1 < V, other=float("-inf")).to(tl.float32)
-        x2 = tl.load(row_ptr + c2, mask=c2 < V, other=float("-inf")).to(tl.float32)
-        x3 = tl.load(row_ptr + c3, mask=c3 < V, other=float("-inf")).to(tl.float32)
+        x0 = tl.load(row_ptr + c0, mask=_in_shard(c0, col0, end, SHARD), other=float("-inf")).to(tl.float32)
+        x1 = tl.load(row_ptr + c1, mask=_in_shard(c1, col0, end, SHARD), other=float("-inf")).to(tl.float32)
+        x2 = tl.load(row_ptr + c2, mask=_in_shard(c2, col0, end, SHARD), other=float("-inf")).to(tl.float32)
+        x3 = tl.load(row_ptr + c3, mask=_in_shard(c3, col0, end, SHARD), other=float("-inf")).to(tl.float32)
         if sampled:
             r0, r1, r2, r3 = tl.randint4x(seed, ctr_row + (tile * QUARTER + offs))
             x0 = x0 * inv_t - _log_exponential(r0, FAST_LOG)
@@ -95,22 +113,35 @@ def _sample_kernel(logits_ptr, temp_ptr, out_ptr, part_v_ptr, part_i_ptr, stride
 
     m = tl.max(best_v, 0)
     idx = tl.min(tl.where(best_v == m, best_i, _INT_MAX), 0)
-    if num_chunks == 1:
+    if SHARD:
+        tl.store(part_v_ptr + row * part_stride + chunk, m)
+        tl.store(part_i_ptr + row * part_stride + chunk, idx)
+    elif num_chunks == 1:
         tl.store(out_ptr + row, idx.to(tl.int64))
     else:
-        tl.store(part_v_ptr + row * num_chunks + chunk, m)
-        tl.store(part_i_ptr + row * num_chunks + chunk, idx)
+        tl.store(part_v_ptr + row * part_stride + chunk, m)
+        tl.store(part_i_ptr + row * part_stride + chunk, idx)
 
 
-@triton.jit(do_not_specialize=["num_chunks"])
-def _pick_chunk_kernel(part_v_ptr, part_i_ptr, out_ptr, num_chunks, MAX_CHUNKS: tl.constexpr):
+@triton.jit(do_not_specialize=["num_chunks", "part_stride", "rank_stride"])
+def _pick_chunk_kernel(part_v_ptr, part_i_ptr, out_ptr, num_chunks, part_stride, rank_stride,
+                       RANKS: tl.constexpr, MAX_CHUNKS: tl.constexpr):
+    """A row's token: the largest of its chunks' maxima (each rank's, for shards), the smallest
+    index among equal ones. Indices are the vocabulary's, so the order of the entries is free."""
     row = tl.program_id(0)
     offs = tl.arange(0, MAX_CHUNKS)
     mask = offs < num_chunks
-    v = tl.load(part_v_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
-    i = tl.load(part_i_ptr + row * num_chunks + offs, mask=mask, other=_INT_MAX)
-    m = tl.max(v, 0)
-    tl.store(out_ptr + row, tl.min(tl.where(v == m, i, _INT_MAX), 0).to(tl.int64))
+    m = tl.full([], float("-inf"), tl.float32)
+    idx = tl.full([], _INT_MAX, tl.int32)
+    for r in tl.static_range(RANKS):
+        at = r * rank_stride + row * part_stride + offs
+        v = tl.load(part_v_ptr + at, mask=mask, other=float("-inf"))
+        i = tl.load(part_i_ptr + at, mask=mask, other=_INT_MAX)
+        mr = tl.max(v, 0)
+        ir = tl.min(tl.where(v == mr, i, _INT_MAX), 0)
+        take = (mr > m) | ((mr == m) & (ir < idx))
+        m, idx = tl.where(take, mr, m), tl.where(take, ir, idx)
+    tl.store(out_ptr + row, idx.to(tl.int64))
 
 
 # Tunables. A tile is 4 * quarter logits; programs_per_sm: programs (B * chunks) per SM aimed for.
@@ -130,6 +161,15 @@ def sample_num_chunks(batch: int, num_tiles: int, num_sms: int, programs_per_sm:
     return _cdiv(num_tiles, per_chunk), per_chunk
 
 
+def _config(device: torch.device, config: dict | None) -> dict:
+    base = SAMPLE_CFG if device.type == "cuda" else _INTERPRET_CFG  # interpreter: small tiles, quick tests
+    return dict(base, **(config or {}))
+
+
+def _max_chunks(cfg: dict) -> int:
+    return 1 << (cfg["max_chunks"] - 1).bit_length()  # the pick kernel's width: fixed, one variant
+
+
 def sample_gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
                          config: dict | None = None) -> torch.Tensor:
     """logits [B, V] bf16/fp16/fp32 (last dim contiguous, any row stride); temperatures [B] float32
@@ -141,19 +181,61 @@ def sample_gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed:
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
         return out
-    base = SAMPLE_CFG if logits.is_cuda else _INTERPRET_CFG  # interpreter: small tiles, quick tests
-    cfg = dict(base, **(config or {}))
+    cfg = _config(logits.device, config)
     quarter = cfg["quarter"]
     num_chunks, tiles_per_chunk = sample_num_chunks(B, _cdiv(V, 4 * quarter), _num_sms(logits.device),
                                                     cfg["programs_per_sm"], cfg["max_chunks"])
     # allocated even when unused (one chunk): a pointer of another dtype would compile another variant
     part_v = torch.empty((B, num_chunks), dtype=torch.float32, device=logits.device)
     part_i = torch.empty((B, num_chunks), dtype=torch.int32, device=logits.device)
-    _sample_kernel[(B, num_chunks)](logits, temperatures, out, part_v, part_i, logits.stride(0), V, seed,
-                                    tiles_per_chunk, QUARTER=quarter,
+    _sample_kernel[(B, num_chunks)](logits, temperatures, out, part_v, part_i, logits.stride(0), V, 0, 0,
+                                    num_chunks, seed, tiles_per_chunk, QUARTER=quarter,
                                     FAST_LOG=logits.is_cuda and torch.version.hip is None,  # NVIDIA libdevice
-                                    num_warps=cfg["num_warps"])
+                                    SHARD=False, num_warps=cfg["num_warps"])
     if num_chunks > 1:
-        _pick_chunk_kernel[(B,)](part_v, part_i, out, num_chunks,
-                                 MAX_CHUNKS=1 << (cfg["max_chunks"] - 1).bit_length(), num_warps=1)
+        _pick_chunk_kernel[(B,)](part_v, part_i, out, num_chunks, num_chunks, 0, RANKS=1,
+                                 MAX_CHUNKS=_max_chunks(cfg), num_warps=1)
+    return out
+
+
+def gumbel_argmax_partials(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, col0: int,
+                           config: dict | None = None) -> torch.Tensor:
+    """sample_gumbel_argmax's first half on a tensor-parallel rank's shard of the vocabulary:
+    `logits` [B, V] are columns [col0, col0 + V) of each row. Returns every row's per-chunk maxima
+    and their vocabulary indices as int32 [B, 2, chunks] (the maxima as float32 bits, then the
+    indices), a shape that depends on (B, V) alone, so that the ranks can exchange them; then
+    pick_token takes from them the token sample_gumbel_argmax takes on the whole row."""
+    B, V = logits.shape
+    assert logits.stride(1) == 1 and temperatures.shape == (B,) and temperatures.dtype == torch.float32
+    assert 0 <= seed < 2**31 and col0 >= 0
+    cfg = _config(logits.device, config)
+    quarter = cfg["quarter"]
+    tile = 4 * quarter
+    span = _cdiv(V, tile) + 1  # the most tiles any V columns overlap, so the same on every rank
+    num_chunks, tiles_per_chunk = sample_num_chunks(max(B, 1), span, _num_sms(logits.device),
+                                                    cfg["programs_per_sm"], cfg["max_chunks"])
+    parts = torch.empty((B, 2, num_chunks), dtype=torch.int32, device=logits.device)
+    if B == 0:
+        return parts
+    # (a chunk past this shard's last tile finds no column: it reports -inf at index 0, which any
+    # finite logit beats, and which an all -inf row takes, as on the whole row)
+    _sample_kernel[(B, num_chunks)](logits, temperatures, parts, parts.view(torch.float32)[:, 0], parts[:, 1],
+                                    logits.stride(0), V, col0, col0 // tile, 2 * num_chunks, seed,
+                                    tiles_per_chunk, QUARTER=quarter,
+                                    FAST_LOG=logits.is_cuda and torch.version.hip is None,
+                                    SHARD=True, num_warps=cfg["num_warps"])
+    return parts
+
+
+def pick_token(parts: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """`parts`: every rank's gumbel_argmax_partials, stacked [ranks, B, 2, chunks]. Returns each
+    row's token [B] int64: the largest maximum, the smallest index among equal ones."""
+    R, B, _, num_chunks = parts.shape
+    cfg = _config(parts.device, config)
+    assert parts.is_contiguous() and num_chunks <= _max_chunks(cfg)
+    out = torch.empty(B, dtype=torch.int64, device=parts.device)
+    if B:
+        _pick_chunk_kernel[(B,)](parts.view(torch.float32)[:, :, 0], parts[:, :, 1], out, num_chunks,
+                                 2 * num_chunks, B * 2 * num_chunks, RANKS=R, MAX_CHUNKS=_max_chunks(cfg),
+                                 num_warps=1)
     return out

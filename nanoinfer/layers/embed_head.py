@@ -36,8 +36,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the last token of each sequence that samples (prefill) or every row (decode),
-    or for the rows the context names (prompt_logprobs), gathered to rank 0; other ranks return None."""
+    """This rank's shard of the logits (columns from vocab_start) for the last token of each
+    sequence that samples (prefill) or every row (decode), or for the rows the context names
+    (prompt_logprobs). The runner either gathers them to rank 0 or has each rank sample its shard
+    (layers/sampler.py, sample_vocab_shard)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         ctx = get_context()
@@ -45,7 +47,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             hidden = hidden[ctx.logits_indices]
         elif ctx.is_prefill:
             hidden = hidden[ctx.cu_seqlens_q[1:] - 1]
-        logits = linear(hidden, self.weight)
+        return linear(hidden, self.weight)
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's shard of the logits, as full rows on rank 0; None on the other ranks."""
         if self.tp_size == 1:
             return logits
         shards = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

@@ -52,13 +52,8 @@ class SamplingTensors:
     bias_values: torch.Tensor | None = None
     # logits_processors: (row, callables, prompt token ids, output token ids), run on the host
     processors: list | None = None
-
-    @property
-    def plain(self) -> bool:
-        """Only temperature / greedy rows: what the fused kernel does on its own."""
-        return (self.top_k is None and self.top_p is None and self.min_p is None and self.pen_tokens is None
-                and self.suppress_rows is None and self.seeded_rows is None and self.lp_max is None
-                and self.allowed_rows is None and self.bias_rows is None and self.processors is None)
+    plain: bool = False                        # SamplingPlan.plain
+    seed: int | None = None                    # SamplingPlan.seed
 
     @property
     def edits_logits(self) -> bool:
@@ -80,7 +75,8 @@ class SamplingTensors:
             return torch.tensor(data, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
         p = plan
-        t = cls(dev(p.temperatures, torch.float32), all_greedy=p.all_greedy, any_greedy=p.any_greedy)
+        t = cls(dev(p.temperatures, torch.float32), all_greedy=p.all_greedy, any_greedy=p.any_greedy, plain=p.plain,
+                seed=p.seed)
         if p.top_k is not None:
             t.top_k, t.max_top_k = dev(p.top_k, torch.int64), p.max_top_k
         if p.top_p is not None:
@@ -147,10 +143,21 @@ class SamplingPlan:
     allowed: list | None = None                # (row, allowed token ids)
     bias: list | None = None                   # (row, {token: bias})
     processors: list | None = None             # (row, callables, prompt ids, output ids)
+    seed: int | None = None                    # plain plans: the fused kernel's noise seed, in [0, 2^31)
+
+    @property
+    def plain(self) -> bool:
+        """Only temperature / greedy rows: what the fused kernel does on its own (kernels/sampling.py)."""
+        return (self.top_k is None and self.top_p is None and self.min_p is None and self.pen_tokens is None
+                and not self.suppress_rows and not self.seeded_rows and self.lp_counts is None
+                and not self.allowed and not self.bias and not self.processors)
 
     @classmethod
-    def build(cls, seqs, vocab_size: int, eos_token_ids, samples=None, prev_row_of=None) -> "SamplingPlan":
+    def build(cls, seqs, vocab_size: int, eos_token_ids, samples=None, prev_row_of=None,
+              seeds: torch.Generator | None = None) -> "SamplingPlan":
         """One per step: a Python loop over the batch reading each request's options.
+        `seeds`: where a plain plan draws its seed (the engine's generator, seeded from the
+        config; None: torch's default generator).
         `samples[i]`: row i's sample is counted in its sequence's num_inflight (a scheduled step).
         `prev_row_of`: seq_id -> row of the step still in flight, for rows that sampled: such a
         token is not on the host yet, so it counts for seeds and min_tokens, and joins the penalty
@@ -235,6 +242,8 @@ class SamplingPlan:
             p.lp_rows = None if len(lp_rows) == B else lp_rows
             p.lp_counts, p.lp_max = lp_counts, min(max(lp_counts), vocab_size)
         p.allowed, p.bias, p.processors = allowed or None, bias or None, procs or None
+        if p.plain:
+            p.seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seeds))
         return p
 
 

@@ -1,0 +1,50 @@
+"""encode_step: what every rank gets, and when the ranks sample their vocabulary shards."""
+import pickle
+
+import pytest
+import torch
+
+from nanoinfer.engine.scheduler import ScheduledBatch
+from nanoinfer.engine.sequence import Sequence
+from nanoinfer.engine.step_message import encode_step
+from nanoinfer.sampling_params import SamplingParams
+
+
+def batch(params: list[SamplingParams]) -> ScheduledBatch:
+    seqs = [Sequence([1, 2, 3, 4 + i], sp, 16) for i, sp in enumerate(params)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = [i]
+    return ScheduledBatch(seqs, [0] * len(seqs), [4] * len(seqs), [True] * len(seqs), 0, frozenset({7}))
+
+
+@pytest.mark.parametrize("params, plain", [
+    ([SamplingParams(temperature=0.6), SamplingParams(temperature=0)], True),
+    ([SamplingParams(temperature=0.6), SamplingParams(top_k=5)], False),
+    ([SamplingParams(temperature=0.6, logprobs=1)], False),
+    ([SamplingParams(temperature=0.6, seed=3)], False),
+    ([SamplingParams(temperature=0.6, prompt_logprobs=1)], False),  # its prompt's logits go to rank 0
+])
+def test_plain_steps_sample_on_the_shards(params, plain):
+    b = batch(params)
+    step, sample = encode_step(b, None, 100, b.eos_token_ids, torch.Generator().manual_seed(5), True)
+    if plain:
+        temps, seed = step.plain_sample
+        assert temps == sample.plan.temperatures == [0.6 if sp.temperature else 0.0 for sp in params]
+        assert seed == sample.plan.seed == int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(5)))
+        assert pickle.loads(pickle.dumps(step)).plain_sample == step.plain_sample  # (sent to every rank)
+    else:
+        assert step.plain_sample is None
+    off, _ = encode_step(b, None, 100, b.eos_token_ids, torch.Generator().manual_seed(5), False)
+    assert off.plain_sample is None  # one rank, or CPU: rank 0 samples the full rows
+
+
+def test_the_seeds_come_from_the_engines_generator():
+    """Plain steps draw their seed from the generator given (the engine's, seeded from its config):
+    the same sequence of seeds for the same config, whatever torch's default generator does."""
+    b = batch([SamplingParams(temperature=0.6)] * 3)
+    runs = []
+    for _ in range(2):
+        seeds = torch.Generator().manual_seed(11)
+        torch.rand(5)  # the default generator moves on between runs
+        runs.append([encode_step(b, None, 100, b.eos_token_ids, seeds, True)[0].plain_sample[1] for _ in range(4)])
+    assert runs[0] == runs[1] and len(set(runs[0])) == 4
