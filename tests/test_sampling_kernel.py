@@ -242,6 +242,15 @@ def test_shards_pick_the_full_rows_token(V, ranks, config, dtype):
     assert greedy.tolist() == want[:5] + [0] + want[6:]
 
 
+def test_shard_partials_have_one_shape_on_any_gpu(monkeypatch):
+    """The ranks exchange their partials: their shape must not follow the GPU's SM count."""
+    from nanoinfer.kernels import sampling
+    x = torch.zeros(3, 2560, device=DEV)  # 20 tiles of 128 on CPU (of 4096 on CUDA: fewer chunks there)
+    shape = sampling.gumbel_argmax_partials(x, temps([1.0] * 3), 1, 2560).shape
+    monkeypatch.setattr(sampling, "_num_sms", lambda device: 7)
+    assert sampling.gumbel_argmax_partials(x, temps([1.0] * 3), 1, 0).shape == shape
+
+
 def test_shard_partials_of_an_empty_batch():
     from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
     parts = gumbel_argmax_partials(torch.zeros(0, 150, device=DEV), temps([]), 1, 150)

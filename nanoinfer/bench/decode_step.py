@@ -1,8 +1,8 @@
 """Where a full-batch decode step's time goes, on every tensor-parallel rank: each rank builds its
 ModelRunner (random weights), fills a decode step of BATCH sequences with contexts of U[300, 1500]
 tokens, replays it (CUDA graphs, as the engine does), samples it at temperature 0.6 as the engine
-would, and prints the wall time per step and its kernels from torch.profiler. bench.py's --profile sees only the engine's process; with tensor
-parallelism the kernels run in the workers.
+would, and prints the wall time per step and its kernels from torch.profiler. bench.py's --profile
+sees only the engine's process; with tensor parallelism the kernels run in the workers.
 
     python3 -m nanoinfer.bench.decode_step [--config 8b] [--tp 2] [--batch 256]
 """
@@ -41,9 +41,9 @@ def rank_main(rank: int, args, path: str, port: int):
     runner.allocate_kv_cache(used)
     step = StepInput([(c, [5], t) for c, t in zip(contexts, tables)], args.batch)
     # sampled at temperature 0.6, as the engine samples such a step (tp > 1: on every rank's shard)
-    plan = SamplingPlan([0.6] * args.batch, all_greedy=False, any_greedy=False)
+    plan = SamplingPlan([0.6] * args.batch, all_greedy=False, any_greedy=False, seed=1)
     if args.tp > 1:
-        step.plain_sample = (plan.temperatures, 1)
+        step.plain_sample = (plan.temperatures, plan.seed)
 
     def run(n):
         for _ in range(n):

@@ -145,8 +145,10 @@ def _pick_chunk_kernel(part_v_ptr, part_i_ptr, out_ptr, num_chunks, part_stride,
 
 
 # Tunables. A tile is 4 * quarter logits; programs_per_sm: programs (B * chunks) per SM aimed for.
-SAMPLE_CFG = {"quarter": 1024, "num_warps": 8, "programs_per_sm": 4, "max_chunks": 64}
-_INTERPRET_CFG = {"quarter": 32, "num_warps": 1, "programs_per_sm": 4, "max_chunks": 64}
+# shard_programs: the same for a vocabulary shard, as a count (4 a SM on an H200's 132 SMs): the
+# partials' shape must not depend on the GPU, since the ranks exchange them.
+SAMPLE_CFG = {"quarter": 1024, "num_warps": 8, "programs_per_sm": 4, "max_chunks": 64, "shard_programs": 528}
+_INTERPRET_CFG = {"quarter": 32, "num_warps": 1, "programs_per_sm": 4, "max_chunks": 64, "shard_programs": 528}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -203,8 +205,8 @@ def gumbel_argmax_partials(logits: torch.Tensor, temperatures: torch.Tensor, see
     """sample_gumbel_argmax's first half on a tensor-parallel rank's shard of the vocabulary:
     `logits` [B, V] are columns [col0, col0 + V) of each row. Returns every row's per-chunk maxima
     and their vocabulary indices as int32 [B, 2, chunks] (the maxima as float32 bits, then the
-    indices), a shape that depends on (B, V) alone, so that the ranks can exchange them; then
-    pick_token takes from them the token sample_gumbel_argmax takes on the whole row."""
+    indices), a shape that depends on (B, V) and the config alone, so that the ranks can exchange
+    them; then pick_token takes from them the token sample_gumbel_argmax takes on the whole row."""
     B, V = logits.shape
     assert logits.stride(1) == 1 and temperatures.shape == (B,) and temperatures.dtype == torch.float32
     assert 0 <= seed < 2**31 and col0 >= 0
@@ -212,8 +214,7 @@ def gumbel_argmax_partials(logits: torch.Tensor, temperatures: torch.Tensor, see
     quarter = cfg["quarter"]
     tile = 4 * quarter
     span = _cdiv(V, tile) + 1  # the most tiles any V columns overlap, so the same on every rank
-    num_chunks, tiles_per_chunk = sample_num_chunks(max(B, 1), span, _num_sms(logits.device),
-                                                    cfg["programs_per_sm"], cfg["max_chunks"])
+    num_chunks, tiles_per_chunk = sample_num_chunks(max(B, 1), span, cfg["shard_programs"], 1, cfg["max_chunks"])
     parts = torch.empty((B, 2, num_chunks), dtype=torch.int32, device=logits.device)
     if B == 0:
         return parts

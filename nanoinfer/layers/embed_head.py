@@ -41,7 +41,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     (prompt_logprobs). The runner either gathers them to rank 0 or has each rank sample its shard
     (layers/sampler.py, sample_vocab_shard)."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         if ctx.logits_indices is not None:
             hidden = hidden[ctx.logits_indices]

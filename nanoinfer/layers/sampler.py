@@ -15,10 +15,12 @@ indices, seeds and logprob requests). `Sampler.forward` then runs, all batched:
       -> Gumbel-max sample: argmax(logits / T + G), G = -log(E), E ~ Exp(1)
 
 Requests that use none of the features take the fast path: on CUDA, a fused Triton kernel
-(kernels/sampling.py) that reads the logits once for temperature, Gumbel noise and argmax; on CPU,
-one division, the noise and an argmax.
-Seeded rows draw their noise from a counter-based hash of (seed, step, token id) instead of the
-global generator, so a seeded request gets the same tokens whatever else is in the batch, wherever it
+(kernels/sampling.py) that reads the logits once for temperature, Gumbel noise and argmax, its
+noise seeded per step from the engine's generator (seeded from the config's seed); on CPU, one
+division, the noise and an argmax. With tensor parallelism on CUDA, such steps are sampled on every
+rank's shard of the vocabulary (sample_vocab_shard).
+Seeded rows draw their noise from a counter-based hash of (seed, step, token id) instead of torch's
+generator, so a seeded request gets the same tokens whatever else is in the batch, wherever it
 sits in it, on CPU and GPU alike. The step is the number of tokens the request generated so far.
 """
 import inspect

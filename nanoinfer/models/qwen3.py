@@ -85,7 +85,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        # (defer: at batch 1 on CUDA the norms run inside the next projection's GEMV)
+        # (defer: at batch 1 on CUDA the norms run inside the next projection's GEMV, unless the
+        # tensor-parallel all-reduce before them already does)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden, defer=True)
