@@ -228,9 +228,9 @@ def main():
 
 
 def warm_up(llm: LLM, args):
-    """Compile before timing. Triton specializes a kernel on its integer arguments (a multiple of 16
-    or not), so after a one-prompt warm-up the first full prefill steps still compiled inside the
-    timed run (8B at tp=2 on a fresh machine: 9.14 s against 8.67 s warm). 64 prompts of the
+    """Compile before timing. After a one-prompt warm-up the first full prefill steps still compiled
+    kernels inside the timed run (Triton specializes on integer arguments, such as a multiple of 16
+    or not): 8B at tp=2 on a fresh machine took 9.14 s against 8.67 s warm. 64 prompts of the
     workload's lengths (from their own generator: the workload's prompts stay the same) fill whole
     token-budget chunks and a partial one, then decode a few steps; one short prompt covers batch 1."""
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
