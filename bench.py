@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import tempfile
+import random
 import time
 from random import Random, randint, seed
 
@@ -123,6 +124,11 @@ def run(llm: LLM, prompts, params, before_step=None) -> tuple[list, float]:
     return steps, t
 
 
+def random_tokens(llm: LLM, length: int, rng=random) -> list[int]:
+    """A prompt of `length` random token ids below 10,000 (and the vocabulary), drawn from rng."""
+    return [rng.randint(0, min(10000, llm.vocab_size - 1)) for _ in range(length)]
+
+
 def long_prompt_arrivals(llm: LLM, args):
     """Decode speed of running sequences while long prompts arrive (an online server's life): 64
     sequences (128-token prompts, 512 output tokens) stream; after 20 steps, then every 40, a
@@ -130,7 +136,7 @@ def long_prompt_arrivals(llm: LLM, args):
     alone and with the arrivals. Uses only the public API (stream, add_request), so it also runs
     against older engines."""
     def once(with_long: bool):
-        short = [[randint(0, min(10000, llm.vocab_size - 1)) for _ in range(128)] for _ in range(64)]
+        short = [random_tokens(llm, 128) for _ in range(64)]
         sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=512)
         long_sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
         gaps, last, count, arrivals = [], {}, 0, [20, 60, 100, 140] if with_long else []
@@ -147,7 +153,7 @@ def long_prompt_arrivals(llm: LLM, args):
                 count += len(delta.token_ids)
             if arrivals and step // 64 >= arrivals[0]:  # about one delta per sequence per step
                 arrivals.pop(0)
-                llm.add_request([randint(0, min(10000, llm.vocab_size - 1)) for _ in range(args.long_prompt_len)], long_sp)
+                llm.add_request(random_tokens(llm, args.long_prompt_len), long_sp)
         elapsed = time.perf_counter() - t0
         while not llm.is_finished():
             llm.step()
@@ -236,14 +242,12 @@ def warm_up(llm: LLM, args):
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
     rng = Random(1)
     hi = max(1, min(args.max_input_len, args.max_model_len - 8))
-    prompts = [[rng.randint(0, min(10000, llm.vocab_size - 1)) for _ in range(rng.randint(min(args.min_input_len, hi), hi))]
-               for _ in range(64)]
+    prompts = [random_tokens(llm, rng.randint(min(args.min_input_len, hi), hi), rng) for _ in range(64)]
     llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 
 
 def nano_vllm_workload(llm: LLM, args, bound_of, verbose: bool = True):
-    prompts = [[randint(0, min(10000, llm.vocab_size - 1)) for _ in range(randint(args.min_input_len, args.max_input_len))]
-               for _ in range(args.num_seqs)]
+    prompts = [random_tokens(llm, randint(args.min_input_len, args.max_input_len)) for _ in range(args.num_seqs)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True,
                              max_tokens=randint(args.min_output_len, args.max_output_len)) for _ in prompts]
     steps, t = run(llm, prompts, params, Profiler(llm, [range(first, last + 1) for first, last in args.profile]))
@@ -288,7 +292,7 @@ def sweep(llm: LLM, args, bound_of):
     each), and the nano-vllm workload."""
     rows = []
     for batch in (1, 8, 64, 256):
-        prompts = [[randint(0, min(10000, llm.vocab_size - 1)) for _ in range(128)] for _ in range(batch)]
+        prompts = [random_tokens(llm, 128) for _ in range(batch)]
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.sweep_output_len)] * batch
         steps, t = run(llm, prompts, params)
         rows.append((f"batch {batch} (128 in, {args.sweep_output_len} out)", steps, t, batch * args.sweep_output_len))
