@@ -6,9 +6,6 @@ does not depend on the weights, and nothing is downloaded. On CUDA it also print
 sum over steps of (weight bytes + KV bytes read) / copy bandwidth + prefill FLOPs / bf16 matmul rate,
 both ceilings measured in this process, and the per-step CPU time against the step time."""
 import argparse
-import json
-import os
-import tempfile
 import random
 import time
 from random import Random, randint, seed
@@ -16,34 +13,8 @@ from random import Random, randint, seed
 import torch
 
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.bench.random_model import SHAPES, make_random_model_dir
 from nanoinfer.utils.ceilings import measure_ceilings
-
-CONFIGS = {
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-    "30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
-                    intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                    head_dim=128, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
-                    moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
-}
-
-
-def make_random_model_dir(shape: str) -> str:
-    """A checkpoint directory with the Qwen3 config and a small local tokenizer; weights come from
-    load_format='dummy'."""
-    from nanoinfer.utils.tiny_model import train_tokenizer
-    path = os.path.join(tempfile.gettempdir(), f"nanoinfer-bench-qwen3-{shape}")
-    os.makedirs(path, exist_ok=True)
-    config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_act="silu",
-                  max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False,
-                  torch_dtype="bfloat16", eos_token_id=2, bos_token_id=None)
-    config.update(CONFIGS[shape])  # an MoE shape brings its own architecture
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    train_tokenizer().save_pretrained(path)
-    return path
 
 
 class Profiler:
@@ -180,7 +151,7 @@ def long_prompt_arrivals(llm: LLM, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", help="a real checkpoint (directory or repo id) instead of random weights")
-    p.add_argument("--config", choices=sorted(CONFIGS), default="0.6b", help="shape of the random model")
+    p.add_argument("--config", choices=sorted(SHAPES), default="0.6b", help="shape of the random model")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-input-len", type=int, default=100)
     p.add_argument("--max-input-len", type=int, default=1024)
@@ -236,7 +207,7 @@ def main():
 def warm_up(llm: LLM, args):
     """Compile before timing. After a one-prompt warm-up the first full prefill steps still compiled
     kernels inside the timed run (Triton specializes on integer arguments, such as a multiple of 16
-    or not): 8B at tp=2 on a fresh machine took 9.14 s against 8.67 s warm. 64 prompts of the
+    or not), which made the first timed run of a fresh process slower than the next. 64 prompts of the
     workload's lengths (from their own generator: the workload's prompts stay the same) fill whole
     token-budget chunks and a partial one, then decode a few steps; one short prompt covers batch 1."""
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)

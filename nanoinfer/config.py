@@ -12,7 +12,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 # A sequence holds whole blocks and the prefix cache shares only full ones, so a block is useful up to
 # about one context (vLLM offers <= 256; flash-attn wants multiples of 256); 2**16 tokens leaves room
 # for the longest contexts while keeping one block's K/V per layer (256 MiB at 8 KV heads x 128 bf16)
-# allocatable. 2**24 took 15.7 s for 3 tokens on CPU.
+# allocatable (far larger blocks also make a tiny request crawl on CPU).
 MAX_KVCACHE_BLOCK_SIZE = 1 << 16
 _MAX_SEED = 2**64 - 1  # torch.manual_seed takes at most an unsigned 64-bit seed
 

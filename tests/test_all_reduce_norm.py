@@ -99,15 +99,17 @@ def test_signals_reach_every_rank_and_the_wait_reads_each_peers_slot():
 
 def test_row_parallel_projection_hands_the_norm_a_partial_sum():
     """The layers' path (rank 0 of 2, the peer simulated): RowParallelLinear(reduce_later) writes
-    x @ W^T into its site's buffer and returns a PartialSum (up to its buffer's rows); RMSNorm
-    then sums the ranks' buffers, adds the residual and normalises."""
+    x @ W^T into its site's buffer and returns a PartialSum (up to its buffer's rows); the fused
+    norm (layers/fused_norm.py) then sums the ranks' buffers, adds the residual and normalises."""
     from nanoinfer.layers.all_reduce import PartialSum, Peers
+    from nanoinfer.layers.fused_norm import add_norm_for
     from nanoinfer.layers.layernorm import RMSNorm
-    from nanoinfer.layers.linear import RowParallelLinear, tp_shard
+    from nanoinfer.layers.linear import RowParallelLinear
+    from nanoinfer.layers.model_build import ModelBuild, TensorParallel
     dtype, n, k, hidden = dtypes()[0], 11, 48, 40
     g = torch.Generator().manual_seed(3)
-    with torch.device(DEV), tp_shard(0, 2):
-        proj = RowParallelLinear(2 * k, hidden).to(dtype)
+    with torch.device(DEV):
+        proj = RowParallelLinear(2 * k, hidden, build=ModelBuild(TensorParallel(0, 2)), prefix="o_proj").to(dtype)
     proj.weight.data = (torch.randn(hidden, k, generator=g) / k ** 0.5).to(DEV, dtype)
     norm = RMSNorm(hidden, 1e-6).to(DEV, dtype)
     norm.weight.data = (torch.rand(hidden, generator=g) + 0.5).to(DEV, dtype)
@@ -122,7 +124,7 @@ def test_row_parallel_projection_hands_the_norm_a_partial_sum():
     residual = torch.randn(n, hidden, generator=g).to(DEV, dtype)
     partial = proj(x, reduce_later=True)
     assert isinstance(partial, PartialSum) and partial.value.data_ptr() == site.buffer.data_ptr()
-    out, res = norm(partial, residual)
+    out, res = add_norm_for(norm, partial, residual)
     ref_out, ref_res = reference([partial.value.clone(), peer], norm.weight, 1e-6, residual)
     torch.testing.assert_close(partial.value.float(), (x.float() @ proj.weight.float().t()), rtol=1e-2, atol=1e-2)
     assert torch.equal(res, ref_res)

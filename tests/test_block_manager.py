@@ -16,8 +16,8 @@ def seq_of(tokens):
 
 def compute_all(bm: BlockManager, seq: Sequence):
     """Pretend a forward computed every token of the sequence."""
-    seq.num_computed_tokens = len(seq)
-    bm.commit(seq, len(seq))
+    seq.num_computed_tokens = seq.num_tokens
+    bm.commit(seq, seq.num_tokens)
 
 
 def assert_all_free(bm: BlockManager):
@@ -71,7 +71,7 @@ def test_last_prompt_block_never_served_from_cache():
     compute_all(bm, a)
     b = seq_of(range(32))  # exactly two full blocks, both cached
     assert bm.allocate(b)
-    assert b.num_cached_tokens == 16 and b.num_computed_tokens < len(b)
+    assert b.num_cached_tokens == 16 and b.num_computed_tokens < b.num_tokens
 
 
 def test_cached_blocks_survive_free_and_are_revived():
@@ -162,7 +162,7 @@ def test_random_workload_keeps_accounting(seed, num_blocks, num_ops):
         if op < 0.45:
             s = seq_of(rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 20))])
             if bm.allocate(s):
-                assert s.num_computed_tokens < len(s)
+                assert s.num_computed_tokens < s.num_tokens
                 live.append(s)
         elif op < 0.7 and live:
             s = rng.choice(live)

@@ -86,7 +86,7 @@ def test_one_row_steps_through_the_gemv_match_hf(make_checkpoint, tmp_path, monk
     that routes one-row CUDA inputs to the GEMV is widened to CPU inputs."""
     from hf_reference import assert_greedy_matches_hf
     from nanoinfer import LLM, SamplingParams
-    from nanoinfer.layers import linear as linear_layers
+    from nanoinfer.layers import linear_method
     from nanoinfer.utils.tiny_moe import build_tiny_moe_checkpoint
     if arch == "qwen3-moe-dense-and-sparse":
         path = build_tiny_moe_checkpoint(str(tmp_path), num_layers=2, mlp_only_layers=(0,))
@@ -98,8 +98,8 @@ def test_one_row_steps_through_the_gemv_match_hf(make_checkpoint, tmp_path, monk
         calls.append(kwargs.get("norm_weight") is not None or kwargs.get("silu_mul", False))
         return gemv(*args, **kwargs)
 
-    monkeypatch.setattr(linear_layers, "takes_gemv", lambda x: x.shape[0] == 1 and x.is_contiguous())
-    monkeypatch.setattr(linear_layers, "gemv", counted_gemv)
+    monkeypatch.setattr(linear_method, "takes_gemv", lambda x: x.shape[0] == 1 and x.is_contiguous())
+    monkeypatch.setattr(linear_method, "gemv", counted_gemv)
     llm = LLM(path, device="cpu", kvcache_block_size=16, max_model_len=128, max_num_seqs=1)
     try:
         prompts = [[5]]  # a one-token prompt: its prefill takes the GEMV too (the interpreter is slow)

@@ -12,7 +12,8 @@ from transformers import AutoConfig
 
 from nanoinfer.config import Config
 from nanoinfer.layers.embed_head import VocabParallelEmbedding
-from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, tp_shard
+from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoinfer.layers.model_build import ModelBuild, TensorParallel
 from nanoinfer.models import get_model_class
 from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
 from nanoinfer.utils.loader import load_model
@@ -36,7 +37,7 @@ def copy_checkpoint(src, dst, edit_tensors=None, edit_config=None):
 
 def load(path):
     hf = AutoConfig.from_pretrained(path)
-    model = get_model_class(hf)(hf)
+    model = get_model_class(hf)(hf, ModelBuild())
     load_model(model, str(path))
     return model
 
@@ -150,11 +151,11 @@ def test_glob_characters_in_path(tiny_qwen3, tmp_path):
 
 def test_tp_shards_load_and_full_shapes_are_checked():
     full_q, full_kv = torch.randn(8, 6), torch.randn(4, 6)  # 4 query heads, 2 KV heads, head_dim 2
-    with tp_shard(1, 2):
-        qkv = QKVParallelLinear(6, 2, 4, 2)
-        gate_up = MergedColumnParallelLinear(6, [4, 4])
-        down = RowParallelLinear(4, 6, bias=True)
-        embed = VocabParallelEmbedding(10, 6)
+    build = ModelBuild(TensorParallel(1, 2))
+    qkv = QKVParallelLinear(6, 2, 4, 2, build=build, prefix="qkv_proj")
+    gate_up = MergedColumnParallelLinear(6, [4, 4], build=build, prefix="gate_up_proj")
+    down = RowParallelLinear(4, 6, bias=True, build=build, prefix="down_proj")
+    embed = VocabParallelEmbedding(10, 6, tp=build.tp)
     w = qkv.weight
     for shard, t in zip("qkv", (full_q, full_kv, 2 * full_kv)):
         w.weight_loader(w, t, shard)

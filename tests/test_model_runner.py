@@ -1,8 +1,10 @@
 import pytest
+import torch
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine.step_message import StepInput
-from nanoinfer.engine.model_runner import graph_batch_sizes
+from nanoinfer.engine.forward_inputs import prepare_inputs
+from nanoinfer.engine.graph_runner import graph_batch_sizes
 from nanoinfer.utils.context import Context, get_context
 
 
@@ -32,24 +34,29 @@ def test_slot_mapping_and_block_tables(tiny_qwen3):
     llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=64)
     try:
         runner = llm.model_runner
+
+        def prepare(step, prev_tokens=None):
+            return prepare_inputs(step, 16, runner.device, False, prev_tokens)
+
         table = [7, 2, 5]
         tokens = list(range(1, 41))
-        input_ids, positions = runner.prepare(StepInput([(16, tokens[16:36], table)], 0))  # positions 16..35
+        input_ids, positions = prepare(StepInput(0, [16], [20], tokens[16:36], [table]))  # positions 16..35
         ctx = get_context()
         assert ctx.is_prefill
         assert input_ids.tolist() == list(range(17, 37)) and positions.tolist() == list(range(16, 36))
         assert ctx.slot_mapping.tolist() == [2 * 16 + i for i in range(16)] + [5 * 16 + i for i in range(4)]
         assert ctx.cu_seqlens_q.tolist() == [0, 20] and ctx.context_lens.tolist() == [36]
         assert ctx.block_tables.tolist() == [[7, 2, 5]]
-        input_ids, positions = runner.prepare(StepInput([(39, [40], table)], 1))  # the last of 40 tokens
+        input_ids, positions = prepare(StepInput(1, [39], [1], [40], [table]))  # the last of 40 tokens
         ctx = get_context()
         assert not ctx.is_prefill
         assert input_ids.tolist() == [40] and positions.tolist() == [39]
         assert ctx.slot_mapping.tolist() == [5 * 16 + 7] and ctx.context_lens.tolist() == [40]
-        runner.prepare(StepInput([(40, 0, table)], 1))  # an in-flight token (row 0 of the step before): position 40
-        assert get_context().slot_mapping.tolist() == [5 * 16 + 8]
+        # an in-flight token (row 1 of the step before): position 40
+        input_ids, _ = prepare(StepInput(1, [40], [1], [0], [table], [0], [1]), torch.tensor([11, 41]))
+        assert get_context().slot_mapping.tolist() == [5 * 16 + 8] and input_ids.tolist() == [41]
         # mixed: two decode rows, then a 3-token chunk of a prompt in block 9
-        input_ids, positions = runner.prepare(StepInput([(39, [40], table), (3, [4], [1]), (0, [5, 6, 7], [9])], 2))
+        input_ids, positions = prepare(StepInput(2, [39, 3, 0], [1, 1, 3], [40, 4, 5, 6, 7], [table, [1], [9]]))
         ctx = get_context()
         assert ctx.is_prefill  # a mixed step: every row through the prefill path
         assert input_ids.tolist() == [40, 4, 5, 6, 7] and positions.tolist() == [39, 3, 0, 1, 2]

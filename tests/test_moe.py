@@ -14,7 +14,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from hf_reference import assert_greedy_matches_hf
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.layers.fused_moe import FusedMoE, fused_moe_torch, select_experts
-from nanoinfer.layers.linear import tp_shard
+from nanoinfer.layers.model_build import ModelBuild, TensorParallel
 from nanoinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 from nanoinfer.utils.tiny_moe import build_tiny_moe_checkpoint
 
@@ -68,8 +68,7 @@ def test_greedy_matches_hf(moe_checkpoint, shape):
 def test_sparse_and_dense_layers_follow_the_config(moe_checkpoint):
     """(layer + 1) % decoder_sparse_step == 0 and not in mlp_only_layers: only layer 1 of 4 here."""
     config = AutoConfig.from_pretrained(moe_checkpoint(**SHAPES["qwen3moe-sparse-step2-mlp-only"]))
-    with tp_shard(0, 1):
-        model = Qwen3MoeForCausalLM(config)
+    model = Qwen3MoeForCausalLM(config, ModelBuild())
     assert [isinstance(layer.mlp, FusedMoE) for layer in model.model.layers] == [False, True, False, False]
 
 
@@ -97,8 +96,8 @@ def load_block(hf_block, tp_rank=0, tp_size=1, renormalize=True):
     """Our FusedMoE with HF's block's weights, fed through the loaders one expert tensor at a time."""
     experts = hf_block.experts
     num_experts, two_i, hidden = experts.gate_up_proj.shape
-    with tp_shard(tp_rank, tp_size):
-        ours = FusedMoE(num_experts, hf_block.gate.top_k, hidden, two_i // 2, renormalize)
+    ours = FusedMoE(num_experts, hf_block.gate.top_k, hidden, two_i // 2, renormalize,
+                    build=ModelBuild(TensorParallel(tp_rank, tp_size)), prefix="mlp")
     ours.gate.weight.data.copy_(hf_block.gate.weight)
     gate_up, down = ours.experts.gate_up_proj.weight, ours.experts.down_proj.weight
     for e in range(num_experts):

@@ -4,8 +4,13 @@ import math
 import pytest
 import torch
 
-from nanoinfer.layers.sampler import Sampler, SamplingTensors, hashed_exponential
-from nanoinfer.layers.sampling_tensors import _seed_keys
+from nanoinfer.engine.step_message import TokenLogprobs
+from nanoinfer.sampling.draw import SAMPLE
+from nanoinfer.sampling.noise import hashed_exponential, seed_keys
+from nanoinfer.sampling.pipeline import PIPELINE, logprobs_to_host, sample_logits
+from nanoinfer.sampling.stage import Stage
+from nanoinfer.sampling.stages import ALLOWED_TOKENS, apply_penalties
+from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -27,8 +32,15 @@ class FakeSeq:
 
 
 def sample(logits, seqs, eos=EOS):
+    """The sampled token ids, as a list."""
+    return sample_with_logprobs(logits, seqs, eos)[0]
+
+
+def sample_with_logprobs(logits, seqs, eos=EOS, pipeline=PIPELINE):
+    """(token ids, per row its TokenLogprobs or None; None when no row asked)."""
     t = SamplingTensors.build(seqs, logits.shape[1], eos, CPU)
-    return Sampler()(logits, t)
+    tokens, lp = sample_logits(logits, t, pipeline)
+    return tokens.tolist(), None if lp is None else logprobs_to_host(t, len(seqs), lp)
 
 
 # ---- reference filters (written independently of the sampler, per row, in float64) -----------
@@ -141,7 +153,7 @@ def test_seeded_rows_ignore_batch_and_position(row):
         torch.manual_seed(pos)  # the global generator state does not matter either
         assert sample(batch_logits, seqs)[pos] == alone
     # different steps draw different noise
-    keys = torch.tensor([_seed_keys(42, s) for s in range(4)])
+    keys = torch.tensor([seed_keys(42, s) for s in range(4)])
     noise = hashed_exponential(keys, V)
     assert not torch.equal(noise[0], noise[1])
     assert torch.equal(noise, hashed_exponential(keys, V))
@@ -191,7 +203,7 @@ def test_penalties_match_direct_computation():
     logits = torch.randn(4, Vp) * 3
     t = SamplingTensors.build(seqs, Vp, EOS, CPU)
     got = logits.clone()
-    Sampler._apply_penalties(got, t)
+    apply_penalties(got, t)
     want = logits.clone()
     for i, (sp, p, o) in enumerate(zip(params, prompts, outputs)):
         for tok in set(p) | set(o):
@@ -224,19 +236,22 @@ def test_logprobs_are_raw_log_softmax():
     params = [SamplingParams(logprobs=3, temperature=0.8, repetition_penalty=1.3),
               SamplingParams(), SamplingParams(logprobs=0, temperature=0), SamplingParams(logprobs=5, top_k=2),
               SamplingParams(logprobs=1, seed=3)]
-    out = sample(logits, [FakeSeq(sp) for sp in params])
+    out, logprobs = sample_with_logprobs(logits, [FakeSeq(sp) for sp in params])
     lp = torch.log_softmax(logits, -1)
-    assert out.logprobs[1] is None
+    assert len(logprobs) == len(params) and logprobs[1] is None
     for i, sp in enumerate(params):
         if sp.logprobs is None:
             continue
-        top_ids, top_lps, sampled_lp, rank = out.logprobs[i]
+        assert isinstance(logprobs[i], TokenLogprobs)
+        top_ids, top_lps, sampled_lp, rank = (logprobs[i].top_ids, logprobs[i].top_logprobs, logprobs[i].logprob,
+                                              logprobs[i].rank)
         assert len(top_ids) == sp.logprobs
         want = lp[i].topk(sp.logprobs)
         assert top_ids == want.indices.tolist()
         torch.testing.assert_close(torch.tensor(top_lps), want.values)
         assert math.isclose(sampled_lp, lp[i, out[i]].item(), abs_tol=1e-6)
         assert rank == int((lp[i] > lp[i, out[i]]).sum()) + 1
+    assert sample_with_logprobs(logits, [FakeSeq(SamplingParams())] * 5)[1] is None  # no row asked
 
 
 def test_plain_fast_path_only_without_token_constraints():
@@ -301,12 +316,46 @@ def test_logits_processors_run_on_their_row_with_its_history():
     assert calls == [("two", [4, 8], (20,)), ("three", [1, 2], [5])]
 
 
+def test_pipeline_order_and_a_new_stage_plugs_in():
+    """The pipeline is one ordered list: a stage added to it (as a grammar bitmask would be, after
+    allowed_token_ids) runs in its place and only when it applies; an end placed before SAMPLE (as a
+    speculative verifier would be) picks the tokens of the steps it applies to."""
+    assert [s.name for s in PIPELINE] == ["logits_processors", "allowed_token_ids", "bad_words, min_tokens",
+                                          "logit_bias", "penalties", "sample"]
+    assert [s.end for s in PIPELINE] == [False] * 5 + [True]
+    torch.manual_seed(0)
+    logits = torch.randn(3, 30)
+    seen = []
+
+    def mask(x, t):  # only token 5 of row 1 and tokens 5, 6 of the others survive, after allowed_token_ids
+        seen.append(torch.isinf(x).sum().item())
+        x[1, :5] = x[1, 6:] = float("-inf")
+        x[[0, 2], :5] = x[[0, 2], 7:] = float("-inf")
+
+    grammar = Stage("grammar", lambda t: t.temperatures.shape[0] == 3, mask)
+    i = PIPELINE.index(ALLOWED_TOKENS) + 1
+    pipeline = PIPELINE[:i] + (grammar,) + PIPELINE[i:]
+    params = [SamplingParams(temperature=0), SamplingParams(seed=1),
+              SamplingParams(temperature=0, allowed_token_ids=[6])]
+    before = logits.clone()
+    out, _ = sample_with_logprobs(logits, [FakeSeq(sp) for sp in params], pipeline=pipeline)
+    assert torch.equal(logits, before)  # the caller's logits are left alone
+    assert out == [5 + int(logits[0, 6] > logits[0, 5]), 5, 6] and seen == [29]  # after allowed: 29 of row 2 -inf
+    assert sample_with_logprobs(logits[:2], [FakeSeq(sp) for sp in params[:2]], pipeline=pipeline)[0] == \
+        sample(logits[:2], [FakeSeq(sp) for sp in params[:2]])  # does not apply: as without it
+    verify = Stage("verify", lambda t: t.any_greedy, lambda x, t: torch.full((x.shape[0],), 4), end=True)
+    pipeline = PIPELINE[:-1] + (verify, SAMPLE)
+    assert sample_with_logprobs(logits, [FakeSeq(sp) for sp in params], pipeline=pipeline)[0] == [4, 4, 4]
+    assert sample_with_logprobs(logits[1:2], [FakeSeq(params[1])], pipeline=pipeline)[0] == \
+        sample(logits[1:2], [FakeSeq(params[1])])
+
+
 def _vocab_shard_rank(rank, port, results):
     """A rank of test_two_gpus_sample_their_vocabulary_shards: NCCL, its half of every row's logits."""
     import torch.distributed as dist
 
     from nanoinfer.kernels.sampling import sample_gumbel_argmax
-    from nanoinfer.layers.sampler import sample_vocab_shard
+    from nanoinfer.sampling.sampler import sample_vocab_shard
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=device)

@@ -1,5 +1,5 @@
 """The fused Triton sampling kernel (CPU: Triton interpreter, small shapes; GPU: real), and when the
-sampler uses it."""
+pipeline uses it."""
 import math
 
 import pytest
@@ -8,8 +8,9 @@ import triton
 import triton.language as tl
 
 from nanoinfer.kernels.sampling import _log_exponential, sample_gumbel_argmax
-from nanoinfer.layers import sampler as sampler_mod
-from nanoinfer.layers.sampler import Sampler, SamplingTensors
+from nanoinfer.sampling import pipeline as pipeline_mod
+from nanoinfer.sampling.pipeline import sample_logits
+from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.sampling_params import SamplingParams
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,7 +144,7 @@ def test_row_stride():
     assert out[0::2].tolist() == x[0::2].float().argmax(-1).tolist()
 
 
-# ---- when the sampler takes the fused path ------------------------------------------------------
+# ---- when the pipeline takes the fused path ------------------------------------------------------
 class FakeSeq:
     def __init__(self, sp, output=()):
         self.sampling_params = sp
@@ -180,32 +181,32 @@ def test_plain_batches_only(params, plain):
     assert build(params, output=[4, 5]).plain is plain
 
 
-def test_sampler_uses_the_kernel_on_cuda_only(monkeypatch):
+def test_pipeline_uses_the_kernel_on_cuda_only(monkeypatch):
     calls = []
 
     def spy(*args):
         calls.append(args)
         return sample_gumbel_argmax(*args)
 
-    monkeypatch.setattr(sampler_mod, "sample_gumbel_argmax", spy)
+    monkeypatch.setattr(pipeline_mod, "sample_gumbel_argmax", spy)
     torch.manual_seed(0)
     logits = torch.randn(4, 100)
     t = build([SamplingParams(temperature=0)] * 4)
-    assert Sampler().sample(logits, t)[0].tolist() == logits.argmax(-1).tolist()
+    assert sample_logits(logits, t)[0].tolist() == logits.argmax(-1).tolist()
     assert not calls  # CPU: the torch path, the reference, unchanged
     if DEV != "cuda":
         return
     seqs = [FakeSeq(SamplingParams(temperature=0 if i % 2 else 0.8)) for i in range(4)]
     plain = SamplingTensors.build(seqs, 100, (7,), torch.device(DEV))
-    tokens, lp = Sampler().sample(logits.to(DEV), plain)
+    tokens, lp = sample_logits(logits.to(DEV), plain)
     assert len(calls) == 1 and lp is None and tokens[1::2].tolist() == logits[1::2].argmax(-1).tolist()
     torch.manual_seed(5)  # the seed comes from the global CPU generator: reproducible
-    again = Sampler().sample(logits.to(DEV), plain)[0]
+    again = sample_logits(logits.to(DEV), plain)[0]
     torch.manual_seed(5)
-    assert torch.equal(again, Sampler().sample(logits.to(DEV), plain)[0])
+    assert torch.equal(again, sample_logits(logits.to(DEV), plain)[0])
     calls.clear()
     filtered = SamplingTensors.build([FakeSeq(SamplingParams(top_k=3))] * 4, 100, (7,), torch.device(DEV))
-    Sampler().sample(logits.to(DEV), filtered)
+    sample_logits(logits.to(DEV), filtered)
     assert not calls
 
 

@@ -33,7 +33,7 @@ def check_invariants(sched: Scheduler, batch):
     assert all(q == 1 for q in batch.query_lens[:batch.num_decode]), "decode rows come first"
     for seq, start, q in zip(batch.seqs, batch.starts, batch.query_lens):
         assert q >= 1, "zero-length row"
-        assert start + q <= seq.num_tokens and start + q <= seq.num_computed_tokens
+        assert start + q <= seq.num_tokens + seq.num_inflight and start + q <= seq.num_computed_tokens
         assert len(seq.block_table) * BS >= start + q, "the block table must cover the row"
     holders = {}
     for s in sched.running:

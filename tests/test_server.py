@@ -3,6 +3,7 @@ driven by the official openai client (and httpx for raw HTTP), checked against t
 import asyncio
 import json
 import os
+import pickle
 import re
 import signal
 import socket
@@ -565,13 +566,14 @@ def test_bad_engine_option_exits_with_the_error(tiny_qwen3, tmp_path):
 
 
 class _Pipe:
-    """An in-memory Connection end for driving EngineCore in this process."""
+    """An in-memory Connection end for driving EngineCore in this process; what it carries is
+    pickled, as by a real pipe."""
 
     def __init__(self):
         self.items = []
 
     def send(self, obj):
-        self.items.append(obj)
+        self.items.append(pickle.loads(pickle.dumps(obj)))
 
     def poll(self):
         return bool(self.items)
@@ -584,6 +586,7 @@ def test_engine_core_takes_each_steps_deltas_in_one_call(llm, monkeypatch):
     """The engine process asks the engine for a step's deltas once (not once per request), and
     each delta reaches its submission and prompt: the deltas concatenate to the final outputs."""
     from nanoinfer.serve.engine_process import EngineCore
+    from nanoinfer.serve.messages import Submit
 
     commands, events = _Pipe(), _Pipe()
     core = EngineCore(llm, commands, events)
@@ -592,7 +595,7 @@ def test_engine_core_takes_each_steps_deltas_in_one_call(llm, monkeypatch):
     monkeypatch.setattr(llm, "take_stream_deltas", lambda ids: calls.append(1) or take(ids))
     monkeypatch.setattr(llm, "stream_deltas", lambda *a: pytest.fail("one call per request"))
     sp = SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=12, ignore_eos=True, logprobs=1, stop=["e"])
-    commands.send([("add", 7, PROMPTS[:3], sp, True), ("add", 8, PROMPTS[3:], SamplingParams(max_tokens=5), True)])
+    commands.send([Submit(7, PROMPTS[:3], sp, True), Submit(8, PROMPTS[3:], SamplingParams(max_tokens=5), True)])
     steps = 0
     while not steps or core.requests:
         core._apply_commands()
@@ -601,13 +604,18 @@ def test_engine_core_takes_each_steps_deltas_in_one_call(llm, monkeypatch):
             steps += 1
         core._flush()
     assert len(calls) == steps
-    texts, ids, finals = {}, {}, {}
-    for _, added, deltas, outs in events.items:
-        assert all(error is None for _, error in added)
-        for sub_id, i, j, _, text, token_ids, *_ in deltas:
-            texts[sub_id, i, j] = texts.get((sub_id, i, j), "") + text
-            ids[sub_id, i, j] = ids.get((sub_id, i, j), []) + token_ids
-        finals.update({(sub_id, i): out for sub_id, i, out in outs})
+    prompt_of, texts, ids, finals = {}, {}, {}, {}  # prompt_of: request id -> (sub_id, prompt index)
+    for news in events.items:
+        for admission in news.admissions:
+            assert admission.error is None
+            prompt_of.update({rid: (admission.sub_id, i) for i, rid in enumerate(admission.request_ids)})
+        for d in news.deltas:
+            sub_id, i = prompt_of[d.request_id]
+            assert d.index == i
+            key = sub_id, i, d.completion_index
+            texts[key] = texts.get(key, "") + d.text
+            ids[key] = ids.get(key, []) + d.token_ids
+        finals.update({prompt_of[out.request_id]: out for out in news.finals})
     assert set(finals) == {(7, 0), (7, 1), (7, 2), (8, 0)}
     for (sub_id, i), out in finals.items():
         for c in out.outputs:

@@ -1,4 +1,4 @@
-"""encode_step: what every rank gets, and when the ranks sample their vocabulary shards."""
+"""StepEncoder: what every rank gets, and when the ranks sample their vocabulary shards."""
 import pickle
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.engine.step_message import encode_step
+from nanoinfer.engine.step_encoder import StepEncoder
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -26,15 +26,15 @@ def batch(params: list[SamplingParams]) -> ScheduledBatch:
 ])
 def test_plain_steps_sample_on_the_shards(params, plain):
     b = batch(params)
-    step, sample = encode_step(b, None, 100, b.eos_token_ids, torch.Generator().manual_seed(5), True)
+    step, sample = StepEncoder(100, b.eos_token_ids, torch.Generator().manual_seed(5), True).encode(b, None)
     if plain:
-        temps, seed = step.plain_sample
+        temps, seed = step.plain_sample.temperatures, step.plain_sample.seed
         assert temps == sample.plan.temperatures == [0.6 if sp.temperature else 0.0 for sp in params]
         assert seed == sample.plan.seed == int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(5)))
         assert pickle.loads(pickle.dumps(step)).plain_sample == step.plain_sample  # (sent to every rank)
     else:
         assert step.plain_sample is None
-    off, _ = encode_step(b, None, 100, b.eos_token_ids, torch.Generator().manual_seed(5), False)
+    off, _ = StepEncoder(100, b.eos_token_ids, torch.Generator().manual_seed(5), False).encode(b, None)
     assert off.plain_sample is None  # one rank, or CPU: rank 0 samples the full rows
 
 
@@ -46,5 +46,6 @@ def test_the_seeds_come_from_the_engines_generator():
     for _ in range(2):
         seeds = torch.Generator().manual_seed(11)
         torch.rand(5)  # the default generator moves on between runs
-        runs.append([encode_step(b, None, 100, b.eos_token_ids, seeds, True)[0].plain_sample[1] for _ in range(4)])
+        encoder = StepEncoder(100, b.eos_token_ids, seeds, True)
+        runs.append([encoder.encode(b, None)[0].plain_sample.seed for _ in range(4)])
     assert runs[0] == runs[1] and len(set(runs[0])) == 4

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine import llm_engine, tp_executor, worker_group
+from nanoinfer.engine import tp_executor, worker_group
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SMALL_POOL = dict(kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=8)  # one max-length sequence
@@ -172,12 +172,12 @@ def test_kv_head_replication_and_a_worker_raising_in_forward(kv1, monkeypatch):
         assert generate(llm, prompts) == expected
 
         def bad_block_tables(*args):  # the ranks' KV stores index out of their caches
-            step, sample = encode_step(*args)
-            step.rows = [(start, ids, [10**6] * len(table)) for start, ids, table in step.rows]
+            step, sample = encode(*args)
+            step.block_tables = [[10**6] * len(table) for table in step.block_tables]
             return step, sample
 
-        encode_step = llm_engine.encode_step
-        monkeypatch.setattr(llm_engine, "encode_step", bad_block_tables)
+        encode = llm.step_encoder.encode
+        monkeypatch.setattr(llm.step_encoder, "encode", bad_block_tables)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=r"(?s)rank 1: Traceback.*IndexError"):
             generate(llm, prompts)

@@ -22,8 +22,7 @@ STEPS = 50
 def rank_main(rank: int, args, path: str, port: int):
     from nanoinfer.config import Config
     from nanoinfer.engine.model_runner import ModelRunner
-    from nanoinfer.engine.step_message import SampleInput, StepInput
-    from nanoinfer.layers.sampling_tensors import SamplingPlan
+    from nanoinfer.engine.step_message import PlainSample, SampleInput, SamplingPlan, StepInput
     from nanoinfer.engine.tp_executor import NO_MULTICAST
     for name, value in NO_MULTICAST.items():
         os.environ.setdefault(name, value)
@@ -39,11 +38,11 @@ def rank_main(rank: int, args, path: str, port: int):
         tables.append(list(range(used, used + n)))
         used += n
     runner.allocate_kv_cache(used)
-    step = StepInput([(c, [5], t) for c, t in zip(contexts, tables)], args.batch)
+    step = StepInput(args.batch, contexts, [1] * args.batch, [5] * args.batch, tables)
     # sampled at temperature 0.6, as the engine samples such a step (tp > 1: on every rank's shard)
     plan = SamplingPlan([0.6] * args.batch, all_greedy=False, any_greedy=False, seed=1)
     if args.tp > 1:
-        step.plain_sample = (plan.temperatures, plan.seed)
+        step.plain_sample = PlainSample(plan.temperatures, plan.seed)
 
     def run(n):
         for _ in range(n):
@@ -67,9 +66,9 @@ def rank_main(rank: int, args, path: str, port: int):
 
 
 def main():
-    from bench import make_random_model_dir  # (run from the repository's root)
+    from nanoinfer.bench.random_model import make_random_model_dir
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="8b", help="a bench.py random model shape")
+    p.add_argument("--config", default="8b", help="a random model shape (nanoinfer.bench.random_model.SHAPES)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--every-rank", action="store_true", help="print every rank's table, not only rank 0's")

@@ -7,6 +7,11 @@
 Copy bandwidth: a large device-to-device copy (bytes read + written). Matmul: bf16 8192^3.
 Decode: bytes = K/V of every context token + q + out, over the median time (triton do_bench).
 Prefill: causal FLOPs 4 * S^2 / 2 * H * D per sequence; torch SDPA (flash) on contiguous tensors.
+
+Read the CUDA-graph timings (--graph-splits, --ragged): the engine replays decode from CUDA graphs.
+Eager small decode calls are partly launch-bound (the Python wrapper and two Triton launches take
+as long as the kernel), so their eager timings vary from run to run. Decode can read a little above
+the copy ceiling: its KV stream is read-only, while a copy is half writes.
 """
 import argparse
 import math

@@ -1,6 +1,7 @@
-"""Sampler micro-benchmark: 256 sequences x 151,936 vocabulary (Qwen3), plain temperature sampling
-versus every feature on (penalties over 1k-token histories, top-k, top-p, min-p, min_tokens, seeds,
-logprobs). Times the device work (SamplingTensors.build on the host is timed separately).
+"""Sampling micro-benchmark: the logits pipeline (sampling/pipeline.py) on 256 sequences x 151,936
+vocabulary (Qwen3), plain temperature sampling versus every feature on (penalties over 1k-token
+histories, top-k, top-p, min-p, min_tokens, seeds, logprobs). Times the device work
+(SamplingTensors.build on the host is timed separately).
 
     python3 -m nanoinfer.bench.sampler [--batch 256] [--vocab 151936] [--history 1024] [--device cuda|cpu]
 """
@@ -9,7 +10,8 @@ import time
 
 import torch
 
-from nanoinfer.layers.sampler import Sampler, SamplingTensors
+from nanoinfer.sampling.pipeline import logprobs_to_host, sample_logits
+from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -35,6 +37,12 @@ def timeit(fn, device, iters):
     if device.type == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) / iters * 1e3
+
+
+def to_host(logits, t):
+    """A whole step's sampling: the plan's tensors, the pipeline, its tokens and logprobs on the host."""
+    tokens, lp = sample_logits(logits, t)
+    return tokens.tolist(), None if lp is None else logprobs_to_host(t, tokens.shape[0], lp)
 
 
 def main():
@@ -66,15 +74,14 @@ def main():
                                                  seed=i, logprobs=5) if i % 2 else SamplingParams(temperature=0.8)
                                   for i in range(B)],
     }
-    sampler = Sampler()
-    print(f"sampler: {B} seqs x {V} vocab, {args.dtype} logits, {args.history}-token histories, on {device}")
+    print(f"sampling pipeline: {B} seqs x {V} vocab, {args.dtype} logits, {args.history}-token histories, on {device}")
     print(f"{'config':<24}{'device ms':>12}{'build ms':>12}{'total ms':>12}")
     for name, params in configs.items():
         seqs = [FakeSeq(sp, half, args.history - half, V, gen) for sp in params]
         t = SamplingTensors.build(seqs, V, eos, device)
-        device_ms = timeit(lambda: sampler.sample(logits, t), device, iters)
+        device_ms = timeit(lambda: sample_logits(logits, t), device, iters)
         build_ms = timeit(lambda: SamplingTensors.build(seqs, V, eos, device), device, iters)
-        total_ms = timeit(lambda: sampler(logits, SamplingTensors.build(seqs, V, eos, device)), device, iters)
+        total_ms = timeit(lambda: to_host(logits, SamplingTensors.build(seqs, V, eos, device)), device, iters)
         print(f"{name:<24}{device_ms:>12.3f}{build_ms:>12.3f}{total_ms:>12.3f}")
 
 

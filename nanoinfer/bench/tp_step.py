@@ -28,7 +28,7 @@ def decode_step_times(llm, batch: int, steps: int) -> tuple[list[float], int]:
         _, num_tokens = llm.step()
         if num_tokens < 0:  # decode
             times.append(time.perf_counter() - t)
-    step = StepInput([(99, [1], list(range(8)))] * batch, batch)  # a decode row at position 99
+    step = StepInput(batch, [99] * batch, [1] * batch, [1] * batch, [list(range(8))] * batch)  # decode rows at position 99
     msg_bytes = len(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
     return times, msg_bytes
 

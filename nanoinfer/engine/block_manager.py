@@ -66,7 +66,7 @@ class BlockManager:
         """(block_id, hash) of the leading blocks served by the cache. The block holding the last
         token is never served: a prefill must compute at least one token to produce logits."""
         hits, prev = [], None
-        for i in range((len(seq) - 1) // self.block_size):
+        for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)
             h = hash_block(token_ids, prev)
             block_id = self.hash_to_block.get(h)
@@ -115,7 +115,7 @@ class BlockManager:
     def append_slot(self, seq: Sequence) -> bool:
         """Make sure the block table covers the sequence's newest token (in-flight ones included).
         Returns False (and changes nothing) when that needs a block and none is free."""
-        if seq.num_tokens <= len(seq.block_table) * self.block_size:
+        if seq.num_tokens + seq.num_inflight <= len(seq.block_table) * self.block_size:
             return True
         if not self.num_free_blocks:
             return False

@@ -45,9 +45,9 @@ def decoder(tokenizer, skip_special_tokens: bool = True, spaces_between_special_
     """`decode` with the tokenizer and options bound, its checks made once: ids -> str.
 
     A fast tokenizer whose class keeps the stock decode is called through its Rust backend: with
-    clean-up off the stock decode returns exactly the backend's text, and skipping the wrapper cuts
-    a decode from ~4.5 to ~1.2 us. Streaming decodes twice per token, so the wrapper was a large
-    part of a step's host time."""
+    clean-up off the stock decode returns exactly the backend's text, and the wrapper costs several
+    times the decode itself. Streaming decodes twice per token, so the wrapper was a large part of
+    a step's host time."""
     n = len(tokenizer)
     cls = type(tokenizer)
     backend = getattr(tokenizer, "_tokenizer", None)

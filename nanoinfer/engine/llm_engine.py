@@ -2,37 +2,37 @@
 
     schedule step N+1  ->  launch it on the device  ->  process step N on the host
 
-Processing (append the sampled tokens, finish sequences, register full blocks in the prefix cache,
-detokenize, record logprobs) runs while the device computes step N+1. Without overlap
+Processing step N runs while the device computes step N+1, along one path: the scheduler appends
+the sampled tokens, registers full blocks in the prefix cache and finishes sequences on EOS, stop
+ids and length; the output processor records logprobs, detokenizes and returns the stop strings the
+new text completed; the engine finishes those sequences through the scheduler. Without overlap
 (`async_scheduling=False`) the same path processes the step it just launched. The runner is a
 ModelRunner in this process (one rank) or a TensorParallelExecutor driving worker processes; both
-take the step as encoded by engine/step_message.py.
+take the step as encoded by engine/step_encoder.py.
 
-Requests live in one registry, `requests` (request id -> Request). Only `abort_request` and
-`exit` may be called from another thread: the abort is applied between steps, and exit waits for
-the running step to end.
+Requests enter through the InputProcessor (engine/input_processor.py) and live in one registry,
+`requests` (request id -> Request). Only `abort_request` and `exit` may be called from another
+thread: the abort is applied between steps, and exit waits for the running step to end.
 """
 import atexit
 import logging
-import pickle
-import signal
 import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from copy import copy
 from dataclasses import dataclass
-from numbers import Integral
 
 import torch
 
 from nanoinfer.config import Config
-from nanoinfer.engine.detokenizer import encode
+from nanoinfer.engine.input_processor import InputProcessor
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor, Request
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
-from nanoinfer.engine.step_message import encode_step, sampled_rows
+from nanoinfer.engine.sigint import sigint_deferred
+from nanoinfer.engine.step_encoder import StepEncoder, sampled_rows
+from nanoinfer.engine.step_record import StepRecord
 from nanoinfer.engine.tp_executor import TensorParallelExecutor
 from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.sampling_params import SamplingParams
@@ -65,6 +65,10 @@ class LLMEngine:
                 "sequence; raise num_kvcache_blocks / gpu_memory_utilization or lower max_model_len")
         self.model_runner.allocate_kv_cache(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids, config.enable_prefix_caching)
+        self.step_encoder = StepEncoder(self.vocab_size, eos_token_ids, self._seeds,
+                                        config.tensor_parallel_size > 1 and config.device == "cuda")
+        self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size,
+                                              num_blocks * config.kvcache_block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[int, Request] = {}
         self.overlap = config.async_scheduling
@@ -78,130 +82,22 @@ class LLMEngine:
         atexit.register(self.exit)
 
     # ---- requests -------------------------------------------------------------------------------
-    def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict."""
-        text = prompt if isinstance(prompt, str) else None
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown or not prompt:
-                raise ValueError(f"a prompt dict takes 'prompt' and/or 'prompt_token_ids', got keys {sorted(prompt)}")
-            text = prompt.get("prompt")
-            if text is not None and not isinstance(text, str):
-                raise TypeError(f"a prompt dict's 'prompt' must be a str, got {type(text).__name__}")
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-                if not isinstance(prompt, (list, tuple)):
-                    raise TypeError(f"a prompt dict's 'prompt_token_ids' must be a list of ints, "
-                                    f"got {type(prompt).__name__}")
-            else:
-                prompt = text
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is an empty string")
-            token_ids = encode(self.tokenizer, prompt)  # a lone surrogate: ValueError
-        elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
-                raise TypeError("a token-id prompt must be a list of ints")
-            token_ids = [int(t) for t in prompt]  # numpy / torch integers too
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        else:
-            raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt is empty (no tokens)")
-        return text, token_ids
-
-    def make_request(self, prompt, sampling_params: SamplingParams | None,
-                     max_tokens_must_fit: bool = False) -> tuple[list[Sequence], str | None]:
-        """Validate one request and build its n sequences (one per sample) without queueing them.
-        With a seed, sample i uses seed + i (as vLLM does), so the samples differ.
-        max_tokens_must_fit: prompt + max_tokens over max_model_len is an error (vLLM's OpenAI
-        server) instead of stopping at max_model_len (its offline LLM)."""
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        text, token_ids = self._prompt_tokens(prompt)
-        sp = sampling_params
-        max_len = self.config.max_model_len
-        self._check_token_ids(sp)
-        if sp.logits_processors and self.config.tensor_parallel_size > 1:
-            try:  # they run in rank 0's worker process, sent with each step
-                pickle.dumps(sp.logits_processors)
-            except Exception as e:
-                raise ValueError("logits_processors must be picklable with tensor_parallel_size > 1 (they run in "
-                                 f"the sampling worker process; define them at module level): {e}") from None
-            # (a fresh copy each step: state a processor keeps between calls is not kept there)
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(sp, name) is not None and getattr(sp, name) > self.vocab_size:
-                raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, "
-                                 f"got {getattr(sp, name)}")
-        if sp.truncate_prompt_tokens is not None:  # keep the last k prompt tokens (vLLM)
-            keep = max_len if sp.truncate_prompt_tokens == -1 else sp.truncate_prompt_tokens
-            if keep > max_len:
-                raise ValueError(f"truncate_prompt_tokens must be at most max_model_len={max_len}, "
-                                 f"got {sp.truncate_prompt_tokens}")
-            token_ids = token_ids[-keep:]
-        # as vLLM's offline LLM: the prompt must leave room for one token; generation stops at
-        # max_model_len (finish_reason "length") whatever max_tokens says
-        if len(token_ids) >= max_len:
-            raise ValueError(f"prompt length {len(token_ids)} plus at least 1 output token exceeds "
-                             f"max_model_len={max_len}: the prompt must be at most {max_len - 1} tokens")
-        if max_tokens_must_fit and sp.max_tokens is not None and len(token_ids) + sp.max_tokens > max_len:
-            raise ValueError(f"prompt length {len(token_ids)} + max_tokens {sp.max_tokens} = "
-                             f"{len(token_ids) + sp.max_tokens} exceeds max_model_len={max_len}")
-        total = max_len if sp.max_tokens is None else min(len(token_ids) + sp.max_tokens, max_len)
-        capacity = self.scheduler.block_manager.num_blocks * self.config.kvcache_block_size
-        if total > capacity:
-            raise ValueError(f"prompt length + max_tokens = {total} tokens cannot fit the whole KV cache "
-                             f"({capacity} tokens)")
-        if sp.bad_words:
-            sp = sp.with_bad_words_token_ids(self.tokenizer)
-            bad = [t for word in sp.bad_words_token_ids for t in word if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"bad_words encode to token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        bs = self.config.kvcache_block_size
-        first = Sequence(token_ids, sp, bs)
-        seqs = [first]
-        for i in range(1, sp.n):
-            child = sp
-            if sp.seed is not None:
-                child = copy(sp)  # (not dataclasses.replace: that drops the encoded bad words)
-                child.seed = sp.seed + i
-            seqs.append(Sequence(token_ids, child, bs, request_id=first.seq_id, index=i))
-        return seqs, text
-
-    def _check_token_ids(self, sp: SamplingParams):
-        """Token ids in the sampling params must be in the model's vocabulary."""
-        for name, ids in (("stop_token_ids", sp.stop_token_ids), ("allowed_token_ids", sp.allowed_token_ids),
-                          ("logit_bias", sp.logit_bias)):
-            bad = [t for t in ids or () if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
-
     def add_requests(self, prompts: list, sampling_params: list, *, stream: bool = False,
                      keep_output: bool = False, max_tokens_must_fit: bool = False) -> list[int]:
         """Validate every request, then queue them all (a bad one queues none; the error names its
         index). Returns the request ids. stream: detokenize every step (for stream_deltas).
         keep_output: the request stays in the engine until pop_output(); step() does not report it.
-        max_tokens_must_fit: see make_request (for the server)."""
+        max_tokens_must_fit: see InputProcessor.process (for the server)."""
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
-        made = []
-        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params, strict=True)):
-            try:
-                made.append(self.make_request(prompt, sp, max_tokens_must_fit))
-            except (ValueError, TypeError) as e:
-                if len(prompts) == 1:
-                    raise
-                raise type(e)(f"prompts[{i}]: {e}") from e
+        prepared = self.input_processor.process_all(prompts, sampling_params, max_tokens_must_fit)
         rids = []
         with self._locked():  # an abort from another thread reads the registry meanwhile
             if self._exited:  # exit() ran on another thread meanwhile
                 raise RuntimeError("this engine has exited; create a new LLM")
-            for i, (seqs, text) in enumerate(made):
-                req = self.output_processor.new_request(seqs, text, keep_output, stream, i)
+            for i, request in enumerate(prepared):
+                seqs = request.seqs
+                req = self.output_processor.new_request(seqs, request.prompt, keep_output, stream, i)
                 self.requests[req.request_id] = req
                 self.scheduler.add(seqs[0])
                 for seq in seqs[1:]:
@@ -287,7 +183,7 @@ class LLMEngine:
         aborted) in it, and the number of tokens the launched step computes (see step())."""
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
-        with self._locked(), _sigint_deferred():
+        with self._locked(), sigint_deferred():
             if self._exited:  # exit() ran on another thread while this one waited
                 raise RuntimeError("this engine has exited; create a new LLM")
             return self._advance()
@@ -348,26 +244,26 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch) -> "Launched":
         prev = self.inflight
-        step, sample = encode_step(batch, prev.rows if prev else None, self.vocab_size, batch.eos_token_ids,
-                                   self._seeds, self.config.tensor_parallel_size > 1 and self.config.device == "cuda")
+        step, sample = self.step_encoder.encode(batch, prev.rows if prev else None)
         handle = self.model_runner.launch(step, sample, prev.handle if prev else None)
         return Launched(batch, sampled_rows(batch), handle)
 
     def _process(self, launched: "Launched"):
+        """The one path of a step's tokens: the scheduler appends them and decides EOS, stop ids and
+        length; the output processor records them and returns stop-string hits; those finish here."""
         result = self.model_runner.collect(launched.handle)
-        tokens, logprobs = result.tokens, result.logprobs
         now = time.time()
-        requests, on_token = self.requests, self.output_processor.on_token
-        for row, start, entries in result.prompt_logprobs or ():
-            seq = launched.batch.seqs[row]
-            if not seq.is_finished:  # (an aborted request may be gone from the registry)
-                self.output_processor.on_prompt_logprobs(requests[seq.request_id], start, entries)
-
-        def record(seq, row, stopped_by_token, final):
-            return on_token(requests[seq.request_id], seq, logprobs[row] if logprobs else None,
-                            stopped_by_token, final, now)
-
-        self._finished(self.scheduler.update(launched.batch, tokens, record), now)
+        seqs = launched.batch.seqs
+        if result.prompt_logprobs:
+            self.output_processor.record_prompt_logprobs(seqs, result.prompt_logprobs, self.requests)
+        update = self.scheduler.update(launched.batch, result.tokens)
+        stops = self.output_processor.record_tokens(seqs, update.appended, result.logprobs, self.requests, now)
+        finished = update.finished
+        if stops:
+            for seq, stop in stops:
+                self.scheduler.finish(seq, "stop", stop)
+            finished = [seqs[row] for row in update.appended if seqs[row].is_finished]  # row order, as update's
+        self._finished(finished, now)
 
     def _finished(self, seqs: list[Sequence], now: float):
         """Record finished sequences; report their requests once every sample is done."""
@@ -417,31 +313,6 @@ class LLMEngine:
         atexit.unregister(self.exit)
 
 
-@contextmanager
-def _sigint_deferred():
-    """Ctrl-C during a step is raised when the step ends, so that it never lands between two
-    changes of the engine's state (a sequence out of every queue, half its blocks freed). A second
-    Ctrl-C raises at once."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    caught = []
-
-    def handler(*_):
-        if caught:  # a second Ctrl-C: the step may be stuck, raise now
-            raise KeyboardInterrupt
-        caught.append(True)
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
-
-
 @dataclass(slots=True)
 class Launched:
     """A step launched and not processed yet: its batch, its sampling rows (seq_id -> row), and the
@@ -450,19 +321,3 @@ class Launched:
     rows: dict[int, int]
     handle: object  # the runner's: an InFlight (one rank) or a step id (tensor parallel)
 
-
-@dataclass(slots=True)
-class StepRecord:
-    """One step, for benchmarks: its rows as (query_len, context_len), the number of decode rows,
-    and perf_counter times: start, scheduled, launched, and the end of the host's processing."""
-    rows: list[tuple[int, int]]
-    num_decode: int
-    start: float
-    scheduled: float
-    launched: float
-    end: float
-
-    @classmethod
-    def of(cls, batch, t0: float, t1: float, t2: float, t3: float) -> "StepRecord":
-        return cls([(q, start + q) for start, q in zip(batch.starts, batch.query_lens)], batch.num_decode,
-                   t0, t1, t2, t3)

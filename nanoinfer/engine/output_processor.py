@@ -1,16 +1,18 @@
 """A request's output state and the user-facing outputs built from it.
 
 A request is one prompt with its n sequences (`n > 1`); its id is its first sequence's id. The engine
-keeps the one registry of requests (`LLMEngine.requests`); this module records, per appended token,
-logprobs and timings and, where text is needed while running (stop strings or streaming),
-detokenizes incrementally and reports a completed stop string to the scheduler (through
-`Scheduler.update`'s callback), which alone decides that a sequence finishes. Requests that need no
+keeps the one registry of requests (`LLMEngine.requests`). Once the scheduler has appended a step's
+tokens and decided EOS, stop ids and length, `record_tokens` records each new token's logprobs and
+timings and, where text is needed while running (stop strings or streaming), detokenizes
+incrementally; it returns the stop strings the new text completed, which the engine applies with
+`Scheduler.finish` (the scheduler alone decides that a sequence finishes). Requests that need no
 text while running are decoded once when their output is built.
 """
 import time
 
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer, completion_text, decoder
 from nanoinfer.engine.sequence import Sequence
+from nanoinfer.engine.step_message import PromptLogprobs, TokenLogprobs
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 
 
@@ -42,7 +44,7 @@ class Request:
         self.arrival_time = time.time()
         self.keep_output = keep_output  # kept after finishing until pop_output; step() does not report it
         self.completions = [Completion(seq, d) for seq, d in zip(seqs, detoks)]
-        # prompt_logprobs: entry p (p >= 1) is (logprob, rank, top ids, top logprobs) of prompt token p
+        # prompt_logprobs: entry p (p >= 1) is the TokenLogprobs of prompt token p
         wants = seqs[0].sampling_params.prompt_logprobs is not None
         self.prompt_logprobs = [None] * len(self.prompt_token_ids) if wants else None
 
@@ -70,29 +72,46 @@ class OutputProcessor:
         self.news.pop(req.request_id, None)
 
     @staticmethod
-    def on_prompt_logprobs(req: Request, start: int, entries: list):
-        """Record the prompt logprobs a prefill row computed: entries[i] is from position start + i,
-        for prompt token start + i + 1 (a re-prefill after preemption writes the same values)."""
-        req.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries
+    def record_prompt_logprobs(seqs: list[Sequence], segments: list[PromptLogprobs], requests: dict):
+        """Record the prompt logprobs a step's prefill rows (rows of `seqs`) computed; a re-prefill
+        after preemption writes the same values. Before the step's tokens are appended: a sequence
+        finished by then was aborted, and its request may be gone from `requests`."""
+        for seg in segments:  # entries[i] is from position start + i, for prompt token start + i + 1
+            seq = seqs[seg.row]
+            if not seq.is_finished:
+                first = seg.start + 1
+                requests[seq.request_id].prompt_logprobs[first:first + len(seg.entries)] = seg.entries
 
-    def on_token(self, req: Request, seq: Sequence, logprobs, stopped_by_token: bool, final: bool,
-                 now: float) -> str | None:
-        """Record the token just appended to `seq`; returns the stop string its text completed."""
-        if req.stream:
-            self.news[req.request_id] = req
-        c = req.completions[seq.index]
-        if c.first_token_time is None:
-            c.first_token_time = now
-            c.num_cached_tokens = seq.num_cached_tokens
-        if c.logprobs is not None and logprobs is not None:
-            c.logprobs.append(logprobs)
-            c.cumulative_logprob += logprobs[2]
-        if c.detok is None:
-            return None
-        sp = seq.sampling_params
-        keep = not stopped_by_token or sp.include_stop_str_in_output
-        return c.detok.add(seq.token_ids[-1] if keep else None, check_stop=seq.num_completion_tokens >= sp.min_tokens,
-                           final=final)
+    def record_tokens(self, seqs: list[Sequence], rows: list[int], logprobs: list[TokenLogprobs | None] | None,
+                      requests: dict, now: float) -> list[tuple[Sequence, str]]:
+        """Record the tokens the scheduler just appended to the sequences of `rows` (rows of `seqs`,
+        and of the step's `logprobs`), after it decided EOS, stop ids and length. Returns the
+        (sequence, stop string) pairs whose new text completed a stop string, for the engine to
+        finish; none for a sequence already stopped by a token (EOS and stop ids win)."""
+        news, stops = self.news, []
+        for row in rows:
+            seq = seqs[row]
+            req = requests[seq.request_id]
+            if req.stream:
+                news[req.request_id] = req
+            c = req.completions[seq.index]
+            if c.first_token_time is None:
+                c.first_token_time = now
+                c.num_cached_tokens = seq.num_cached_tokens
+            if c.logprobs is not None and logprobs is not None:
+                lp = logprobs[row]
+                c.logprobs.append(lp)
+                c.cumulative_logprob += lp.logprob
+            if c.detok is None:
+                continue
+            sp = seq.sampling_params
+            stopped_by_token = seq.finish_reason == "stop"  # (stop strings are applied after this)
+            keep = not stopped_by_token or sp.include_stop_str_in_output
+            stop = c.detok.add(seq.token_ids[-1] if keep else None,
+                               check_stop=seq.num_completion_tokens >= sp.min_tokens, final=seq.is_finished)
+            if stop is not None and not stopped_by_token:
+                stops.append((seq, stop))
+        return stops
 
     def mark_finished(self, req: Request, seq: Sequence, now: float):
         if req.stream:
@@ -115,16 +134,16 @@ class OutputProcessor:
                                sp.spaces_between_special_tokens)
 
     def _logprob_dicts(self, records, detokenize: bool = True) -> list[dict[int, Logprob]]:
-        """records: (token, (top ids, top logprobs, token's logprob, its rank)) per position."""
+        """records: (token, its TokenLogprobs) per position."""
         decode = decoder(self.tokenizer, False) if detokenize else None
 
         def text(t):
             return decode([t]) if decode is not None else None
 
         out = []
-        for token, (top_ids, top_lps, lp, rank) in records:
-            d = {token: Logprob(lp, rank, text(token))}
-            for r, (tid, tlp) in enumerate(zip(top_ids, top_lps), start=1):
+        for token, lp in records:
+            d = {token: Logprob(lp.logprob, lp.rank, text(token))}
+            for r, (tid, tlp) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
                 if tid not in d:
                     d[tid] = Logprob(tlp, r, text(tid))
             out.append(d)
@@ -136,7 +155,7 @@ class OutputProcessor:
         if req.prompt_logprobs is None:
             return None
         detok = req.seqs[0].sampling_params.detokenize
-        return [None if e is None else self._logprob_dicts([(tok, (e[2], e[3], e[0], e[1]))], detok)[0]
+        return [None if e is None else self._logprob_dicts([(tok, e)], detok)[0]
                 for tok, e in zip(req.prompt_token_ids, req.prompt_logprobs)]
 
     def completion_output(self, c: Completion) -> CompletionOutput:

@@ -4,8 +4,9 @@ token first, then prefill chunks (of partly prefilled sequences, then of new one
 preempted (their KV freed; they recompute later).
 
 The scheduler also owns the finish decision: `update` appends a finished step's sampled tokens and
-stops sequences on EOS, stop token ids, stop strings (reported by the detokenizer through a
-callback) and length limits; `finish` is the one place that records `finish_reason`.
+stops sequences on EOS, stop token ids and length limits; the engine then applies the stop strings
+the output processor found in the new text, through `finish`, the one place that records
+`finish_reason`.
 
 Steps may overlap: step N+1 is scheduled before step N's tokens reach the host. Progress
 (`num_computed_tokens`, `num_inflight`) is therefore advanced when a step is scheduled, and tokens
@@ -16,7 +17,6 @@ words of several tokens: SamplingParams.needs_host_tokens) is not scheduled whil
 flight, so it runs every other step while the rest of the batch overlaps.
 """
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanoinfer.config import Config
@@ -43,6 +43,14 @@ class ScheduledBatch:
         """What step() reports: minus the rows of a pure decode step (nano-vllm's convention), else
         every token the step computes (prefill chunks plus decode rows)."""
         return -self.num_decode if self.is_decode_only else sum(self.query_lens)
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What processing a step changed: the rows whose sampled token was appended (row order), and
+    the sequences that finished on it (EOS, a stop token id, a length limit), in row order too."""
+    appended: list[int]
+    finished: list[Sequence]
 
 
 class Scheduler:
@@ -88,7 +96,7 @@ class Scheduler:
             seq = self.running[i]
             i += 1
             sp = seq.sampling_params
-            if seq.num_computed_tokens < seq.num_tokens - 1 or self._reaches_limit(seq) or \
+            if seq.num_computed_tokens < seq.num_tokens + seq.num_inflight - 1 or self._reaches_limit(seq) or \
                     (seq.num_inflight and sp.has_token_constraints and sp.needs_host_tokens):
                 continue  # mid-prefill (step 2), its in-flight token ends it, or the host must see that token
             while not self.block_manager.append_slot(seq):
@@ -105,8 +113,8 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.num_computed_tokens < len(seq) - 1:  # (a decode row just scheduled is at num_tokens - 1)
-                budget -= self._add_row(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
+            if seq.num_computed_tokens < seq.num_tokens - 1:  # (from num_tokens - 1 on, a sequence decodes: step 1)
+                budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_inflight or not self._allocate(seq):
@@ -114,7 +122,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            budget -= self._add_row(batch, seq, min(len(seq) - seq.num_computed_tokens, budget))
+            budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
         return batch if batch.seqs else None
 
     def _allocate(self, seq: Sequence) -> bool:
@@ -136,13 +144,13 @@ class Scheduler:
             return False
         sp = seq.sampling_params
         return (sp.max_tokens is not None and seq.num_completion_tokens + seq.num_inflight >= sp.max_tokens) \
-            or seq.num_tokens >= self.max_model_len
+            or seq.num_tokens + seq.num_inflight >= self.max_model_len
 
     @staticmethod
     def _add_row(batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> int:
         start = seq.num_computed_tokens
         seq.num_computed_tokens += num_tokens
-        samples = seq.num_computed_tokens == seq.num_tokens
+        samples = seq.num_computed_tokens == seq.num_tokens + seq.num_inflight
         if samples:
             seq.num_inflight += 1
         batch.seqs.append(seq)
@@ -161,13 +169,12 @@ class Scheduler:
         self.block_manager.free(seq)
 
     # ---- processing a finished step -------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, token_ids: list[int],
-               on_token: Callable[[Sequence, int, bool, bool], str | None] | None = None) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, token_ids: list[int]) -> StepUpdate:
         """Record what a finished step computed: register its full blocks in the prefix cache,
-        append the sampled tokens, and finish sequences. `on_token(seq, row, stopped_by_token,
-        final)` is called for each appended token (logprobs, detokenization); it returns a stop
-        string the new text completed, or None. Returns the sequences finished."""
-        finished = []
+        append the sampled tokens, release the samples held for a first token's prompt, and finish
+        sequences on EOS, stop token ids and length limits (stop strings are the engine's to apply
+        next: a stop string the same token completed still wins over a length limit, see finish)."""
+        appended, finished = [], []
         for row, (seq, token_id) in enumerate(zip(batch.seqs, token_ids)):
             samples = batch.samples[row]  # False: a prompt chunk short of its end samples nothing
             seq.num_inflight -= samples
@@ -178,22 +185,19 @@ class Scheduler:
             if not samples:
                 continue
             seq.append_token(token_id)
+            appended.append(row)
             if self.held and seq.num_completion_tokens == 1:
                 self._release_held(seq)
             reason, stop_reason = self._stop_by_token(seq, token_id)
-            sp = seq.sampling_params
-            at_limit = (sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens) \
-                or len(seq) >= self.max_model_len
-            if on_token is not None:
-                stop_string = on_token(seq, row, reason is not None, reason is not None or at_limit)
-                if stop_string is not None and reason is None:
-                    reason, stop_reason = "stop", stop_string
-            if reason is None and at_limit:
-                reason = "length"
+            if reason is None:
+                sp = seq.sampling_params
+                if (sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens) \
+                        or seq.num_tokens >= self.max_model_len:
+                    reason = "length"
             if reason is not None:
                 self.finish(seq, reason, stop_reason)
                 finished.append(seq)
-        return finished
+        return StepUpdate(appended, finished)
 
     def _stop_by_token(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
         sp = seq.sampling_params
@@ -207,8 +211,12 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         """End a sequence wherever it is (running, waiting, held) and free its blocks. The one place
-        that decides `finish_reason` ("stop", "length" or "abort")."""
+        that decides `finish_reason` ("stop", "length" or "abort"). A stop string completed by the
+        token that also reached a length limit wins (as in vLLM): finishing with "stop" a sequence
+        that `update` just finished by length gives it that reason."""
         if seq.is_finished:
+            if reason == "stop" and seq.finish_reason == "length":
+                seq.finish_reason, seq.stop_reason = reason, stop_reason
             return
         if self.held:
             self._release_held(seq)  # its held samples go on without it

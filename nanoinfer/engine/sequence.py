@@ -1,9 +1,10 @@
 """One sequence (one of a request's n samples): its token ids, progress through the KV cache, and
 block table.
 
-With overlapped steps the device may have sampled tokens the host has not seen yet: `num_inflight`
-counts them. The scheduler plans with `num_tokens` (host tokens + in-flight ones); the tokens
-themselves are appended when their step is processed.
+One length: `num_tokens`, the tokens on the host (prompt + appended completion tokens). With
+overlapped steps the device may also have sampled tokens the host has not seen yet: `num_inflight`
+counts them, and they are appended when their step is processed. Planning a step (the scheduler,
+the block manager) counts both and says so: `seq.num_tokens + seq.num_inflight`.
 """
 from copy import copy
 from enum import Enum, auto
@@ -39,13 +40,10 @@ class Sequence:
         self.finish_reason: str | None = None   # "stop" | "length" | "abort", set by the scheduler only
         self.stop_reason: int | str | None = None
 
-    def __len__(self):
-        return len(self.token_ids)
-
     @property
     def num_tokens(self) -> int:
-        """Length counting the tokens still in flight."""
-        return len(self.token_ids) + self.num_inflight
+        """Tokens on the host: the prompt and the completion tokens appended so far."""
+        return len(self.token_ids)
 
     @property
     def is_finished(self):

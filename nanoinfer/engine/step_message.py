@@ -1,90 +1,139 @@
-"""The one encoding of a step, built by the engine from the scheduled batch. Runners never see a
-Sequence: every rank gets the StepInput; the rank that samples (rank 0) also gets the SampleInput;
-it answers with a StepResult. In-process (one rank) they are passed as they are; with tensor
-parallelism they are pickled to the worker processes, so they hold only plain data."""
-from dataclasses import dataclass
+"""The step message: what the engine sends a runner for one step, and what comes back.
 
-import torch
+A leaf: plain, typed dataclasses that import nothing from the engine, the layers or torch, so a
+tensor-parallel worker loads them without the scheduler, and they pickle cheaply. Rows are held
+column by column (lists of ints), not as an object per row, because the step is rebuilt, and with
+tensor parallelism pickled, every step. engine/step_encoder.py builds them from scheduled sequences.
 
-from nanoinfer.engine.scheduler import ScheduledBatch
-from nanoinfer.layers.sampling_tensors import SamplingPlan
+Every rank gets the StepInput; the rank that samples (rank 0) also gets the SampleInput, and it
+answers with a StepResult.
+"""
+from array import array
+from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
+class PlainSample:
+    """Every rank samples its shard of the vocabulary (tensor parallelism on CUDA, rows that use
+    temperature alone): the rows' temperatures and the step's noise seed."""
+    temperatures: list[float]
+    seed: int
+
+
+@dataclass(slots=True)
 class StepInput:
-    """What every rank needs. Row: (start position, the token ids to compute, block table). A
-    decode row whose input token the step still in flight sampled carries, instead of ids, the row
-    of that step which sampled it: every rank reads the token from that step's device tensor."""
-    rows: list[tuple[int, list[int] | int, list[int]]]
-    num_decode: int                         # leading rows with one query token
+    """What every rank needs. Decode rows (one query token each) come first, then prompt chunks.
+
+    `input_ids` is flat: every row's query tokens in row order. A decode row whose input token was
+    sampled by the step still in flight holds 0 there and is listed in `inflight_rows` (its flat
+    index is its row), with the row of that step which sampled it in `inflight_sources`: every
+    rank reads the token from that step's device tensor."""
+    num_decode: int
+    starts: list[int]              # per row: the first position it computes
+    query_lens: list[int]          # per row: how many tokens it computes
+    input_ids: list[int]           # flat, sum(query_lens) entries
+    block_tables: list[list[int]]  # per row: its sequence's blocks
+    inflight_rows: list[int] = field(default_factory=list)
+    inflight_sources: list[int] = field(default_factory=list)
     prompt_logit_rows: list[int] | None = None  # flat token rows whose logits are also computed (prompt_logprobs)
-    # (temperatures, seed) when every rank samples its shard of the vocabulary (tensor parallelism
-    # on CUDA, rows that use temperature alone: layers/sampler.py, sample_vocab_shard)
-    plain_sample: tuple[list[float], int] | None = None
+    plain_sample: PlainSample | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.starts)
 
     @property
     def is_decode_only(self) -> bool:
-        return self.num_decode == len(self.rows)
+        return self.num_decode == len(self.starts)
 
 
-@dataclass
+@dataclass(slots=True)
+class SamplingPlan:
+    """A step's sampling options as plain lists, one entry per row (or per row that uses the
+    option): built on the engine's side (nanoinfer/sampling/plan.py), turned into device tensors
+    by the rank that samples (nanoinfer/sampling/tensors.py)."""
+    temperatures: list[float]
+    all_greedy: bool
+    any_greedy: bool
+    top_k: list[int] | None = None
+    max_top_k: int = 0
+    top_p: list[float] | None = None
+    min_p: list[float] | None = None
+    seeded_rows: list[int] | None = None
+    seed_keys: list[list[int]] | None = None
+    pen_rows: list[int] | None = None          # None: every row
+    pen_tokens: array | None = None            # [P, L] int64 ('q'), row-major, padded with -1
+    pen_late: list[tuple[int, int, int]] | None = None  # (pen row, column, previous step's row)
+    pen_prompt_lens: list[int] | None = None
+    presence: list[float] | None = None
+    frequency: list[float] | None = None
+    repetition: list[float] | None = None
+    suppress_rows: list[int] | None = None
+    suppress_tokens: list[int] | None = None
+    lp_rows: list[int] | None = None           # None: every row (when lp_counts is set)
+    lp_counts: list[int] | None = None
+    lp_max: int | None = None
+    allowed: list | None = None                # (row, allowed token ids)
+    bias: list | None = None                   # (row, {token: bias})
+    processors: list | None = None             # (row, callables, prompt ids, output ids)
+    seed: int | None = None                    # plain plans: the fused kernel's noise seed, in [0, 2^31)
+
+    @property
+    def plain(self) -> bool:
+        """Only temperature / greedy rows: what the fused kernel does on its own (kernels/sampling.py)."""
+        return (self.top_k is None and self.top_p is None and self.min_p is None and self.pen_tokens is None
+                and not self.suppress_rows and not self.seeded_rows and self.lp_counts is None
+                and not self.allowed and not self.bias and not self.processors)
+
+
+@dataclass(slots=True)
+class PromptSegment:
+    """A prefill row's prompt positions whose logprobs the step computes: `count` positions from
+    `start`, each with its `top_k` most likely tokens."""
+    row: int
+    start: int
+    count: int
+    top_k: int
+
+
+@dataclass(slots=True)
+class PromptLogprobsRequest:
+    """The step's prompt_logprobs work: its segments, the prompt token each position predicts
+    (flat, in segment order), and the largest top-k."""
+    segments: list[PromptSegment]
+    targets: list[int]
+    top_k: int
+
+
+@dataclass(slots=True)
 class SampleInput:
-    """What the sampling rank needs besides: the sampling options, and for prompt_logprobs the
-    segments (row, first position, count, top-k) and the prompt token each position predicts."""
+    """What the sampling rank needs besides the StepInput."""
     plan: SamplingPlan
-    prompt_logprobs: tuple[list[tuple[int, int, int, int]], list[int], int] | None = None
+    prompt_logprobs: PromptLogprobsRequest | None = None
 
 
-@dataclass
+@dataclass(slots=True)
+class TokenLogprobs:
+    """One position's logprobs: the top entries (most likely first), and the chosen token's
+    logprob and rank (1 = the most likely)."""
+    top_ids: list[int]
+    top_logprobs: list[float]
+    logprob: float
+    rank: int
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """A segment's results: entries[i] is from position start + i, for prompt token start + i + 1."""
+    row: int
+    start: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass(slots=True)
 class StepResult:
-    """A step's outcome, on the host: a sampled token per row; per row that asked, its logprobs
-    (top ids, top logprobs, sampled logprob, rank); per prompt_logprobs segment (row, first
-    position, an entry (logprob, rank, top ids, top logprobs) per position)."""
+    """A step's outcome, on the host: a sampled token per row; per row, its TokenLogprobs when it
+    asked (None otherwise; the list is None when no row asked); prompt logprobs per segment."""
     tokens: list[int]
-    logprobs: list | None = None
-    prompt_logprobs: list[tuple[int, int, list]] | None = None
-
-
-def sampled_rows(batch: ScheduledBatch) -> dict[int, int]:
-    """seq_id -> row, for the rows of a batch that sample a token."""
-    return {seq.seq_id: row for row, seq in enumerate(batch.seqs) if batch.samples[row]}
-
-
-def encode_step(batch: ScheduledBatch, prev_rows: dict[int, int] | None, vocab_size: int, eos_token_ids,
-                seeds: torch.Generator | None = None, sample_on_shards: bool = False) -> tuple[StepInput, SampleInput]:
-    """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any.
-    `seeds`: the generator plain steps draw their seed from (SamplingPlan.build). `sample_on_shards`:
-    the ranks can sample their vocabulary shards (tensor parallelism on CUDA)."""
-    rows = []
-    for seq, start, n in zip(batch.seqs, batch.starts, batch.query_lens):
-        tokens = seq.token_ids
-        rows.append((start, tokens[start:start + n] if start + n <= len(tokens) else prev_rows[seq.seq_id],
-                     seq.block_table))
-    step = StepInput(rows, batch.num_decode)
-    sample = SampleInput(SamplingPlan.build(batch.seqs, vocab_size, eos_token_ids, batch.samples, prev_rows, seeds))
-    wanted = _prompt_logprob_rows(batch)
-    if wanted is not None:
-        segments, step.prompt_logit_rows, targets, k = wanted
-        sample.prompt_logprobs = (segments, targets, k)
-    elif sample_on_shards and sample.plan.plain:
-        step.plain_sample = (sample.plan.temperatures, sample.plan.seed)
-    return step, sample
-
-
-def _prompt_logprob_rows(batch: ScheduledBatch):
-    """The prompt positions whose logits a step must compute for prompt_logprobs (a request's first
-    sample computes them): (segments (row, first position, count, top-k), flat token rows, the
-    prompt token each position predicts, the largest top-k), or None (the common case)."""
-    segments, rows, targets, k = [], [], [], 0
-    offset = batch.num_decode  # decode rows have one query token each and no prompt positions
-    for r in range(batch.num_decode, len(batch.seqs)):
-        seq, start, q = batch.seqs[r], batch.starts[r], batch.query_lens[r]
-        n = seq.sampling_params.prompt_logprobs
-        end = min(start + q, seq.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
-        if n is not None and seq.index == 0 and start < end:
-            segments.append((r, start, end - start, n))
-            rows.extend(range(offset, offset + end - start))
-            targets.extend(seq.token_ids[start + 1:end + 1])
-            k = max(k, n)
-        offset += q
-    return (segments, rows, targets, k) if segments else None
+    logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[PromptLogprobs] | None = None

@@ -19,7 +19,8 @@ import socket
 import traceback
 
 from nanoinfer.config import Config
-from nanoinfer.engine.model_runner import ModelRunner, SamplingFailed
+from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.sampling.sampler import SamplingFailed
 from nanoinfer.engine.step_message import SampleInput, StepInput, StepResult
 from nanoinfer.engine.worker_group import MAX_ERROR_CHARS, WorkerFailure, WorkerGroup
 

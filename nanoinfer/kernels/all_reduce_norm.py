@@ -20,8 +20,8 @@ sites (attention, then MLP). A call runs one program per ROWS rows, up to PROGRA
 depends on the rows alone, so it is the same on every rank, and program p's counter counts the
 calls it took part in on every rank alike. Program p waits only for program p of its peers, which
 starts once the programs numbered below it have been dispatched (GPUs dispatch in order; on an
-H200 all 128 are resident at once). Fewer programs for fewer rows: a barrier over all 128 cost
-~4 us more than PyTorch's one-shot all-reduce at one row.
+H200 all 128 are resident at once). Fewer programs for fewer rows: at one row, a barrier over all
+128 cost more than PyTorch's one-shot all-reduce.
 """
 import os
 

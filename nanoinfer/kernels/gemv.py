@@ -1,9 +1,10 @@
 """y = prologue(x) @ W^T (+ bias) for one row (decode at batch 1), one Triton kernel (CUDA).
 
-At one row a GEMM only streams its weight. On the H200, cuBLAS plus the kernel before it took
-1.4-4.1x this kernel's time on the 0.6B projections and 1.05-1.2x on the 8B ones
-(nanoinfer.bench.gemv; at 2-16 rows a tensor-core variant lost to cuBLAS, so those keep cuBLAS). Each program owns BLOCK_N output features and walks all of K, so every
-weight byte is read once and no partial sums cross programs.
+At one row a GEMM only streams its weight. On the H200 cuBLAS, with the kernel before it, took
+longer than this kernel on every projection of the 0.6B and 8B shapes, the small ones most
+(nanoinfer.bench.gemv compares them); at 2-16 rows a tensor-core variant lost to cuBLAS, so those
+keep cuBLAS. Each program owns BLOCK_N output features and walks all of K, so every weight byte is
+read once and no partial sums cross programs.
 
 The prologue fuses the small kernel that would otherwise run just before the GEMV:
 - norm_weight: x (+ residual) through RMSNorm, with layers/layernorm.py's roundings. Every program

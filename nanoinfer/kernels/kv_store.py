@@ -1,7 +1,10 @@
 """Write each new token's K and V into the paged cache at its slot (slot -1: padded row, skipped).
 
 Cache layout: [num_blocks, block_size, num_kv_heads, head_dim], so slot s is row s of the cache
-viewed as [num_blocks * block_size, num_kv_heads * head_dim].
+viewed as [num_blocks * block_size, num_kv_heads * head_dim]. One program per token, with one 2-D
+[heads, head_dim] load and store for K and one for V; key and value may have any token and head
+stride (views into a fused qkv) as long as head_dim is contiguous. (The CUDA attention backends
+store K/V in kernels/qkv_epilogue.py instead, fused with the q/k norms and RoPE.)
 """
 import triton
 import triton.language as tl

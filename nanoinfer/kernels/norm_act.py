@@ -1,8 +1,8 @@
 """RMSNorm (optionally fused with the residual add) and SiLU * mul, one Triton kernel each (CUDA).
 
 They replace torch.compile'd versions: same fusion on the device, but a Triton launch costs the
-host ~10-20 us where a torch.compile'd region with dynamic shapes cost ~150 us (guards, wrappers),
-and eager steps (prefill, mixed) run 3 of them per layer. Roundings follow the torch functions in
+host a fraction of what a torch.compile'd region with dynamic shapes does (guards, wrappers), and
+eager steps (prefill, mixed) run 3 of them per layer. Roundings follow the torch functions in
 layers/layernorm.py and layers/activation.py, which stay the CPU path and the test reference:
 float32 arithmetic, the normalised value rounded to the input dtype before the weight multiply,
 silu(gate) rounded before the multiply by up.

@@ -2,8 +2,8 @@
 per-head RMSNorm of q and k (Qwen3; skipped for models without it), RoPE (neox style) on q and k,
 q written out, k and v stored into the paged cache at their slots (slot -1: padded row, skipped).
 
-Unfused, this is 5 kernels per layer (two norms, two RoPEs, the KV store), each a few microseconds
-of mostly launch latency at decode batch sizes. The arithmetic and its roundings follow the unfused
+Unfused, this is 5 kernels per layer (two norms, two RoPEs, the KV store), each mostly launch
+latency at decode batch sizes. The arithmetic and its roundings follow the unfused
 path (layers/layernorm.py rms_norm, layers/rotary_embedding.py apply_rotary), which stays the CPU
 path and the reference for tests.
 """

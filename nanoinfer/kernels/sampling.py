@@ -13,7 +13,7 @@ fill the SMs.
 Noise: Philox-4x32-10 (tl.randint4x), four 32-bit words per call, one for each quarter of a tile.
 Key = the per-call seed; counter = (row << 32) + tile * quarter + lane: every row has its own stream,
 no counter can overflow whatever B * V, and the noise depends on (seed, row, column) only, not on the
-batch size or the chunking.
+batch size or the chunking. The kernel is bound by Philox and the logarithms, not by memory.
 
 With tensor parallelism each rank holds a shard of the vocabulary's logits: gumbel_argmax_partials
 scans a shard over the full row's tiles (so every column gets the same noise as in the full row),
@@ -35,7 +35,7 @@ _INT_MAX = tl.constexpr(2**31 - 1)
 
 @triton.jit
 def _log(x, FAST: tl.constexpr):
-    if FAST:  # lg2.approx: halves the kernel's time (precise logf is most of its math)
+    if FAST:  # lg2.approx: precise logf would be most of the kernel's math
         return libdevice.fast_logf(x)
     else:  # the interpreter has no libdevice
         return tl.log(x)

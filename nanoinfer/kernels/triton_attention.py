@@ -4,16 +4,43 @@ Cache layout per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, 
 contiguous); block_tables [num_seqs, width] int32 maps a sequence's logical block j to a physical
 block (-1 beyond the used blocks, never read). Token p of a sequence lives in physical block
 block_tables[i, p // block_size], row p % block_size. Both kernels look the physical block up per
-token row of a KV tile, so a tile may span several pages (block_size 16) or part of one (256).
+token row of a KV tile (one small gather that stays in L1/L2), so a tile may span several pages
+(block_size 16) or part of one (256).
+
+Common to both: row offsets are int64; a head's head_dim values are contiguous, so K/V loads are
+16-byte vectors (the strides get Triton's divisible-by-16 specialisation). A head_dim that is not a
+power of two (80, 96, 24, ...) is padded to the next one (at least 16, for tl.dot) under a mask,
+which is compiled out when head_dim is a power of two. The softmax runs in the exp2 domain (scale *
+log2 e folded into one multiply). Integer arguments that change from step to step are never
+specialised on, which would JIT-compile a new variant in the middle of serving.
 
 Decode: grid (num_kv_heads, num_splits, num_seqs). A program streams one split of one sequence's KV
-for one KV head and serves every query head of that KV head (GQA: K/V are read once per group). The
-number of splits comes from shapes only (CUDA-graph safe); each sequence's context is divided evenly
-among the splits at run time, so short contexts in a wide block table still spread over the splits.
-With one split the kernel normalises and writes the output; else it writes (o, lse) partials and a
-small kernel merges them. An optional `order` (sequence indices, longest context first) makes the
-GPU start the longest programs first (programs are dispatched roughly in grid order): with ragged
-contexts the last wave then holds short programs instead of a few long ones on idle SMs.
+for one KV head and serves every query head of that KV head with tl.dot (GQA: K/V are read once per
+group; the query rows are padded to 16). The dot path serves every group size, one included:
+the elementwise path (`dot_min_group` above 1) was several times slower on the GPU. The number of
+splits comes from shapes only (CUDA-graph safe: no host sync, the partials' workspace from
+torch.empty); each sequence's context is divided evenly among the splits at run time, so short
+contexts in a wide captured block table still spread over the splits. With one split the kernel
+normalises and writes the output; else it writes float32 (o, lse) partials and a small kernel (grid
+num_seqs x num_heads) merges them. A row with context length 0 (a padded row) writes zeros.
+
+An optional `order` (sequence indices, longest context first) makes the GPU start the longest
+programs first (programs are dispatched roughly in grid order). An engine step's contexts are
+ragged, and with the sequences in batch order the last wave of programs held a few long ones
+while the other SMs idled; more splits shortened that tail but cost at full batch. Longest first,
+the tail is short programs, and the split count can aim at a few programs per SM.
+
+Prefill (also every step with prompt chunks, decode rows included): grid (num_heads, num_seqs,
+query tiles). The heaviest (latest) query tile is scheduled first, and the heads vary fastest, so
+the heads that share a KV head run together and reuse it from L2. Sequence i's query rows are the
+last q_len of its context_len positions, which covers plain prefill, a cached prefix and chunked
+prefill alike. Two loops: the key tiles wholly below the tile's first query position (no masks at
+all), then the diagonal tiles (causal and length masks). q may be a strided view (of a fused qkv).
+
+Tile configs (DECODE_CFG, PREFILL_CFG) are the best of nanoinfer/bench/kernels.py --sweep on an
+H200: for decode BLOCK_N 64 with 2-4 warps and 3-4 stages (32 or 256 lost); for prefill (128, 128)
+tiles, 8 warps, 3 stages. Not tried yet: more splits than max_splits, or BLOCK_N 128, for a single
+long sequence (the decode case furthest below the copy bandwidth).
 """
 
 import torch
@@ -165,7 +192,7 @@ def _num_sms(device: torch.device) -> int:
 
 # Tunables (nanoinfer/bench/kernels.py sweeps them); programs per SM the split heuristic aims for.
 # 4, from the --ragged sweep on an H200 (8 and 4 KV heads: one rank of an 8B model at tp=1 and 2):
-# 384-512 programs with longest-first ordering reach 79-84 % of copy bandwidth, split to ~1000 87-89 %.
+# even with longest-first ordering, ragged steps gained from splitting to about two waves of programs.
 DECODE_CFG = {"block_n": 64, "num_warps": 2, "num_stages": 3, "programs_per_sm": 4,
               "max_splits": 64, "dot_min_group": 1}
 
@@ -232,8 +259,7 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: flo
 
 
 # -------------------------------------------------------------------------------------- prefill
-# Integer arguments that change from step to step are not specialised on (==1, %16), which would
-# JIT-compile a new variant in the middle of serving.
+# Integer arguments that change from step to step are not specialised on (==1, %16).
 @triton.jit(do_not_specialize=["stride_btb"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,

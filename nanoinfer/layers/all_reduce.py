@@ -1,15 +1,15 @@
-"""Summing partial outputs across tensor-parallel ranks. At decode sizes NCCL's all-reduce costs
-15-36 us on two H200s, PyTorch's one-shot all-reduce through symmetric memory (each rank reads its
-peers' buffers over NVLink; no multicast) 6.5-19 us (`python -m nanoinfer.bench.allreduce`), and
-an 8B decode step does 72 of them. So each layer that all-reduces owns an AllReduce, and on CUDA
+"""Summing partial outputs across tensor-parallel ranks. At decode sizes NCCL's all-reduce is
+mostly latency; PyTorch's one-shot all-reduce through symmetric memory (each rank reads its peers'
+buffers over NVLink; no multicast) is faster (`python -m nanoinfer.bench.allreduce` times both),
+and an 8B decode step does 72 of them. So each layer that all-reduces owns an AllReduce, and on CUDA
 `use_symmetric_memory` gives each its own symmetric buffer for inputs of up to `max_rows` rows
-and at most BUFFER_BYTES (where one-shot was measured ahead; it also bounds the memory): its own,
-so that a rank running ahead never overwrites a buffer a peer is still reading (the next
-all-reduce's barrier is between two uses). Larger inputs (prefill) and CPU use NCCL / gloo.
+and at most BUFFER_BYTES (where one-shot is ahead; it also bounds the memory): its own, so that a
+rank running ahead never overwrites a buffer a peer is still reading (the next all-reduce's
+barrier is between two uses). Larger inputs (prefill) and CPU use NCCL / gloo.
 
 Where an RMSNorm follows (a row-parallel projection's output, then the residual add and norm), the
-projection can write straight into the buffer and hand the norm a PartialSum: the norm then runs
-the all-reduce, residual add and norm as one kernel (kernels/all_reduce_norm.py)."""
+projection can write straight into the buffer and hand the norm a PartialSum: layers/fused_norm.py
+then runs the all-reduce, residual add and norm as one kernel (kernels/all_reduce_norm.py)."""
 import logging
 from dataclasses import dataclass
 
@@ -52,8 +52,7 @@ class AllReduce(nn.Module):
     def partial_buffer(self, n: int) -> torch.Tensor | None:
         """Where a projection followed by an RMSNorm writes its [n, features] partial sums (then
         wrapped in a PartialSum), or None: n rows do not fit, or there is no fused kernel here. (The
-        fused kernel is ahead of copy + one-shot + norm at every row count: 5.2 against 9.2 us at one
-        row of 4096, 11.8 against 22.8 at 256; nanoinfer.bench.allreduce on two H200s.)"""
+        fused kernel is ahead of copy + one-shot + norm at every row count: nanoinfer.bench.allreduce.)"""
         if self.peers is None or not 0 < n <= self.buffer.shape[0]:
             return None
         return self.buffer[:n]
@@ -61,8 +60,8 @@ class AllReduce(nn.Module):
 
 @dataclass
 class PartialSum:
-    """This rank's share of a sum over ranks, in its site's symmetric buffer: for an RMSNorm to
-    reduce, add its residual and normalise in one kernel (RMSNorm handles it)."""
+    """This rank's share of a sum over ranks, in its site's symmetric buffer: for the norm after it
+    to reduce, add its residual and normalise in one kernel (layers/fused_norm.py)."""
     value: torch.Tensor   # [n, features], a view of site.buffer
     site: AllReduce
 

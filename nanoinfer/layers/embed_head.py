@@ -5,15 +5,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.all_reduce import AllReduce
-from nanoinfer.layers.linear import linear, tp_rank_and_size
-from nanoinfer.utils.loader import check_shape
+from nanoinfer.layers.linear_method import linear
+from nanoinfer.layers.model_build import TensorParallel
 from nanoinfer.utils.context import get_context
+from nanoinfer.utils.loader import check_shape
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TensorParallel):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.num_embeddings = num_embeddings
         self.shard_size = num_embeddings // self.tp_size
         self.vocab_start = self.tp_rank * self.shard_size
@@ -39,7 +40,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """This rank's shard of the logits (columns from vocab_start) for the last token of each
     sequence that samples (prefill) or every row (decode), or for the rows the context names
     (prompt_logprobs). The runner either gathers them to rank 0 or has each rank sample its shard
-    (layers/sampler.py, sample_vocab_shard)."""
+    (sampling/sampler.py, sample_vocab_shard)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ctx = get_context()

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.all_reduce import AllReduce
-from nanoinfer.layers.linear import ReplicatedLinear, tp_rank_and_size
+from nanoinfer.layers.linear import ReplicatedLinear
+from nanoinfer.layers.model_build import ModelBuild, TensorParallel, join
 from nanoinfer.utils.loader import check_shape
 
 
@@ -52,9 +53,9 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 class ExpertsGateUp(nn.Module):
     """Every expert's gate and up projections, stacked: weight [E, 2 * I / tp, H]."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, tp: TensorParallel):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.local = intermediate_size // self.tp_size
         self.weight = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -70,9 +71,9 @@ class ExpertsGateUp(nn.Module):
 class ExpertsDown(nn.Module):
     """Every expert's down projection, stacked: weight [E, H, I / tp]."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, tp: TensorParallel):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.local = intermediate_size // self.tp_size
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.local), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -85,25 +86,29 @@ class ExpertsDown(nn.Module):
 
 class FusedMoE(nn.Module):
     """The sparse MLP block: `gate` (the router, [E, H]) and `experts` (stacked weights). Submodule
-    names follow the checkpoints' (mlp.gate, mlp.experts.N.*)."""
+    names follow the checkpoints' (mlp.gate, mlp.experts.N.*). Its input is used twice (router and
+    experts), so it takes no Deferred input; it all-reduces its own output."""
+    accepts_deferred = False
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 *, build: ModelBuild, prefix: str):
         super().__init__()
-        tp_size = tp_rank_and_size()[1]
+        tp_size = build.tp.size
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
         if intermediate_size % tp_size:
             raise ValueError(f"tensor_parallel_size={tp_size} must divide the experts' intermediate size "
                              f"{intermediate_size}")
         self.num_experts, self.top_k, self.renormalize, self.tp_size = num_experts, top_k, renormalize, tp_size
-        self.gate = ReplicatedLinear(hidden_size, num_experts)
+        self.gate = ReplicatedLinear(hidden_size, num_experts, build=build, prefix=join(prefix, "gate"))
         self.experts = nn.Module()
-        self.experts.gate_up_proj = ExpertsGateUp(num_experts, hidden_size, intermediate_size)
-        self.experts.down_proj = ExpertsDown(num_experts, hidden_size, intermediate_size)
+        self.experts.gate_up_proj = ExpertsGateUp(num_experts, hidden_size, intermediate_size, tp=build.tp)
+        self.experts.down_proj = ExpertsDown(num_experts, hidden_size, intermediate_size, tp=build.tp)
         if tp_size > 1:
             self.all_reduce = AllReduce(hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce_later: bool = False) -> torch.Tensor:
+        """reduce_later (the caller could take a PartialSum) is not taken up: the output is summed here."""
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
         if x.is_cuda:

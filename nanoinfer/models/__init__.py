@@ -1,5 +1,14 @@
-"""HF `architectures` name -> our model class."""
+"""HF `architectures` name -> our model class; the config checks made before any layer is built;
+`build_model`, which builds and loads one rank's model."""
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
 from transformers import PretrainedConfig
+
+if TYPE_CHECKING:
+    from nanoinfer.config import Config
+    from nanoinfer.layers.attention_backend import AttentionBackend
 
 MODELS = {
     "Qwen3ForCausalLM": ("nanoinfer.models.qwen3", "Qwen3ForCausalLM"),
@@ -84,3 +93,33 @@ def get_model_class(config: PretrainedConfig):
     import importlib
     module, name = MODELS[check_architecture(config)]
     return getattr(importlib.import_module(module), name)
+
+
+def build_model(config: "Config", rank: int, world_size: int, device: torch.device,
+                attention_backend: "AttentionBackend") -> nn.Module:
+    """The model of `config` for tensor-parallel rank `rank` of `world_size`: built on `device` in
+    config.torch_dtype (seeded: the same random values wherever nothing is loaded), then its
+    weights loaded, or drawn at random for load_format="dummy", then each linear layer's weight
+    method told the weights are in."""
+    # (the layers are imported here: config.py runs this module's checks without them)
+    from nanoinfer.layers.linear import LinearBase
+    from nanoinfer.layers.model_build import ModelBuild, TensorParallel
+    from nanoinfer.utils.loader import init_dummy_weights, load_model
+    hf = config.hf_config
+    build = ModelBuild(TensorParallel(rank, world_size), attention_backend)
+    torch.manual_seed(config.seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(config.torch_dtype)
+    try:
+        with torch.device(device):
+            model = get_model_class(hf)(hf, build)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        load_model(model, config.model)
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.method.process_weights_after_loading(module)
+    return model

@@ -8,6 +8,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.fused_moe import FusedMoE
+from nanoinfer.layers.model_build import ModelBuild
 from nanoinfer.models.llama import LlamaForCausalLM
 from nanoinfer.models.qwen3_moe import Qwen3MoeForCausalLM, expert_mapping
 
@@ -15,9 +16,9 @@ from nanoinfer.models.qwen3_moe import Qwen3MoeForCausalLM, expert_mapping
 class MixtralForCausalLM(Qwen3MoeForCausalLM):
     qk_norm = False
 
-    def make_mlps(self, config: PretrainedConfig) -> list[nn.Module]:
-        return [FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
-                         config.intermediate_size, renormalize=True) for _ in range(config.num_hidden_layers)]
+    def make_mlp(self, config: PretrainedConfig, layer: int, build: ModelBuild, prefix: str) -> nn.Module:
+        return FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
+                        config.intermediate_size, renormalize=True, build=build, prefix=prefix)
 
     def expert_mapping(self, config: PretrainedConfig) -> dict:
         experts = expert_mapping(config.num_local_experts, "w1", "w3", "w2", ckpt="block_sparse_moe.experts",

@@ -1,5 +1,10 @@
 """Qwen3 decoder (q/k RMSNorm; q/k/v/o biases only with attention_bias); Qwen2/Qwen2.5 checkpoints
-share it (q/k/v biases, no o bias, no q/k norm). Projections are fused (qkv, gate_up) and tensor-parallel."""
+share it (q/k/v biases, no o bias, no q/k norm). Projections are fused (qkv, gate_up) and tensor-parallel.
+
+Every module is built with the model's build (layers/model_build.py: tensor-parallel rank and size,
+attention backend, each linear layer's weight method) and its module name (`prefix`), which is the
+checkpoint's name for its weights. A model's decoder layers are made by its `make_mlp` (the MoE
+models override it): the layer's forward is the same whatever the MLP."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -7,10 +12,12 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.activation import SiluAndMul
 from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanoinfer.layers.fused_norm import add_norm_for
 from nanoinfer.layers.layernorm import RMSNorm
-from nanoinfer.layers.linear import Deferred, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoinfer.layers.linear_method import Deferred
+from nanoinfer.layers.model_build import ModelBuild, join
 from nanoinfer.layers.rotary_embedding import RotaryEmbedding
-from nanoinfer.utils.context import get_context
 
 
 def rope_theta(config: PretrainedConfig) -> float:
@@ -23,95 +30,89 @@ def rope_scaling(config: PretrainedConfig) -> dict | None:
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool, o_bias: bool):
+    def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool, o_bias: bool, *, build: ModelBuild,
+                 prefix: str):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias)
+                                          config.num_key_value_heads, bias=bias, build=build,
+                                          prefix=join(prefix, "qkv_proj"))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config),
-                                          rope_scaling(config))
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
-        self.qk_norm = qk_norm
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
+                                        build=build, prefix=join(prefix, "o_proj"))
+        rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config),
+                                 rope_scaling(config))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, rotary,
+                              backend=build.attention_backend)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    @property
+    def accepts_deferred(self) -> bool:
+        return self.qkv_proj.accepts_deferred
 
     def forward(self, positions: torch.Tensor, hidden: "torch.Tensor | Deferred", reduce_later: bool = False):
         """reduce_later: the caller normalises the output next, and can take a PartialSum
         (RowParallelLinear)."""
         qkv = self.qkv_proj(hidden)
-        n = qkv.shape[0]
-        if qkv.is_cuda:  # q/k norm, RoPE and the K/V store in one kernel; attention reads K/V from the cache
-            from nanoinfer.kernels.qkv_epilogue import qkv_epilogue
-            q = qkv_epilogue(qkv, positions, self.rotary_emb.cos_sin_cache,
-                             self.q_norm.weight if self.qk_norm else None,
-                             self.k_norm.weight if self.qk_norm else None,
-                             self.q_norm.eps if self.qk_norm else 0.0, self.attn.k_cache, self.attn.v_cache,
-                             get_context().slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
-            return self.o_proj(self.attn(q), reduce_later)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v), reduce_later)
+        return self.o_proj(self.attn(qkv, positions, self.q_norm, self.k_norm), reduce_later)
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, *, build: ModelBuild, prefix: str):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' is implemented")
         bias = bool(getattr(config, "mlp_bias", False))  # Llama's option; Qwen has none
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+                                                       build=build, prefix=join(prefix, "gate_up_proj"))
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, build=build,
+                                           prefix=join(prefix, "down_proj"))
         self.act_fn = SiluAndMul()
 
-    def forward(self, x, reduce_later: bool = False):
-        return self.down_proj(self.act_fn(self.gate_up_proj(x), defer=True), reduce_later)
+    @property
+    def accepts_deferred(self) -> bool:
+        return self.gate_up_proj.accepts_deferred
+
+    def forward(self, x: "torch.Tensor | Deferred", reduce_later: bool = False):
+        """reduce_later: as Qwen3Attention's."""
+        h = self.act_fn(self.gate_up_proj(x), defer=self.down_proj.accepts_deferred)
+        return self.down_proj(h, reduce_later)
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool, o_bias: bool):
+    """Pre-norm attention, then pre-norm MLP. `mlp`: any block with forward(x, reduce_later) and
+    `accepts_deferred` (dense or sparse)."""
+
+    def __init__(self, config: PretrainedConfig, self_attn: Qwen3Attention, mlp: nn.Module):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, qk_norm, bias, o_bias)
-        self.mlp = Qwen3MLP(config)
+        self.self_attn = self_attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        # (defer: at batch 1 on CUDA the norms run inside the next projection's GEMV, unless the
-        # tensor-parallel all-reduce before them already does)
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden, defer=True)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual, defer=True)
-        # (reduce_later: with tensor parallelism, the all-reduces run inside the norms after them)
+        # (each norm runs inside the next projection's GEMV at batch 1 on CUDA, or inside the
+        # tensor-parallel all-reduce before it: layers/fused_norm.py; reduce_later lets the
+        # all-reduces after attention and the MLP move into the norms that follow them)
+        hidden, residual = add_norm_for(self.input_layernorm, hidden, residual, self.self_attn)
         hidden = self.self_attn(positions, hidden, reduce_later=True)
-        dense = isinstance(self.mlp, Qwen3MLP)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, defer=dense)
-        return (self.mlp(hidden, reduce_later=True) if dense else self.mlp(hidden)), residual
+        hidden, residual = add_norm_for(self.post_attention_layernorm, hidden, residual, self.mlp)
+        return self.mlp(hidden, reduce_later=True), residual
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool, o_bias: bool):
+    def __init__(self, config: PretrainedConfig, layers: list[Qwen3DecoderLayer], *, build: ModelBuild):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, qk_norm, bias, o_bias) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=build.tp)
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return add_norm_for(self.norm, hidden, residual)[0]
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -122,14 +123,24 @@ class Qwen3ForCausalLM(nn.Module):
     }
     qk_norm, attention_bias, o_proj_bias = True, False, True  # o_proj_bias: follows attention_bias
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, build: ModelBuild):
         super().__init__()
         bias = getattr(config, "attention_bias", self.attention_bias)
-        self.model = Qwen3Model(config, self.qk_norm, bias, bias and self.o_proj_bias)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        o_bias = bias and self.o_proj_bias
+        layers = []
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}"
+            attn = Qwen3Attention(config, self.qk_norm, bias, o_bias, build=build, prefix=join(prefix, "self_attn"))
+            layers.append(Qwen3DecoderLayer(config, attn, self.make_mlp(config, i, build, join(prefix, "mlp"))))
+        self.model = Qwen3Model(config, layers, build=build)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=build.tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config: PretrainedConfig, layer: int, build: ModelBuild, prefix: str) -> nn.Module:
+        """The MLP of decoder layer `layer`."""
+        return Qwen3MLP(config, build=build, prefix=prefix)
 
     def forward(self, input_ids, positions):
         return self.model(input_ids, positions)

@@ -9,10 +9,9 @@ entries, which would also match an expert's name)."""
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.fused_moe import FusedMoE
-from nanoinfer.layers.layernorm import RMSNorm
-from nanoinfer.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
+from nanoinfer.layers.model_build import ModelBuild
+from nanoinfer.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 
 
 def expert_mapping(num_experts: int, gate: str, up: str, down: str, ckpt: str = "experts",
@@ -27,40 +26,14 @@ def expert_mapping(num_experts: int, gate: str, up: str, down: str, ckpt: str = 
     return mapping
 
 
-class MoeDecoderLayer(Qwen3DecoderLayer):
-    """Qwen3's decoder layer (same forward) around the given MLP, dense or sparse."""
-
-    def __init__(self, config: PretrainedConfig, mlp: nn.Module, qk_norm: bool, bias: bool, o_bias: bool):
-        nn.Module.__init__(self)  # Qwen3DecoderLayer's __init__ would build a dense MLP
-        self.self_attn = Qwen3Attention(config, qk_norm, bias, o_bias)
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class MoeModel(Qwen3Model):
-    """Qwen3Model's forward over MoeDecoderLayers; `mlps` holds each layer's MLP."""
-
-    def __init__(self, config: PretrainedConfig, mlps: list[nn.Module], qk_norm: bool, bias: bool, o_bias: bool):
-        nn.Module.__init__(self)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MoeDecoderLayer(config, mlp, qk_norm, bias, o_bias) for mlp in mlps)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    qk_norm = True
+    """Qwen3's model, each layer's MLP sparse or dense (`make_mlp`)."""
+    qk_norm, attention_bias, o_proj_bias = True, False, True
 
-    def __init__(self, config: PretrainedConfig):
-        nn.Module.__init__(self)
+    def __init__(self, config: PretrainedConfig, build: ModelBuild):
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' is implemented")
-        bias = bool(getattr(config, "attention_bias", False))
-        self.model = MoeModel(config, self.make_mlps(config), self.qk_norm, bias, bias)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, build)
         self.packed_modules_mapping = {**self.expert_mapping(config), **Qwen3ForCausalLM.packed_modules_mapping}
 
     @staticmethod
@@ -68,10 +41,11 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         return (layer not in (config.mlp_only_layers or []) and config.num_experts > 0
                 and (layer + 1) % config.decoder_sparse_step == 0)
 
-    def make_mlps(self, config: PretrainedConfig) -> list[nn.Module]:
-        return [FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                         config.moe_intermediate_size, bool(config.norm_topk_prob))
-                if self.is_sparse(config, i) else Qwen3MLP(config) for i in range(config.num_hidden_layers)]
+    def make_mlp(self, config: PretrainedConfig, layer: int, build: ModelBuild, prefix: str) -> nn.Module:
+        if not self.is_sparse(config, layer):
+            return Qwen3MLP(config, build=build, prefix=prefix)
+        return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                        config.moe_intermediate_size, bool(config.norm_topk_prob), build=build, prefix=prefix)
 
     def expert_mapping(self, config: PretrainedConfig) -> dict:
         return expert_mapping(config.num_experts, "gate_proj", "up_proj", "down_proj")

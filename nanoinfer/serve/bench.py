@@ -71,7 +71,7 @@ class RequestResult:
 
 async def _one_request(client, model: str, prompt: list[int], max_tokens: int, temperature: float) -> RequestResult:
     """One streamed completion. httpx + httpx-sse + json, not the openai client: its per-chunk
-    object building costs ~0.7 ms of client CPU, which at 256 streams would make the client the
+    object building costs so much client CPU that at 256 streams the client would be the
     bottleneck."""
     result = RequestResult(prompt_tokens=len(prompt))
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, stream=True,

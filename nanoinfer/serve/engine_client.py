@@ -1,4 +1,4 @@
-"""The HTTP process's handle on the engine process (engine_process.py says what the two send).
+"""The HTTP process's handle on the engine process (messages.py says what the two send).
 
 HTTP handlers never touch the engine. `submit` and `abort` put commands on a queue that a writer
 thread sends in batches; a reader thread receives the engine's one message per step and hands it
@@ -14,9 +14,10 @@ import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
-from nanoinfer.outputs import RequestOutput, StreamDelta
+from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.serve.engine_process import engine_main
+from nanoinfer.serve.messages import Abort, EngineDead, Ready, StartFailed, StepNews, Stop, Submit
 
 logger = logging.getLogger("nanoinfer.serve")
 
@@ -82,6 +83,7 @@ class EngineClient:
         self.error: str | None = None
         self.num_requests = self.num_finished = self.prompt_tokens = self.generation_tokens = 0
         self._subs: dict[int, Submission] = {}
+        self._requests: dict[int, tuple[Submission, int]] = {}  # engine request id -> (submission, prompt index)
         self._ids = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -93,11 +95,11 @@ class EngineClient:
         except BaseException:
             self.close()
             raise
-        self.model, self.max_model_len, self.tokenizer = info["model"], info["max_model_len"], info["tokenizer"]
+        self.model, self.max_model_len, self.tokenizer = info.model, info.max_model_len, info.tokenizer
 
-    def _wait_ready(self) -> dict:
-        """The engine's "ready" info; raises what building the LLM raised (ValueError / TypeError
-        for bad options), or RuntimeError if the process died."""
+    def _wait_ready(self) -> Ready:
+        """The engine's Ready; raises what building the LLM raised (ValueError / TypeError for bad
+        options), or RuntimeError if the process died."""
         wait([self._events, self.process.sentinel])
         try:
             message = self._events.recv()
@@ -105,10 +107,9 @@ class EngineClient:
             self.process.join()
             raise RuntimeError(f"the engine process exited with code {self.process.exitcode} while starting") \
                 from None
-        if message[0] == "failed":
-            _, kind, text = message
-            raise {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(text)
-        return message[1]
+        if isinstance(message, StartFailed):
+            raise message.error.exception()
+        return message
 
     # ---- on the event loop ----------------------------------------------------------------------
     def start(self):
@@ -127,7 +128,7 @@ class EngineClient:
             raise EngineDeadError(f"the engine is not running{f': {self.error}' if self.error else ''}")
         sub = Submission(next(self._ids), prompts, params, stream, self._loop.create_future())
         self._subs[sub.id] = sub
-        self._outbox.put(("add", sub.id, prompts, params, stream))
+        self._outbox.put(Submit(sub.id, prompts, params, stream))
         try:
             await asyncio.shield(sub.added)
         except asyncio.CancelledError:  # the client left: the abort follows the add down the pipe
@@ -139,12 +140,12 @@ class EngineClient:
     def abort(self, sub: Submission):
         """Stop what is left of a submission (its blocks are freed); safe to call more than once."""
         if sub.id in self._subs:
-            self._outbox.put(("abort", sub.id))
+            self._outbox.put(Abort(sub.id))
 
     def stop(self, timeout: float = STOP_TIMEOUT_S):
         """Abort whatever is left and end the engine process (and its workers)."""
         self._stopping = True
-        self._outbox.put(("stop",))
+        self._outbox.put(Stop())
         self.process.join(timeout)
         self.close()
 
@@ -162,27 +163,29 @@ class EngineClient:
             if t.is_alive():
                 t.join(10)
 
-    def _dispatch(self, message: tuple):
+    def _dispatch(self, message: StepNews | EngineDead):
         """One engine message, on the event loop."""
-        if message[0] == "dead":
-            self._failed(message[1])
+        if isinstance(message, EngineDead):
+            self._failed(message.reason)
             return
-        _, added, deltas, finals = message
-        for sub_id, error in added:
-            sub = self._subs[sub_id]
-            if error is None:
+        for admission in message.admissions:
+            sub = self._subs[admission.sub_id]
+            if admission.error is None:
+                for i, rid in enumerate(admission.request_ids):
+                    self._requests[rid] = (sub, i)
                 sub.unfinished = len(sub.prompts)
                 self.num_requests += sub.unfinished
                 _resolve(sub.added, None)
             else:
-                del self._subs[sub_id]
-                kind, text = error
-                _resolve(sub.added, {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(text))
-        news: dict[int, list] = {}
-        for sub_id, i, *fields in deltas:
-            news.setdefault(sub_id, []).append((i, StreamDelta(i, *fields)))
-        for sub_id, i, out in finals:
-            news.setdefault(sub_id, []).append((i, out))
+                del self._subs[sub.id]
+                _resolve(sub.added, admission.error.exception())
+        news: dict[int, list] = {}  # sub_id -> its events of this step
+        requests = self._requests
+        for d in message.deltas:
+            news.setdefault(requests[d.request_id][0].id, []).append((d.index, d))
+        for out in message.finals:
+            sub, i = requests.pop(out.request_id)
+            news.setdefault(sub.id, []).append((i, out))
             self.num_requests -= 1
             self.num_finished += 1
             self.prompt_tokens += len(out.prompt_token_ids)
@@ -208,6 +211,7 @@ class EngineClient:
             else:
                 sub.events.put_nowait(failure)
         self._subs.clear()
+        self._requests.clear()
         self.num_requests = 0
 
     # ---- threads --------------------------------------------------------------------------------
@@ -216,7 +220,7 @@ class EngineClient:
             while True:
                 message = self._events.recv()
                 self._call(self._dispatch, message)
-                if message[0] == "dead":
+                if isinstance(message, EngineDead):
                     return
         except (EOFError, OSError):
             self.process.join(5)

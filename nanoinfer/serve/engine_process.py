@@ -1,20 +1,7 @@
 """The server's engine process: it owns the LLM and runs the engine loop, apart from the HTTP
 process, so that building and sending thousands of stream chunks a second never holds up a step.
-
-Messages (pickled over two one-way pipes, every one a batch):
-  server -> engine, a list of commands:
-      ("add", sub_id, prompts, params, stream)   queue a submission's prompts, all or none
-      ("abort", sub_id)                          stop what is left of a submission
-      ("stop",)                                  abort everything, exit
-  engine -> server, one message per engine step that has news:
-      ("ready", info)        once, after the LLM is built: {"model", "max_model_len", "tokenizer"}
-      ("failed", kind, text) once, instead of "ready": building the LLM raised kind(text)
-      ("step", added, deltas, finals)
-          added:  [(sub_id, None | (exception type name, message))], the add_requests error
-          deltas: [(sub_id, prompt index, completion index, request id, text, token ids, logprobs,
-                    finished, finish reason, stop reason)]  (StreamDelta's fields, as a tuple)
-          finals: [(sub_id, prompt index, RequestOutput)]     a request finished or was aborted
-      ("dead", text)         the engine loop failed; the process exits
+What the two send each other is in messages.py: a batch of commands in, one StepNews per engine
+step that has news out.
 
 The process ignores SIGINT (a terminal's Ctrl-C reaches the whole process group: the server
 decides when to stop) and exits cleanly on SIGTERM, on the commands pipe's EOF, or when the server
@@ -30,6 +17,8 @@ import threading
 from multiprocessing.connection import Connection, wait
 
 from nanoinfer.llm import LLM
+from nanoinfer.serve.messages import (Abort, Admission, EngineDead, Ready, RemoteError, StartFailed, StepNews,
+                                      Submit)
 
 logger = logging.getLogger("nanoinfer.serve")
 
@@ -44,11 +33,10 @@ def engine_main(model: str, options: dict, commands: Connection, events: Connect
     try:
         llm = LLM(model, **options)
     except Exception as e:
-        events.send(("failed", type(e).__name__, str(e)))
+        events.send(StartFailed(RemoteError.of(e)))
         return
     try:
-        events.send(("ready", {"model": llm.config.model, "max_model_len": llm.config.max_model_len,
-                               "tokenizer": llm.get_tokenizer()}))
+        events.send(Ready(llm.config.model, llm.config.max_model_len, llm.get_tokenizer()))
         EngineCore(llm, commands, events).run()
     except (EOFError, BrokenPipeError):
         pass  # the server is gone: nobody to answer
@@ -85,10 +73,10 @@ class EngineCore:
 
     def __init__(self, llm, commands: Connection, events: Connection):
         self.llm, self.commands, self.events = llm, commands, events
-        self.requests: dict[int, tuple[int, int]] = {}     # request id -> (sub_id, prompt index)
-        self.submissions: dict[int, list[int]] = {}        # sub_id -> its request ids
+        self.requests: dict[int, int] = {}                 # request id -> sub_id
+        self.submissions: dict[int, dict[int, None]] = {}  # sub_id -> its unfinished request ids (in order)
         self.streaming: dict[int, None] = {}               # ordered set of stream=True request ids
-        self.added, self.deltas, self.finals = [], [], []  # the next message's parts
+        self.news = StepNews([], [], [])                   # the next message
 
     def run(self):
         try:
@@ -105,7 +93,7 @@ class EngineCore:
                 logger.exception("the engine loop failed")
                 reason = f"{type(e).__name__}: {e}"
             try:
-                self.events.send(("dead", reason))
+                self.events.send(EngineDead(reason))
             except OSError:
                 pass
             raise
@@ -118,59 +106,56 @@ class EngineCore:
             return True
         while True:
             for command in self.commands.recv():
-                kind = command[0]
-                if kind == "add":
-                    self._add(*command[1:])
-                elif kind == "abort":
-                    self._abort(command[1])
-                else:  # stop
+                if isinstance(command, Submit):
+                    self._add(command)
+                elif isinstance(command, Abort):
+                    self._abort(command.sub_id)
+                else:  # Stop
                     for sub_id in list(self.submissions):
                         self._abort(sub_id)
                     return False
             if not self.commands.poll():
                 return True
 
-    def _add(self, sub_id: int, prompts: list, params, stream: bool):
+    def _add(self, sub: Submit):
         try:  # all or none; as vLLM's server, prompt + max_tokens over max_model_len is an error
-            ids = self.llm.add_requests(prompts, [params] * len(prompts), stream=stream, keep_output=True,
-                                        max_tokens_must_fit=True)
+            ids = self.llm.add_requests(sub.prompts, [sub.params] * len(sub.prompts), stream=sub.stream,
+                                        keep_output=True, max_tokens_must_fit=True)
         except Exception as e:  # ValueError / TypeError naming the field: the client's 400
-            self.added.append((sub_id, (type(e).__name__, str(e))))
+            self.news.admissions.append(Admission(sub.sub_id, error=RemoteError.of(e)))
             return
-        for i, rid in enumerate(ids):
-            self.requests[rid] = (sub_id, i)
-            if stream:
+        for rid in ids:
+            self.requests[rid] = sub.sub_id
+            if sub.stream:
                 self.streaming[rid] = None
-        self.submissions[sub_id] = ids
-        self.added.append((sub_id, None))
+        self.submissions[sub.sub_id] = dict.fromkeys(ids)
+        self.news.admissions.append(Admission(sub.sub_id, ids))
 
     def _abort(self, sub_id: int):
-        for rid in self.submissions.get(sub_id, ()):
-            if rid in self.requests:  # else it already finished
-                self.llm.abort_request(rid)
-                self._finish(rid)
+        for rid in list(self.submissions.get(sub_id, ())):
+            self.llm.abort_request(rid)
+            self._finish(rid)
 
     def _step(self):
         finished, _ = self.llm.advance()
         # the step's deltas in one call; d.index is the prompt's position in its submission
-        requests = self.requests
-        self.deltas += [(requests[d.request_id][0], d.index, d.completion_index, d.request_id, d.text, d.token_ids,
-                         d.logprobs, d.finished, d.finish_reason, d.stop_reason)
-                        for d in self.llm.take_stream_deltas(self.streaming)]
+        self.news.deltas += self.llm.take_stream_deltas(self.streaming)
         for rid in finished:
             if rid in self.requests:
                 self._finish(rid)
 
     def _finish(self, rid: int):
         """Forget a finished (or aborted) request; its final output goes in the next message."""
-        sub_id, i = self.requests.pop(rid)
+        sub_id = self.requests.pop(rid)
         self.streaming.pop(rid, None)
-        self.finals.append((sub_id, i, self.llm.pop_output(rid)))
-        rids = self.submissions[sub_id]
-        if all(r not in self.requests for r in rids):
+        self.news.finals.append(self.llm.pop_output(rid))
+        unfinished = self.submissions[sub_id]
+        del unfinished[rid]
+        if not unfinished:
             del self.submissions[sub_id]
 
     def _flush(self):
-        if self.added or self.deltas or self.finals:
-            self.events.send(("step", self.added, self.deltas, self.finals))
-            self.added, self.deltas, self.finals = [], [], []
+        news = self.news
+        if news.admissions or news.deltas or news.finals:
+            self.events.send(news)
+            self.news = StepNews([], [], [])

@@ -23,6 +23,6 @@ def cpu_threads(world_size: int) -> int:
 
     Why not torch's default: its OpenMP threads meet at a barrier after every op (they spin, then
     sleep). When another process, or another rank, holds one of "their" cores, every op of every
-    layer waits for the descheduled thread: a 64 x 64-token run of the tiny model took 1.6 s to 146 s
-    on a loaded 2-core machine with the default, and a steady 1.4 s with one thread."""
+    layer waits for the descheduled thread. On a loaded 2-core machine a run of the tiny model then
+    took from about as long as with one thread to many times longer; with one thread it is steady."""
     return max(1, min(MAX_CPU_THREADS, (_usable_cores() - 1) // max(1, world_size)))

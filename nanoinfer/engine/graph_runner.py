@@ -1,0 +1,158 @@
+"""CUDA graphs for one rank's forward: capture, static buffers, replay.
+
+Decode-only steps replay the graph of the smallest batch bucket that holds them; with an attention
+backend that can (`mixed_step_graphs`) and a dense model, steps with prompt chunks replay the graph
+of the smallest token bucket. Padded rows and tokens have slot -1 (they write no K/V) and context
+length 0. Larger steps, and every step without graphs, run eagerly: their device time dwarfs the
+launches. The LM head runs outside the graphs, on the step's own context (the rows that need logits
+vary by step)."""
+import logging
+
+import torch
+
+from nanoinfer.utils.context import get_context, reset_context, set_context
+
+logger = logging.getLogger("nanoinfer")
+
+MIXED_GRAPH_MAX_TOKENS = 2048  # larger steps with prompt chunks run eagerly
+MIXED_GRAPH_STRIDE = 256
+
+
+def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token buckets of the graphs for steps that carry prompt chunks: every MIXED_GRAPH_STRIDE
+    tokens up to MIXED_GRAPH_MAX_TOKENS (or the token budget). An eager step at these sizes spends
+    longer launching its kernels than running them."""
+    top = min(max_num_batched_tokens, MIXED_GRAPH_MAX_TOKENS)
+    return sorted({*range(MIXED_GRAPH_STRIDE, top, MIXED_GRAPH_STRIDE), top})
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode buckets: 1, 2, 4, 8, then every 16, and max_num_seqs itself, so that every batch
+    size up to max_num_seqs replays the smallest graph that holds it."""
+    return sorted({b for b in (1, 2, 4, 8) if b < max_num_seqs} | set(range(16, max_num_seqs, 16))
+                  | {max_num_seqs})
+
+
+class GraphRunner:
+    """The forward of `model`, eager or through a captured graph. capture() needs the KV cache."""
+
+    def __init__(self, model, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, mixed_steps: bool,
+                 sorts_decode_rows: bool):
+        self.model = model
+        self.max_num_seqs, self.max_blocks_per_seq = max_num_seqs, max_blocks_per_seq
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
+        self.batch_sizes: list[int] = []
+        self.mixed_sizes = mixed_graph_sizes(max_num_batched_tokens) if mixed_steps else []
+        self.sorts_decode_rows = sorts_decode_rows
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_replays = 0
+        self.buffers: dict[str, torch.Tensor] | None = None
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, decode_only: bool) -> torch.Tensor:
+        """The step's logits (this rank's vocabulary shard), under the context prepare_inputs set."""
+        n = input_ids.shape[0]
+        if decode_only and self.graphs and n <= self.batch_sizes[-1]:
+            return self._replay_decode(input_ids, positions)
+        if not decode_only and self.mixed_graphs and n <= self.mixed_sizes[-1]:
+            return self._replay_mixed(input_ids, positions)
+        return self.model.compute_logits(self.model(input_ids, positions))
+
+    def _replay_decode(self, input_ids, positions):
+        n = input_ids.shape[0]
+        bucket = next(b for b in self.batch_sizes if b >= n)
+        ctx, g = get_context(), self.buffers
+        self._fill_tokens(g, input_ids, positions, ctx.slot_mapping)
+        g["context_lens"].zero_()
+        g["context_lens"][:n] = ctx.context_lens
+        g["block_tables"][:n, :ctx.block_tables.shape[1]] = ctx.block_tables
+        if ctx.decode_order is not None:
+            g["decode_order"][:n] = ctx.decode_order
+            if bucket > n:  # padded rows (context 0) last
+                g["decode_order"][n:bucket] = g["rows"][n:bucket]
+        self.graphs[bucket].replay()
+        return self.model.compute_logits(g["outputs"][:n])
+
+    def _replay_mixed(self, input_ids, positions):
+        """The graph's attention has max_num_seqs rows and the bucket's query length: rows past the
+        step's have no query tokens, and padded tokens have slot -1, so they compute nothing that
+        is kept."""
+        n = input_ids.shape[0]
+        bucket = next(b for b in self.mixed_sizes if b >= n)
+        ctx, g = get_context(), self.buffers
+        rows = ctx.context_lens.shape[0]
+        self._fill_tokens(g, input_ids, positions, ctx.slot_mapping)
+        g["cu_seqlens_q"].fill_(n)
+        g["cu_seqlens_q"][:rows + 1] = ctx.cu_seqlens_q
+        g["context_lens"].zero_()
+        g["context_lens"][:rows] = ctx.context_lens
+        g["block_tables"][:rows, :ctx.block_tables.shape[1]] = ctx.block_tables
+        self.mixed_graphs[bucket].replay()
+        self.mixed_replays += 1
+        return self.model.compute_logits(g["outputs"][:n])
+
+    @staticmethod
+    def _fill_tokens(g, input_ids, positions, slot_mapping):
+        n = input_ids.shape[0]
+        g["input_ids"][:n] = input_ids
+        g["positions"][:n] = positions
+        g["slot_mapping"].fill_(-1)
+        g["slot_mapping"][:n] = slot_mapping
+
+    # ---- capture --------------------------------------------------------------------------------
+    def _allocate_buffers(self, tokens: int) -> dict[str, torch.Tensor]:
+        max_bs, dev = self.max_num_seqs, self.device
+        g = dict(
+            input_ids=torch.zeros(tokens, dtype=torch.int64, device=dev),
+            positions=torch.zeros(tokens, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
+            cu_seqlens_q=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            block_tables=torch.full((max_bs, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
+            outputs=torch.zeros(tokens, self.hidden_size, dtype=self.dtype, device=dev),
+            rows=torch.arange(max_bs, dtype=torch.int32, device=dev),
+        )
+        g["decode_order"] = g["rows"].clone()
+        return g
+
+    def _capture_one(self, tokens: int, pool):
+        """Warm up, then capture the model over the first `tokens` rows of the buffers, under the
+        context already set."""
+        g = self.buffers
+        graph = torch.cuda.CUDAGraph()
+        g["outputs"][:tokens] = self.model(g["input_ids"][:tokens], g["positions"][:tokens])  # warm-up
+        with torch.cuda.graph(graph, pool):
+            g["outputs"][:tokens] = self.model(g["input_ids"][:tokens], g["positions"][:tokens])
+        torch.cuda.synchronize(self.device)
+        reset_context()
+        return graph
+
+    @torch.inference_mode()
+    def capture(self):
+        """Decode graphs for batch buckets covering 1..max_num_seqs, block tables as wide as
+        max_model_len needs; then the mixed-step graphs (zero query lengths: the captures attend
+        to nothing)."""
+        self.batch_sizes = graph_batch_sizes(self.max_num_seqs)
+        g = self.buffers = self._allocate_buffers(max([self.max_num_seqs, *self.mixed_sizes]))
+        order = g["decode_order"] if self.sorts_decode_rows else None
+        pool = None
+        for bs in reversed(self.batch_sizes):
+            set_context(is_prefill=False, slot_mapping=g["slot_mapping"][:bs], context_lens=g["context_lens"][:bs],
+                        block_tables=g["block_tables"][:bs], decode_order=None if order is None else order[:bs])
+            self.graphs[bs] = self._capture_one(bs, pool)
+            if pool is None:
+                pool = self.graphs[bs].pool()
+        for t in reversed(self.mixed_sizes):
+            set_context(is_prefill=True, cu_seqlens_q=g["cu_seqlens_q"], max_seqlen_q=t, context_lens=g["context_lens"],
+                        block_tables=g["block_tables"], slot_mapping=g["slot_mapping"][:t])
+            self.mixed_graphs[t] = self._capture_one(t, pool)
+        logger.info("captured %d CUDA graphs for decode batch sizes up to %d and %d for steps with prompt chunks "
+                    "up to %d tokens", len(self.graphs), self.max_num_seqs, len(self.mixed_graphs),
+                    max(self.mixed_sizes, default=0))
+
+    def release(self):
+        self.graphs.clear()
+        self.mixed_graphs.clear()
+        self.buffers = None

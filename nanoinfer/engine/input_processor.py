@@ -1,0 +1,161 @@
+"""Request intake: the one place a prompt becomes sequences.
+
+A prompt (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict) is tokenized and
+checked against the model's vocabulary, its sampling params against the vocabulary and the engine's
+limits; the prompt is truncated as asked, must leave room for one output token within max_model_len,
+and prompt + max_tokens must fit the whole KV cache (else it could never run). Bad words are
+encoded here, once. The request's n samples become n sequences. Every error is a ValueError or
+TypeError raised before anything is queued.
+"""
+import pickle
+from copy import copy
+from dataclasses import dataclass
+from numbers import Integral
+
+from nanoinfer.config import Config
+from nanoinfer.engine.detokenizer import encode
+from nanoinfer.engine.sequence import Sequence
+from nanoinfer.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated request, not queued yet: its n sequences (one per sample; the first's seq_id is
+    the request id) and its prompt text (None for a token-id prompt)."""
+    seqs: list[Sequence]
+    prompt: str | None
+
+
+class InputProcessor:
+    def __init__(self, config: Config, tokenizer, vocab_size: int, kv_capacity_tokens: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = config.max_model_len
+        self.block_size = config.kvcache_block_size
+        self.tensor_parallel = config.tensor_parallel_size > 1
+        self.kv_capacity_tokens = kv_capacity_tokens  # every block of the pool
+
+    def process_all(self, prompts: list, sampling_params: list,
+                    max_tokens_must_fit: bool = False) -> list[PreparedRequest]:
+        """`process` each prompt with its params; an error names the prompt's index (when there are
+        several), so a caller can reject the whole batch before queueing any."""
+        prepared = []
+        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params, strict=True)):
+            try:
+                prepared.append(self.process(prompt, sp, max_tokens_must_fit))
+            except (ValueError, TypeError) as e:
+                if len(prompts) == 1:
+                    raise
+                raise type(e)(f"prompts[{i}]: {e}") from e
+        return prepared
+
+    def process(self, prompt, sampling_params: SamplingParams | None,
+                max_tokens_must_fit: bool = False) -> PreparedRequest:
+        """Validate one request and build its n sequences. With a seed, sample i uses seed + i (as
+        vLLM does), so the samples differ. max_tokens_must_fit: prompt + max_tokens over
+        max_model_len is an error (vLLM's OpenAI server) instead of stopping at max_model_len (its
+        offline LLM)."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        sp = sampling_params
+        self._check_sampling_params(sp)
+        token_ids = self._fit_length(token_ids, sp, max_tokens_must_fit)
+        if sp.bad_words:
+            sp = sp.with_bad_words_token_ids(self.tokenizer)
+            bad = [t for word in sp.bad_words_token_ids for t in word if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"bad_words encode to token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        return PreparedRequest(self._sequences(token_ids, sp), text)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict."""
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or not prompt:
+                raise ValueError(f"a prompt dict takes 'prompt' and/or 'prompt_token_ids', got keys {sorted(prompt)}")
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"a prompt dict's 'prompt' must be a str, got {type(text).__name__}")
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+                if not isinstance(prompt, (list, tuple)):
+                    raise TypeError(f"a prompt dict's 'prompt_token_ids' must be a list of ints, "
+                                    f"got {type(prompt).__name__}")
+            else:
+                prompt = text
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is an empty string")
+            token_ids = encode(self.tokenizer, prompt)  # a lone surrogate: ValueError
+        elif isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+                raise TypeError("a token-id prompt must be a list of ints")
+            token_ids = [int(t) for t in prompt]  # numpy / torch integers too
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        else:
+            raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty (no tokens)")
+        return text, token_ids
+
+    def _check_sampling_params(self, sp: SamplingParams):
+        """What SamplingParams cannot check on its own: token ids and logprob counts against the
+        vocabulary, and logits processors that must travel to a worker process."""
+        for name, ids in (("stop_token_ids", sp.stop_token_ids), ("allowed_token_ids", sp.allowed_token_ids),
+                          ("logit_bias", sp.logit_bias)):
+            bad = [t for t in ids or () if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
+        if sp.logits_processors and self.tensor_parallel:
+            try:  # they run in rank 0's worker process, sent with each step
+                pickle.dumps(sp.logits_processors)
+            except Exception as e:
+                raise ValueError("logits_processors must be picklable with tensor_parallel_size > 1 (they run in "
+                                 f"the sampling worker process; define them at module level): {e}") from None
+            # (a fresh copy each step: state a processor keeps between calls is not kept there)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(sp, name) is not None and getattr(sp, name) > self.vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, "
+                                 f"got {getattr(sp, name)}")
+
+    def _fit_length(self, token_ids: list[int], sp: SamplingParams, max_tokens_must_fit: bool) -> list[int]:
+        """The prompt, truncated as asked; a ValueError unless it leaves room for an output token
+        within max_model_len and prompt + max_tokens fits the whole KV cache."""
+        max_len = self.max_model_len
+        if sp.truncate_prompt_tokens is not None:  # keep the last k prompt tokens (vLLM)
+            keep = max_len if sp.truncate_prompt_tokens == -1 else sp.truncate_prompt_tokens
+            if keep > max_len:
+                raise ValueError(f"truncate_prompt_tokens must be at most max_model_len={max_len}, "
+                                 f"got {sp.truncate_prompt_tokens}")
+            token_ids = token_ids[-keep:]
+        # as vLLM's offline LLM: the prompt must leave room for one token; generation stops at
+        # max_model_len (finish_reason "length") whatever max_tokens says
+        if len(token_ids) >= max_len:
+            raise ValueError(f"prompt length {len(token_ids)} plus at least 1 output token exceeds "
+                             f"max_model_len={max_len}: the prompt must be at most {max_len - 1} tokens")
+        if max_tokens_must_fit and sp.max_tokens is not None and len(token_ids) + sp.max_tokens > max_len:
+            raise ValueError(f"prompt length {len(token_ids)} + max_tokens {sp.max_tokens} = "
+                             f"{len(token_ids) + sp.max_tokens} exceeds max_model_len={max_len}")
+        total = max_len if sp.max_tokens is None else min(len(token_ids) + sp.max_tokens, max_len)
+        if total > self.kv_capacity_tokens:
+            raise ValueError(f"prompt length + max_tokens = {total} tokens cannot fit the whole KV cache "
+                             f"({self.kv_capacity_tokens} tokens)")
+        return token_ids
+
+    def _sequences(self, token_ids: list[int], sp: SamplingParams) -> list[Sequence]:
+        """One sequence per sample; sample i > 0 carries the first's seq_id as its request id."""
+        first = Sequence(token_ids, sp, self.block_size)
+        seqs = [first]
+        for i in range(1, sp.n):
+            child = sp
+            if sp.seed is not None:
+                child = copy(sp)  # (not dataclasses.replace: that drops the encoded bad words)
+                child.seed = sp.seed + i
+            seqs.append(Sequence(token_ids, child, self.block_size, request_id=first.seq_id, index=i))
+        return seqs

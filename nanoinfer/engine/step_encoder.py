@@ -1,0 +1,83 @@
+"""Scheduled sequences -> the step message (engine/step_message.py). Runners never see a Sequence:
+this is where a step's rows, its sampling plan and its prompt-logprob work are read off them."""
+import torch
+
+from nanoinfer.engine.scheduler import ScheduledBatch
+from nanoinfer.engine.step_message import (PlainSample, PromptLogprobsRequest, PromptSegment, SampleInput,
+                                           StepInput)
+from nanoinfer.sampling.plan import build_sampling_plan
+
+
+def sampled_rows(batch: ScheduledBatch) -> dict[int, int]:
+    """seq_id -> row, for the rows of a batch that sample a token."""
+    return {seq.seq_id: row for row, seq in enumerate(batch.seqs) if batch.samples[row]}
+
+
+class StepEncoder:
+    """vocab_size and eos_token_ids: what the sampling plan checks against. seeds: the generator
+    plain steps draw their noise seed from (seeded from the config). sample_on_shards: the ranks
+    can sample their vocabulary shards (tensor parallelism on CUDA)."""
+
+    def __init__(self, vocab_size: int, eos_token_ids, seeds: torch.Generator | None = None,
+                 sample_on_shards: bool = False):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.seeds = seeds
+        self.sample_on_shards = sample_on_shards
+
+    def encode(self, batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> tuple[StepInput, SampleInput]:
+        """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any."""
+        step = encode_rows(batch, prev_rows)
+        plan = build_sampling_plan(batch.seqs, self.vocab_size, self.eos_token_ids, batch.samples, prev_rows,
+                                   self.seeds)
+        sample = SampleInput(plan, prompt_logprobs_request(batch))
+        if sample.prompt_logprobs is not None:
+            step.prompt_logit_rows = prompt_logit_rows(batch, sample.prompt_logprobs)
+        elif self.sample_on_shards and plan.plain:
+            step.plain_sample = PlainSample(plan.temperatures, plan.seed)
+        return step, sample
+
+
+def encode_rows(batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> StepInput:
+    """Every row's query tokens, flat; a decode row whose token is still in flight reads it from
+    the previous step's row that sampled it."""
+    input_ids, inflight_rows, inflight_sources = [], [], []
+    for row in range(batch.num_decode):
+        seq, start = batch.seqs[row], batch.starts[row]
+        tokens = seq.token_ids
+        if start < len(tokens):
+            input_ids.append(tokens[start])
+        else:
+            input_ids.append(0)
+            inflight_rows.append(row)
+            inflight_sources.append(prev_rows[seq.seq_id])
+    for row in range(batch.num_decode, len(batch.seqs)):
+        start = batch.starts[row]
+        input_ids += batch.seqs[row].token_ids[start:start + batch.query_lens[row]]
+    return StepInput(batch.num_decode, batch.starts, batch.query_lens, input_ids,
+                     [seq.block_table for seq in batch.seqs], inflight_rows, inflight_sources)
+
+
+def prompt_logprobs_request(batch: ScheduledBatch) -> PromptLogprobsRequest | None:
+    """The prompt positions a step computes logprobs for (a request's first sample computes
+    them; position p predicts prompt token p + 1), or None (the common case)."""
+    segments, targets = [], []
+    for r in range(batch.num_decode, len(batch.seqs)):  # decode rows have no prompt positions
+        seq, start = batch.seqs[r], batch.starts[r]
+        k = seq.sampling_params.prompt_logprobs
+        end = min(start + batch.query_lens[r], seq.num_prompt_tokens - 1)
+        if k is not None and seq.index == 0 and start < end:
+            segments.append(PromptSegment(r, start, end - start, k))
+            targets += seq.token_ids[start + 1:end + 1]
+    if not segments:
+        return None
+    return PromptLogprobsRequest(segments, targets, max(s.top_k for s in segments))
+
+
+def prompt_logit_rows(batch: ScheduledBatch, request: PromptLogprobsRequest) -> list[int]:
+    """The flat token rows of the request's positions, in segment order (a segment starts at its
+    row's first query token)."""
+    first = [0]
+    for q in batch.query_lens:
+        first.append(first[-1] + q)
+    return [i for s in request.segments for i in range(first[s.row], first[s.row] + s.count)]

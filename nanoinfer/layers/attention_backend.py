@@ -1,0 +1,141 @@
+"""How attention runs on this device, chosen once per engine (`select_attention_backend`) and shared
+by every Attention layer (layers/attention.py). A backend does two things for a layer each step:
+`write_step` turns the fused qkv projection's output into q (q/k norm, RoPE) and stores the step's
+K and V in the layer's paged cache; `attend` computes attention over that cache. Every backend uses
+one cache layout, [num_blocks, block_size, num_kv_heads, head_dim] per layer for K and for V, and
+reads the step's state from utils/context.py.
+
+- torch (CPU): the unfused reference path, and torch attention over the paged cache.
+- triton (CUDA): one kernel for q/k norm + RoPE + K/V store (kernels/qkv_epilogue.py), our
+  prefill/extend and split-KV decode kernels (kernels/triton_attention.py).
+- flash_attn (CUDA, when flash-attn is importable): the same fused epilogue, then flash-attn's
+  FA2 functions as nano-vllm calls them.
+
+Two flags tell the model runner what a backend can do: `mixed_step_graphs` (a step with prompt
+chunks may replay a CUDA graph: its attention is one kernel launch whatever the mix) and
+`sorts_decode_rows` (decode reads ctx.decode_order, the rows longest context first)."""
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanoinfer.kernels.kv_store import store_kvcache
+from nanoinfer.kernels.qkv_epilogue import qkv_epilogue
+from nanoinfer.kernels.torch_attention import paged_attention_torch
+from nanoinfer.kernels.triton_attention import decode_attention, prefill_attention
+from nanoinfer.utils.context import get_context
+
+if TYPE_CHECKING:
+    from nanoinfer.layers.attention import Attention
+    from nanoinfer.layers.layernorm import RMSNorm
+
+logger = logging.getLogger("nanoinfer")
+
+
+class AttentionBackend:
+    name: str
+    mixed_step_graphs = False
+    sorts_decode_rows = False
+
+    def write_step(self, layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor, q_norm: "RMSNorm | None",
+                   k_norm: "RMSNorm | None") -> torch.Tensor:
+        """qkv: [N, (num_heads + 2 * num_kv_heads) * head_dim]; q_norm, k_norm: the per-head RMSNorms
+        or None. Returns q [N, num_heads, head_dim], normed and rotated; K and V go to the cache (not
+        while it is empty: the memory-profiling warm-up runs before the cache exists)."""
+        raise NotImplementedError
+
+    def attend(self, layer: "Attention", q: torch.Tensor) -> torch.Tensor:
+        """q: [N, num_heads, head_dim] -> attention over the layer's cache, [N, num_heads, head_dim]."""
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def write_step(self, layer, qkv, positions, q_norm, k_norm):
+        n, heads, kv_heads, dim = qkv.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, k, v = q.view(n, heads, dim), k.view(n, kv_heads, dim), v.view(n, kv_heads, dim)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k = layer.rotary_emb(positions, q, k)
+        if layer.k_cache.numel():
+            store_kvcache(k, v, layer.k_cache, layer.v_cache, get_context().slot_mapping)
+        return q
+
+    def attend(self, layer, q):
+        ctx = get_context()
+        query_lens = ctx.query_lens_cpu if ctx.is_prefill else [1] * q.shape[0]
+        return paged_attention_torch(q, layer.k_cache, layer.v_cache, query_lens, ctx.context_lens_cpu,
+                                     ctx.block_tables, layer.scale)
+
+
+class FusedEpilogueBackend(AttentionBackend):
+    """The CUDA backends' write_step: q/k norm, RoPE and the K/V store in one kernel."""
+
+    def write_step(self, layer, qkv, positions, q_norm, k_norm):
+        return qkv_epilogue(qkv, positions, layer.rotary_emb.cos_sin_cache,
+                            q_norm.weight if q_norm is not None else None,
+                            k_norm.weight if k_norm is not None else None,
+                            q_norm.eps if q_norm is not None else 0.0, layer.k_cache, layer.v_cache,
+                            get_context().slot_mapping, layer.num_heads, layer.num_kv_heads, layer.head_dim)
+
+
+class TritonAttentionBackend(FusedEpilogueBackend):
+    """A mixed step (decode rows and prompt chunks) runs whole through the prefill kernel: one
+    launch per layer costs far less host time than a decode-kernel + prefill-kernel split, for a
+    negligible device cost; which is also what lets such steps replay CUDA graphs."""
+    name = "triton"
+    mixed_step_graphs = True
+    sorts_decode_rows = True
+
+    def attend(self, layer, q):
+        ctx = get_context()
+        if ctx.is_prefill:
+            return prefill_attention(q, layer.k_cache, layer.v_cache, ctx.cu_seqlens_q, ctx.context_lens,
+                                     ctx.block_tables, ctx.max_seqlen_q, layer.scale)
+        return decode_attention(q, layer.k_cache, layer.v_cache, ctx.context_lens, ctx.block_tables, layer.scale,
+                                order=ctx.decode_order)
+
+
+class FlashAttnBackend(FusedEpilogueBackend):
+    """A thin FA2 wrapper as nano-vllm uses it (flash_attn_varlen_func with a block table for steps
+    with prompt chunks, flash_attn_with_kvcache for decode). flash-attn's paged K/V wants blocks of
+    a multiple of 256 tokens."""
+    name = "flash_attn"
+
+    def __init__(self, block_size: int):
+        if block_size % 256:
+            raise ValueError(f"the flash_attn backend needs kvcache_block_size % 256 == 0, got {block_size}")
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def attend(self, layer, q):
+        ctx = get_context()
+        if ctx.is_prefill:
+            return self.varlen(q, layer.k_cache, layer.v_cache, cu_seqlens_q=ctx.cu_seqlens_q,
+                               cu_seqlens_k=ctx.cu_seqlens_k, max_seqlen_q=ctx.max_seqlen_q,
+                               max_seqlen_k=ctx.max_seqlen_k, softmax_scale=layer.scale, causal=True,
+                               block_table=ctx.block_tables)
+        return self.with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache, cache_seqlens=ctx.context_lens,
+                                 block_table=ctx.block_tables, softmax_scale=layer.scale, causal=True).squeeze(1)
+
+
+def flash_attn_importable() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_attention_backend(device: str, block_size: int) -> AttentionBackend:
+    """flash_attn on CUDA when importable, else triton on CUDA; torch on CPU. Logged once."""
+    if device != "cuda":
+        backend = TorchAttentionBackend()
+    elif flash_attn_importable():
+        backend = FlashAttnBackend(block_size)
+    else:
+        backend = TritonAttentionBackend()
+    logger.info("attention backend: %s", backend.name)
+    return backend

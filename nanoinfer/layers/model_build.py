@@ -1,0 +1,36 @@
+"""What every layer of one model is built with, passed down explicitly from the model's constructor:
+this rank's place in tensor parallelism, the engine's attention backend, and the choice of weight
+method for each linear layer (by its module name, as quantized checkpoints list the layers they
+leave unquantized)."""
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nanoinfer.layers.attention_backend import AttentionBackend, TorchAttentionBackend
+from nanoinfer.layers.linear_method import LinearMethod, dense_linear_method
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank and the number of ranks a model is sharded over. Layers take it from here, never
+    from torch.distributed: a tp=1 engine built in a process where the user initialised
+    torch.distributed must not shard."""
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is outside [0, {self.size})")
+
+
+@dataclass(frozen=True)
+class ModelBuild:
+    """tp: the sharding; attention_backend: shared by every Attention layer; linear_method(prefix):
+    the weight method of the linear layer named `prefix` (e.g. "model.layers.0.self_attn.qkv_proj")."""
+    tp: TensorParallel = TensorParallel()
+    attention_backend: AttentionBackend = field(default_factory=TorchAttentionBackend)
+    linear_method: Callable[[str], LinearMethod] = dense_linear_method
+
+
+def join(prefix: str, name: str) -> str:
+    """The module name of child `name` under `prefix` ("" at the root)."""
+    return f"{prefix}.{name}" if prefix else name

@@ -1,0 +1,62 @@
+"""The logits pipeline: one step's logits [B, V] -> its tokens [B], all batched, on the device.
+
+PIPELINE is one ordered list of Stages (sampling/stage.py): the per-request edits in vLLM's order,
+each run only when some row uses it, then the end that picks the tokens. A feature adds an entry:
+a grammar bitmask after ALLOWED_TOKENS, a speculative verifier (an end) before SAMPLE.
+
+    raw logits --(logprobs of the rows that ask: log_softmax of the raw logits)
+      -> logits_processors -> allowed_token_ids -> bad words, min_tokens -> logit_bias -> penalties
+      -> sample: greedy argmax, or / temperature -> min_p -> top_k -> top_p -> Gumbel-max
+
+A step whose rows use temperature alone (SamplingTensors.plain) skips the list on CUDA: a fused
+Triton kernel (kernels/sampling.py) reads the logits once for temperature, noise and argmax, its
+noise seeded per step from the engine's generator.
+"""
+import torch
+
+from nanoinfer.kernels.sampling import sample_gumbel_argmax
+from nanoinfer.sampling.draw import SAMPLE
+from nanoinfer.sampling.logprobs import gather_logprobs, logprobs_to_host, raw_logprobs
+from nanoinfer.sampling.stage import Stage
+from nanoinfer.sampling.stages import ALLOWED_TOKENS, LOGIT_BIAS, PENALTIES, PROCESSORS, SUPPRESSION
+from nanoinfer.sampling.tensors import SamplingTensors
+
+__all__ = ["PIPELINE", "sample_logits", "logprobs_to_host"]
+
+PIPELINE: tuple[Stage, ...] = (
+    PROCESSORS,
+    ALLOWED_TOKENS,
+    SUPPRESSION,
+    LOGIT_BIAS,
+    PENALTIES,
+    SAMPLE,
+)
+
+
+def _stages_for(t: SamplingTensors, pipeline) -> list[Stage]:
+    """The stages this step runs: those that apply, up to and including the first end that does."""
+    todo = []
+    for stage in pipeline:
+        if stage.applies(t):
+            todo.append(stage)
+            if stage.end:
+                return todo
+    raise ValueError(f"no end of the sampling pipeline applies: {[s.name for s in pipeline]}")
+
+
+@torch.inference_mode()
+def sample_logits(logits: torch.Tensor, t: SamplingTensors, pipeline=PIPELINE) -> tuple[torch.Tensor, tuple | None]:
+    """The sampled token ids [B] on the device (an int dtype), and the logprob tensors for
+    logprobs_to_host (None when no row asked). The caller's logits are left as they were."""
+    if logits.is_cuda and t.plain:
+        return sample_gumbel_argmax(logits, t.temperatures, t.seed), None
+    todo = _stages_for(t, pipeline)
+    raw = logits
+    logits = logits.float()
+    if logits is raw and len(todo) > 1:
+        logits = logits.clone()  # edited in place by the stages: leave the caller's tensor alone
+    lp = raw_logprobs(logits, t)
+    for stage in todo[:-1]:
+        stage.run(logits, t)
+    tokens = todo[-1].run(logits, t)
+    return tokens, None if lp is None else gather_logprobs(lp, tokens, t)

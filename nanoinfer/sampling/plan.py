@@ -1,0 +1,136 @@
+"""The engine's side of sampling: a step's SamplingParams as a SamplingPlan (engine/step_message.py).
+
+It runs on the host every step, so it is one Python loop over the batch that appends to column
+lists, with no object per row; options no row uses stay None, so the plan stays small to pickle and
+the rank that samples (sampling/tensors.py) skips them. Here too: which tokens bad words ban, since
+that reads the host's token history.
+"""
+from array import array
+
+import torch
+
+from nanoinfer.engine.step_message import SamplingPlan
+from nanoinfer.sampling.noise import seed_keys
+from nanoinfer.sampling_params import SAMPLING_EPS
+
+TOP_K_OFF = 1 << 62  # larger than any vocabulary (logits may be wider than the tokenizer's vocab)
+
+
+def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev_row_of=None,
+                        seeds: torch.Generator | None = None) -> SamplingPlan:
+    """One per step: a Python loop over the batch reading each request's options.
+    `seeds`: where a plain plan draws its seed (the engine's generator, seeded from the
+    config; None: torch's default generator).
+    `samples[i]`: row i's sample is counted in its sequence's num_inflight (a scheduled step).
+    `prev_row_of`: seq_id -> row of the step still in flight, for rows that sampled: such a
+    token is not on the host yet, so it counts for seeds and min_tokens, and joins the penalty
+    history on the device."""
+    counted = samples or [False] * len(seqs)
+    temps, top_ks, top_ps, min_ps = [], [], [], []
+    pen, supp_rows, supp_toks, seeded, keys, lp_rows, lp_counts = [], [], [], [], [], [], []
+    allowed, bias, procs = [], [], []
+    use_top_k = use_top_p = use_min_p = False
+    eos = list(eos_token_ids)
+    for i, seq in enumerate(seqs):
+        sp = seq.sampling_params
+        # tokens generated before this row's sample (host + in flight, this row's own excluded)
+        generated = seq.num_completion_tokens + seq.num_inflight - counted[i]
+        greedy = sp.temperature < SAMPLING_EPS
+        temps.append(0.0 if greedy else float(sp.temperature))
+        k = sp.top_k if 0 < sp.top_k < vocab_size else TOP_K_OFF
+        top_ks.append(k)
+        top_ps.append(float(sp.top_p))
+        min_ps.append(float(sp.min_p))
+        if not greedy:
+            use_top_k |= k != TOP_K_OFF
+            use_top_p |= sp.top_p < 1.0
+            use_min_p |= sp.min_p > 0.0
+            if sp.seed is not None:
+                seeded.append(i)
+                keys.append(seed_keys(sp.seed, generated))
+        if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0:
+            pen.append(i)
+        if sp.min_tokens and generated < sp.min_tokens:
+            ids = sp.stop_token_ids if sp.ignore_eos else eos + sp.stop_token_ids
+            supp_rows.extend([i] * len(ids))
+            supp_toks.extend(ids)
+        if sp.logprobs is not None:
+            lp_rows.append(i)
+            lp_counts.append(sp.logprobs)
+        if sp.has_token_constraints:
+            _add_token_constraints(i, seq, generated, samples is None or samples[i], allowed, bias, procs,
+                                   supp_rows, supp_toks)
+    B = len(seqs)
+    all_greedy = all(t == 0.0 for t in temps)
+    p = SamplingPlan(temps, all_greedy=all_greedy, any_greedy=any(t == 0.0 for t in temps))
+    if not all_greedy:
+        if use_top_k:
+            p.top_k, p.max_top_k = top_ks, max(k for k in top_ks if k != TOP_K_OFF)
+        if use_top_p:
+            p.top_p = top_ps
+        if use_min_p:
+            p.min_p = min_ps
+        if seeded:
+            p.seeded_rows, p.seed_keys = seeded, keys
+    if pen:
+        _add_penalties(p, seqs, pen, counted, prev_row_of)
+    if supp_rows:
+        p.suppress_rows, p.suppress_tokens = supp_rows, supp_toks
+    if lp_rows:
+        p.lp_rows = None if len(lp_rows) == B else lp_rows
+        p.lp_counts, p.lp_max = lp_counts, min(max(lp_counts), vocab_size)
+    p.allowed, p.bias, p.processors = allowed or None, bias or None, procs or None
+    if p.plain:
+        p.seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seeds))
+    return p
+
+
+def _add_token_constraints(i, seq, generated, sampled, allowed, bias, procs, supp_rows, supp_toks):
+    """Row i's allowed_token_ids, logit_bias, bad words and logits processors (a row without any
+    never calls this)."""
+    sp = seq.sampling_params
+    if sp.allowed_token_ids is not None:
+        allowed.append((i, sp.allowed_token_ids))
+    if sp.logit_bias:
+        bias.append((i, sp.logit_bias))
+    if sp.needs_host_tokens and generated != seq.num_completion_tokens:
+        raise RuntimeError("a request with logits_processors or multi-token bad_words was scheduled "
+                           "before the host saw its previous token")
+    if sp.bad_words_token_ids:
+        banned = _banned_by_bad_words(sp.bad_words_token_ids, seq.token_ids, seq.num_prompt_tokens)
+        supp_rows.extend([i] * len(banned))
+        supp_toks.extend(banned)
+    if sp.logits_processors and sampled:
+        n = seq.num_prompt_tokens
+        procs.append((i, sp.logits_processors, seq.token_ids[:n], seq.token_ids[n:]))
+
+
+def _add_penalties(p: SamplingPlan, seqs, pen: list[int], counted, prev_row_of) -> None:
+    """The penalised rows' token histories, padded into one flat [P, L] int64 buffer. A row whose
+    last token is still in flight gets a late entry: the device writes that token after its history."""
+    rows = [seqs[i] for i in pen]
+    late = [(j, len(s.token_ids), prev_row_of[s.seq_id]) for j, s in enumerate(rows)
+            if prev_row_of and s.seq_id in prev_row_of and s.num_inflight - counted[pen[j]] > 0]
+    width = max(len(s.token_ids) for s in rows) + (1 if late else 0)
+    flat = array("q")  # C-level copies of the histories, not a Python list per row
+    for s in rows:
+        flat.extend(s.token_ids)
+        flat.extend([-1] * (width - len(s.token_ids)))
+    p.pen_rows = None if len(pen) == len(seqs) else pen
+    p.pen_tokens, p.pen_late = flat, late
+    p.pen_prompt_lens = [s.num_prompt_tokens for s in rows]
+    p.presence = [s.sampling_params.presence_penalty for s in rows]
+    p.frequency = [s.sampling_params.frequency_penalty for s in rows]
+    p.repetition = [s.sampling_params.repetition_penalty for s in rows]
+
+
+def _banned_by_bad_words(bad_words: list[list[int]], token_ids: list[int], num_prompt: int) -> list[int]:
+    """vLLM's rule: a word's last token is banned when the output ends with the tokens before it
+    (a one-token word always)."""
+    banned = []
+    num_output = len(token_ids) - num_prompt
+    for word in bad_words:
+        k = len(word) - 1
+        if k <= num_output and (k == 0 or token_ids[len(token_ids) - k:] == word[:k]):
+            banned.append(word[-1])
+    return banned

@@ -1,0 +1,93 @@
+"""Everything the HTTP process and the engine process send each other, one dataclass per kind
+(pickled over two one-way pipes; each send is a batch). A leaf: it imports no serve code.
+
+  HTTP -> engine, a list of commands per send:   Submit, Abort, Stop
+  engine -> HTTP:  StartFailed or Ready once, then a StepNews per engine step that has news,
+                   and EngineDead if the engine loop fails (the process then exits)
+
+A stream's deltas cross as the engine's own StreamDelta objects (outputs.py keeps their pickled
+form small), a finished prompt as its RequestOutput.
+"""
+from dataclasses import dataclass, field
+
+from nanoinfer.outputs import RequestOutput, StreamDelta
+from nanoinfer.sampling_params import SamplingParams
+
+
+# ---- HTTP -> engine -----------------------------------------------------------------------------
+@dataclass(slots=True)
+class Submit:
+    """Queue one HTTP request's prompts, all or none."""
+    sub_id: int
+    prompts: list
+    params: SamplingParams
+    stream: bool
+
+
+@dataclass(slots=True)
+class Abort:
+    """Stop what is left of a submission."""
+    sub_id: int
+
+
+@dataclass(slots=True)
+class Stop:
+    """Abort everything and exit."""
+
+
+# ---- engine -> HTTP -----------------------------------------------------------------------------
+_REMOTE_TYPES = {"ValueError": ValueError, "TypeError": TypeError}  # the client's 400s; others are 500s
+
+
+@dataclass(slots=True)
+class RemoteError:
+    """An exception raised in the engine process, by type name: it is raised again in the HTTP
+    process as that type if it is a ValueError or TypeError (invalid input), else a RuntimeError."""
+    type_name: str
+    message: str
+
+    @classmethod
+    def of(cls, e: BaseException) -> "RemoteError":
+        return cls(type(e).__name__, str(e))
+
+    def exception(self) -> Exception:
+        return _REMOTE_TYPES.get(self.type_name, RuntimeError)(self.message)
+
+
+@dataclass(slots=True)
+class StartFailed:
+    """Building the LLM raised `error`; the process exits."""
+    error: RemoteError
+
+
+@dataclass(slots=True)
+class Ready:
+    """The LLM is built; the HTTP process renders chat prompts with this copy of its tokenizer."""
+    model: str
+    max_model_len: int
+    tokenizer: object
+
+
+@dataclass(slots=True)
+class Admission:
+    """The engine's answer to a Submit: the request id of each prompt, in order, or the error that
+    queued none of them."""
+    sub_id: int
+    request_ids: list[int] = field(default_factory=list)
+    error: RemoteError | None = None
+
+
+@dataclass(slots=True)
+class StepNews:
+    """What one engine step (and the commands applied before it) produced: admissions first, then
+    the step's stream deltas (StreamDelta.index: the prompt's position in its submission), then the
+    outputs of the requests that finished or were aborted."""
+    admissions: list[Admission]
+    deltas: list[StreamDelta]
+    finals: list[RequestOutput]
+
+
+@dataclass(slots=True)
+class EngineDead:
+    """The engine loop failed (or the process was terminated); every waiting client gets `reason`."""
+    reason: str
