@@ -21,6 +21,7 @@ import traceback
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.sampling.sampler import SamplingFailed
+from nanoinfer.engine.rank_calls import AllocateKVCache, Exit, Flush, Info, Launch, Ping, Reported
 from nanoinfer.engine.step_message import SampleInput, StepInput, StepResult
 from nanoinfer.engine.worker_group import MAX_ERROR_CHARS, WorkerFailure, WorkerGroup
 
@@ -56,56 +57,71 @@ def free_port() -> int:
 
 # ---- a rank -------------------------------------------------------------------------------------
 def serve_rank(channel, config: Config, init_method: str):
-    """A worker's loop: load this rank's shard, then run the engine's calls until "exit".
-    Answers to launch/flush: [(step id, StepResult or an error string)] for steps reported now."""
+    """A worker's loop: load this rank's shard, then run the engine's calls until Exit.
+    Answers to Launch/Flush: a list of Reported, for the steps reported now."""
     for name, value in NO_MULTICAST.items():  # unless the user asks otherwise
         os.environ.setdefault(name, value)
     runner = ModelRunner(config, channel.rank, init_method)
     channel.answer(runner.num_blocks)
-    recent = {}          # step id -> InFlight: the last launched, and the one it read (the next step reads one of them)
-    awaiting_report = None  # rank 0: the id of the step launched and not reported yet
+    ranks = RankLoop(runner, channel)
     while True:
         message = channel.recv()
-        kind = message[0]
-        if kind == "launch":
-            _, k, prev, step_span, sample_span, report_now = message
-            step: StepInput = pickle.loads(channel.payload(step_span))
-            sample: SampleInput | None = pickle.loads(channel.payload(sample_span)) if sample_span else None
-            reported = []
-            try:
-                recent[k] = runner.launch(step, sample, recent.get(prev))
-            except SamplingFailed:  # e.g. a user's logits processor raised; the ranks are still in step
-                if not report_now:  # (nothing else is expected to fail there: the worker fails, loudly)
-                    raise
-                reported.append((k, f"rank 0: {traceback.format_exc()[-MAX_ERROR_CHARS:]}"))
-            if awaiting_report is not None:
-                reported.insert(0, (awaiting_report, runner.collect(recent[awaiting_report])))
-                awaiting_report = None
-            # the next step reads k's tokens, or prev's again if the engine drops k (its sampling failed)
-            recent = {key: recent[key] for key in (prev, k) if key in recent}
-            if sample is not None and k in recent:
-                if report_now:
-                    reported.append((k, runner.collect(recent[k])))
-                else:
-                    awaiting_report = k
-            channel.answer(reported)
-        elif kind == "flush":
-            reported = [] if awaiting_report is None else [(awaiting_report, runner.collect(recent[awaiting_report]))]
-            awaiting_report = None
-            channel.answer(reported)
-        elif kind == "allocate_kv_cache":
-            runner.allocate_kv_cache(message[1])
+        if isinstance(message, Launch):
+            channel.answer(ranks.launch(message))
+        elif isinstance(message, Flush):
+            channel.answer(ranks.flush())
+        elif isinstance(message, AllocateKVCache):
+            runner.allocate_kv_cache(message.num_blocks)
             channel.answer()
-        elif kind == "info":
+        elif isinstance(message, Info):
             channel.answer(runner.info())
-        elif kind == "ping":
+        elif isinstance(message, Ping):
             channel.answer()
-        elif kind == "exit":
+        elif isinstance(message, Exit):
             runner.exit()
             channel.answer()
             return
         else:
-            raise ValueError(f"unknown call {kind!r}")
+            raise ValueError(f"unknown call {message!r}")
+
+
+class RankLoop:
+    """A worker's steps: the InFlight of the last step launched and of the one it read (the next
+    step reads one of them), and on rank 0 the step launched and not reported yet."""
+
+    def __init__(self, runner: ModelRunner, channel):
+        self.runner, self.channel = runner, channel
+        self.recent = {}               # step id -> InFlight
+        self.awaiting_report = None    # rank 0: a step id
+
+    def launch(self, call: Launch) -> list[Reported]:
+        """Launch the step, then report the one launched before it (and this one, when asked)."""
+        k, prev, channel, runner = call.step_id, call.prev_id, self.channel, self.runner
+        step: StepInput = pickle.loads(channel.payload(call.step_span))
+        sample: SampleInput | None = pickle.loads(channel.payload(call.sample_span)) if call.sample_span else None
+        failed = []
+        try:
+            self.recent[k] = runner.launch(step, sample, self.recent.get(prev))
+        except SamplingFailed:  # e.g. a user's logits processor raised; the ranks are still in step
+            if not call.report_now:  # (nothing else is expected to fail there: the worker fails, loudly)
+                raise
+            failed.append(Reported(k, error=f"rank 0: {traceback.format_exc()[-MAX_ERROR_CHARS:]}"))
+        reported = self.flush() + failed  # (after the launch: the device runs step k while we wait for k-1)
+        # the next step reads k's tokens, or prev's again if the engine drops k (its sampling failed)
+        self.recent = {key: self.recent[key] for key in (prev, k) if key in self.recent}
+        if sample is not None and k in self.recent:
+            if call.report_now:
+                reported.append(Reported(k, runner.collect(self.recent[k])))
+            else:
+                self.awaiting_report = k
+        return reported
+
+    def flush(self) -> list[Reported]:
+        """The report of the step awaiting one, if any."""
+        if self.awaiting_report is None:
+            return []
+        k, self.awaiting_report = self.awaiting_report, None
+        return [Reported(k, self.runner.collect(self.recent[k]))]
 
 
 # ---- the engine's side --------------------------------------------------------------------------
@@ -118,7 +134,7 @@ class TensorParallelExecutor:
         self._broken: str | None = None   # why the group can no longer be used
         self._closed = False
         self._launched = 0                # step ids
-        self._results: dict[int, StepResult | str] = {}
+        self._results: dict[int, Reported] = {}
         self._answers_pending = False
         self.group = None
         try:
@@ -132,7 +148,7 @@ class TensorParallelExecutor:
 
     # ---- the runner's interface -----------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int):
-        self._everyone("allocate_kv_cache", "allocate_kv_cache", num_blocks)  # (graph capture runs collectives)
+        self._everyone("allocate_kv_cache", AllocateKVCache(num_blocks))  # (graph capture runs collectives)
         self.num_blocks = num_blocks
 
     def launch(self, step: StepInput, sample: SampleInput, prev: int | None) -> int:
@@ -146,12 +162,12 @@ class TensorParallelExecutor:
         self._launched = k = self._launched + 1
         report_now = sample.plan.processors is not None
         step_span, sample_span = (0, len(data)), (len(data), len(plan))
-        self._call([("launch", k, prev, step_span, sample_span if rank == 0 else None, report_now)
+        self._call([Launch(k, prev, step_span, sample_span if rank == 0 else None, report_now)
                     for rank in range(self.world_size)], data + plan)
         if report_now:
             self._settle()
-            if isinstance(self._results.get(k), str):
-                raise RuntimeError(f"sampling failed: {self._results.pop(k)}")
+            if k in self._results and self._results[k].error is not None:
+                raise RuntimeError(f"sampling failed: {self._results.pop(k).error}")
         return k
 
     def collect(self, k: int) -> StepResult:
@@ -159,19 +175,19 @@ class TensorParallelExecutor:
         last step launched, which nobody reports unasked, in the answers to a flush."""
         self._settle()
         if k not in self._results:
-            self._call([("flush",)] * self.world_size)
+            self._call([Flush()] * self.world_size)
             self._settle()
         if k not in self._results:
             raise RuntimeError(f"step {k} was never launched or was already collected")
-        return self._results.pop(k)
+        return self._results.pop(k).result
 
     def info(self) -> dict:
         """Rank 0's ModelRunner.info()."""
-        return self._everyone("info", "info")[0]
+        return self._everyone("info", Info())[0]
 
     def ping(self):
         """A round trip through every rank without a forward (what the RPC costs)."""
-        self._everyone("a ping", "ping")
+        self._everyone("a ping", Ping())
 
     def exit(self):
         if self._closed:
@@ -183,7 +199,7 @@ class TensorParallelExecutor:
         if not self._broken:
             try:
                 self._settle(timeout=5.0)
-                self.group.call([("exit",)] * self.world_size)
+                self.group.call([Exit()] * self.world_size)
                 self.group.wait("exit", timeout=EXIT_TIMEOUT_S, exiting=True)
                 polite = True
             except (WorkerFailure, RuntimeError):
@@ -213,7 +229,7 @@ class TensorParallelExecutor:
         self._answers_pending = False
         return answers
 
-    def _everyone(self, what: str, *message) -> list:
+    def _everyone(self, what: str, message) -> list:
         """The same call to every rank, once the last call is answered; returns their answers."""
         self._settle()
         self._call([message] * self.world_size)
@@ -222,8 +238,8 @@ class TensorParallelExecutor:
     def _settle(self, timeout: float | None = None):
         """Collect the answers to the last call, if not yet: rank 0's carry step results."""
         if self._answers_pending:
-            for k, result in self._answers("a step", timeout or self.step_timeout)[0] or ():
-                self._results[k] = result
+            for report in self._answers("a step", timeout or self.step_timeout)[0] or ():
+                self._results[report.step_id] = report
 
     def _fail(self, error: BaseException, when: str):
         """Any failure mid-call leaves the ranks out of step: stop them all (SIGKILL) and refuse

@@ -1,8 +1,8 @@
 """Worker processes and their failure handling, apart from what they compute (engine/tp_executor.py).
 
 Calls: the parent writes a call's payload into one shared-memory segment and sends each worker a
-small message on its pipe; every worker answers every call on the same pipe, ("ok", value) or
-("error", traceback). The payload is written again only after every worker has answered the call
+small message on its pipe; every worker answers every call on the same pipe with a Reply (a value,
+or the traceback it failed with). The payload is written again only after every worker has answered the call
 before, so nobody reads a half-written payload; a payload that outgrows the segment moves everyone
 to a larger one first. Each segment's name is unlinked as soon as every worker has mapped it, and
 pipes have no name: nothing is left in /dev/shm whatever happens to any process.
@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
 from multiprocessing.shared_memory import SharedMemory
 
@@ -35,6 +36,19 @@ class WorkerFailure(Exception):
     """A worker died, raised or stayed silent past a call's timeout; the message names the rank(s)."""
 
 
+@dataclass(slots=True)
+class Reply:
+    """A worker's answer to a call: its value, or the error (a traceback) it ended with."""
+    value: object = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Remap:
+    """The group's own call: map the larger shared-memory segment `segment`."""
+    segment: str
+
+
 # ---- the worker's end -----------------------------------------------------------------------------
 class WorkerChannel:
     """A worker's end of the group: `recv()` the next call's message, `payload(span)` its data,
@@ -47,13 +61,13 @@ class WorkerChannel:
     def _map(self, name: str):
         self.shm = SharedMemory(name=name)  # (registered with the parent's tracker; the parent unlinks it)
 
-    def recv(self) -> tuple:
+    def recv(self):
         while True:
             message = self.conn.recv()
-            if message[0] != "_remap":
+            if not isinstance(message, Remap):
                 return message
             self.shm.close()
-            self._map(message[1])
+            self._map(message.segment)
             self.answer(None)
 
     def payload(self, span: tuple[int, int]) -> memoryview:
@@ -61,7 +75,7 @@ class WorkerChannel:
         return self.shm.buf[start:start + length]
 
     def answer(self, value=None):
-        self.conn.send(("ok", value))
+        self.conn.send(Reply(value))
 
     def close(self):
         self.shm.close()
@@ -83,7 +97,7 @@ def _worker_entry(target, rank: int, conn, segment: str, args: tuple):
         channel.close()
     except BaseException:
         try:
-            conn.send(("error", f"rank {rank}: {traceback.format_exc()[-MAX_ERROR_CHARS:]}"))
+            conn.send(Reply(error=f"rank {rank}: {traceback.format_exc()[-MAX_ERROR_CHARS:]}"))
         except Exception:
             pass
         os._exit(1)  # no finalizers: a broken process group must not hold us up
@@ -146,7 +160,7 @@ class WorkerGroup:
         proc.start()
 
     # ---- calls ----------------------------------------------------------------------------------
-    def call(self, messages: list[tuple], payload: bytes | None = None):
+    def call(self, messages: list, payload: bytes | None = None):
         """Send one message per worker (small, picklable), with `payload` in the segment at offset
         0 (messages refer to it by (start, length) spans). The previous call's answers must have
         been collected."""
@@ -178,13 +192,13 @@ class WorkerGroup:
                 try:
                     ready = conn.poll()
                     if ready:
-                        status, value = conn.recv()
+                        reply = conn.recv()
                 except (EOFError, OSError):
                     raise WorkerFailure(self._describe({})) from None
                 if ready:
-                    if status != "ok":
-                        raise WorkerFailure(self._describe({i: value}))
-                    self._results[i] = value
+                    if reply.error is not None:
+                        raise WorkerFailure(self._describe({i: reply.error}))
+                    self._results[i] = reply.value
                     self._pending.discard(i)
                 elif not self.procs[i].is_alive():
                     raise WorkerFailure(self._describe({}))
@@ -217,9 +231,9 @@ class WorkerGroup:
                     continue
                 try:
                     while i not in errors and conn.poll():
-                        status, value = conn.recv()
-                        if status != "ok":
-                            errors[i] = value
+                        reply = conn.recv()
+                        if reply.error is not None:
+                            errors[i] = reply.error
                 except (EOFError, OSError):
                     proc.join(0.5)
                     errors[i] = f"rank {i}: process {proc.pid} {_exit_reason(proc)}"
@@ -243,7 +257,7 @@ class WorkerGroup:
 
     def _grow(self, needed: int):
         new = self._new_segment(max(2 * self.shm.size, 1 << (needed - 1).bit_length()))
-        self.call([("_remap", new.name)] * len(self.procs))
+        self.call([Remap(new.name)] * len(self.procs))
         self.wait("a remap", timeout=30.0)
         old, self.shm = self.shm, new
         self._unlink(new)  # every worker has mapped it
