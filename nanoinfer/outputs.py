@@ -1,6 +1,5 @@
 """What generate / chat / stream return, shaped like vLLM's outputs."""
-from dataclasses import dataclass, field, fields
-from operator import attrgetter
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -88,11 +87,3 @@ class StreamDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     output: RequestOutput | None = field(default=None, repr=False)  # the full result, once every completion of the prompt is done
-
-    def __reduce__(self):
-        # Pickled as its constructor's arguments: smaller and quicker both ways than the instance
-        # dict, and the server's engine process sends one per streamed completion per step.
-        return StreamDelta, _stream_delta_fields(self)
-
-
-_stream_delta_fields = attrgetter(*(f.name for f in fields(StreamDelta)))

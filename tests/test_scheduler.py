@@ -14,6 +14,11 @@ BS = 16
 EOS = 3
 
 
+def process_step(sched, batch, tokens):
+    """A step's tokens as the engine processes them without stop strings: update, then the finishes."""
+    sched.finish_rows(batch, sched.update(batch, tokens), {})
+
+
 def fake_next_token(token_ids):
     return xxhash.xxh32(str(token_ids).encode()).intdigest() % 50
 
@@ -93,10 +98,10 @@ def run_workload(requests, num_blocks, max_num_seqs, max_num_batched_tokens, rng
             assert inflight is not None or sched.is_finished(), "no progress"
             launched = None
         if inflight is not None:
-            sched.update(*inflight)
+            process_step(sched, *inflight)
         inflight = launched
         if not overlap and inflight is not None:
-            sched.update(*inflight)
+            process_step(sched, *inflight)
             inflight = None
         steps += 1
         assert steps < 10_000
@@ -160,7 +165,7 @@ def test_long_prompt_is_chunked():
         batch = sched.schedule()
         assert batch.seqs == [seq] and batch.num_decode == 0
         chunks.append(batch.query_lens[0])
-        sched.update(batch, [7])
+        process_step(sched, batch, [7])
     assert chunks == [32, 32, 32, 4]
     assert seq.completion_token_ids == [7]
 
@@ -172,7 +177,7 @@ def test_running_sequences_decode_beside_a_long_prompt():
     short = [Sequence([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True), BS) for _ in range(4)]
     for s in short:
         sched.add(s)
-    sched.update(sched.schedule(), [5] * 4)  # their prompts: one step
+    process_step(sched, sched.schedule(), [5] * 4)  # their prompts: one step
     long = Sequence(list(range(200)), SamplingParams(max_tokens=2, ignore_eos=True), BS)
     sched.add(long)
     chunks = []
@@ -181,7 +186,7 @@ def test_running_sequences_decode_beside_a_long_prompt():
         assert batch.seqs[:4] == short and batch.num_decode == 4, "every running sequence decodes"
         assert batch.seqs[4:] == [long]
         chunks.append(batch.query_lens[4])
-        sched.update(batch, [5] * 5)
+        process_step(sched, batch, [5] * 5)
     assert chunks == [28] * 7 + [4] and sum(chunks) == 200
     assert all(s.num_completion_tokens == 1 + len(chunks) for s in short)
 
@@ -193,7 +198,7 @@ def test_several_prompts_mid_prefill():
     sched.add(b)
     batch = sched.schedule()
     assert batch.seqs == [a, b] and batch.query_lens == [50, 14]
-    sched.update(batch, [0, 0])
+    process_step(sched, batch, [0, 0])
     batch = sched.schedule()
     assert batch.seqs == [b] and batch.query_lens == [64]
 
@@ -203,7 +208,7 @@ def test_prefix_cache_hit_across_requests():
     prompt = list(range(40))
     a = Sequence(prompt, SamplingParams(max_tokens=1), BS)
     sched.add(a)
-    sched.update(sched.schedule(), [5])
+    process_step(sched, sched.schedule(), [5])
     b = Sequence(prompt + [1, 2], SamplingParams(max_tokens=1), BS)
     sched.add(b)
     batch = sched.schedule()

@@ -9,12 +9,14 @@ from nanoinfer.engine.sequence import Sequence
 from nanoinfer.engine.step_encoder import StepEncoder
 from nanoinfer.sampling_params import SamplingParams
 
+EOS = frozenset({7})
+
 
 def batch(params: list[SamplingParams]) -> ScheduledBatch:
     seqs = [Sequence([1, 2, 3, 4 + i], sp, 16) for i, sp in enumerate(params)]
     for i, seq in enumerate(seqs):
         seq.block_table = [i]
-    return ScheduledBatch(seqs, [0] * len(seqs), [4] * len(seqs), [True] * len(seqs), 0, frozenset({7}))
+    return ScheduledBatch(seqs, [0] * len(seqs), [4] * len(seqs), [True] * len(seqs), 0)
 
 
 @pytest.mark.parametrize("params, plain", [
@@ -26,7 +28,7 @@ def batch(params: list[SamplingParams]) -> ScheduledBatch:
 ])
 def test_plain_steps_sample_on_the_shards(params, plain):
     b = batch(params)
-    step, sample = StepEncoder(100, b.eos_token_ids, torch.Generator().manual_seed(5), True).encode(b, None)
+    step, sample = StepEncoder(100, EOS, torch.Generator().manual_seed(5), True).encode(b, None)
     if plain:
         temps, seed = step.plain_sample.temperatures, step.plain_sample.seed
         assert temps == sample.plan.temperatures == [0.6 if sp.temperature else 0.0 for sp in params]
@@ -34,7 +36,7 @@ def test_plain_steps_sample_on_the_shards(params, plain):
         assert pickle.loads(pickle.dumps(step)).plain_sample == step.plain_sample  # (sent to every rank)
     else:
         assert step.plain_sample is None
-    off, _ = StepEncoder(100, b.eos_token_ids, torch.Generator().manual_seed(5), False).encode(b, None)
+    off, _ = StepEncoder(100, EOS, torch.Generator().manual_seed(5), False).encode(b, None)
     assert off.plain_sample is None  # one rank, or CPU: rank 0 samples the full rows
 
 
@@ -46,6 +48,6 @@ def test_the_seeds_come_from_the_engines_generator():
     for _ in range(2):
         seeds = torch.Generator().manual_seed(11)
         torch.rand(5)  # the default generator moves on between runs
-        encoder = StepEncoder(100, b.eos_token_ids, seeds, True)
+        encoder = StepEncoder(100, EOS, seeds, True)
         runs.append([encoder.encode(b, None)[0].plain_sample.seed for _ in range(4)])
     assert runs[0] == runs[1] and len(set(runs[0])) == 4

@@ -104,7 +104,7 @@ def test_prefill_cached_prefix_and_chunked(dtype):
 
 
 def test_prefill_padded_as_in_a_cuda_graph():
-    """As a graph for steps with prompt chunks runs it (model_runner._replay_mixed): more rows than
+    """As a graph for steps with prompt chunks runs it (engine/graph_runner.py, GraphRunner._replay_mixed): more rows than
     the step's, with no query tokens, padded query tokens past the last row, and max_seqlen_q the
     bucket's. The step's rows come out exactly as without the padding."""
     torch.manual_seed(4)

@@ -257,13 +257,9 @@ class LLMEngine:
         if result.prompt_logprobs:
             self.output_processor.record_prompt_logprobs(seqs, result.prompt_logprobs, self.requests)
         update = self.scheduler.update(launched.batch, result.tokens)
-        stops = self.output_processor.record_tokens(seqs, update.appended, result.logprobs, self.requests, now)
-        finished = update.finished
-        if stops:
-            for seq, stop in stops:
-                self.scheduler.finish(seq, "stop", stop)
-            finished = [seqs[row] for row in update.appended if seqs[row].is_finished]  # row order, as update's
-        self._finished(finished, now)
+        stops = self.output_processor.record_tokens(seqs, update.appended, update.ending, result.logprobs,
+                                                    self.requests, now)
+        self._finished(self.scheduler.finish_rows(launched.batch, update, stops), now)
 
     def _finished(self, seqs: list[Sequence], now: float):
         """Record finished sequences; report their requests once every sample is done."""

@@ -122,7 +122,7 @@ class ModelRunner:
         """Release the KV cache, graphs and weights now: the engine object may outlive exit()."""
         self.graph_runner.release()
         self.kv_cache.release()
-        self.graph_runner.model = self.model = None
+        self.graph_runner.model = self.sampler.lm_head = self.model = None
         if self.device.type == "cuda" and self.world_size == 1:
             # (with tensor parallel a dead peer can leave a collective hanging: don't wait on it)
             torch.cuda.synchronize(self.device)

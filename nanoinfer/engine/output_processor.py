@@ -82,13 +82,14 @@ class OutputProcessor:
                 first = seg.start + 1
                 requests[seq.request_id].prompt_logprobs[first:first + len(seg.entries)] = seg.entries
 
-    def record_tokens(self, seqs: list[Sequence], rows: list[int], logprobs: list[TokenLogprobs | None] | None,
-                      requests: dict, now: float) -> list[tuple[Sequence, str]]:
+    def record_tokens(self, seqs: list[Sequence], rows: list[int], ending: dict, logprobs: list[TokenLogprobs | None] | None,
+                      requests: dict, now: float) -> dict[int, str]:
         """Record the tokens the scheduler just appended to the sequences of `rows` (rows of `seqs`,
-        and of the step's `logprobs`), after it decided EOS, stop ids and length. Returns the
-        (sequence, stop string) pairs whose new text completed a stop string, for the engine to
-        finish; none for a sequence already stopped by a token (EOS and stop ids win)."""
-        news, stops = self.news, []
+        and of the step's `logprobs`), after it decided which rows end (`ending`: row ->
+        (finish_reason, stop_reason), by EOS, stop ids and length). Returns row -> the stop string
+        its new text completed, for the engine to finish; none for a row already stopped by a token
+        (EOS and stop ids win)."""
+        news, stops = self.news, {}
         for row in rows:
             seq = seqs[row]
             req = requests[seq.request_id]
@@ -105,12 +106,13 @@ class OutputProcessor:
             if c.detok is None:
                 continue
             sp = seq.sampling_params
-            stopped_by_token = seq.finish_reason == "stop"  # (stop strings are applied after this)
+            end = ending.get(row)
+            stopped_by_token = end is not None and end[0] == "stop"
             keep = not stopped_by_token or sp.include_stop_str_in_output
             stop = c.detok.add(seq.token_ids[-1] if keep else None,
-                               check_stop=seq.num_completion_tokens >= sp.min_tokens, final=seq.is_finished)
+                               check_stop=seq.num_completion_tokens >= sp.min_tokens, final=end is not None)
             if stop is not None and not stopped_by_token:
-                stops.append((seq, stop))
+                stops[row] = stop
         return stops
 
     def mark_finished(self, req: Request, seq: Sequence, now: float):

@@ -17,7 +17,7 @@ words of several tokens: SamplingParams.needs_host_tokens) is not scheduled whil
 flight, so it runs every other step while the rest of the batch overlaps.
 """
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
@@ -32,7 +32,6 @@ class ScheduledBatch:
     query_lens: list[int]        # tokens each row computes
     samples: list[bool]          # whether the row's last token samples (False: a prompt chunk short of its end)
     num_decode: int = 0          # leading rows with one query token (decode rows)
-    eos_token_ids: frozenset = field(default_factory=frozenset)
 
     @property
     def is_decode_only(self) -> bool:
@@ -47,10 +46,12 @@ class ScheduledBatch:
 
 @dataclass(slots=True)
 class StepUpdate:
-    """What processing a step changed: the rows whose sampled token was appended (row order), and
-    the sequences that finished on it (EOS, a stop token id, a length limit), in row order too."""
+    """What processing a step decided: the rows whose sampled token was appended (row order), and
+    the rows that end on it, row -> (finish_reason, stop_reason), by EOS, a stop token id or a
+    length limit (in row order). They are finished by `finish_rows`, once the stop strings the new
+    text completed have joined them."""
     appended: list[int]
-    finished: list[Sequence]
+    ending: dict[int, tuple[str, int | str | None]]
 
 
 class Scheduler:
@@ -88,7 +89,7 @@ class Scheduler:
     # ---- planning a step ------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
-        batch = ScheduledBatch([], [], [], [], eos_token_ids=self.eos_token_ids)
+        batch = ScheduledBatch([], [], [], [])
         preempted = False
         # 1. one decode token for every running sequence that generates (oldest first)
         i = 0
@@ -171,10 +172,9 @@ class Scheduler:
     # ---- processing a finished step -------------------------------------------------------------
     def update(self, batch: ScheduledBatch, token_ids: list[int]) -> StepUpdate:
         """Record what a finished step computed: register its full blocks in the prefix cache,
-        append the sampled tokens, release the samples held for a first token's prompt, and finish
-        sequences on EOS, stop token ids and length limits (stop strings are the engine's to apply
-        next: a stop string the same token completed still wins over a length limit, see finish)."""
-        appended, finished = [], []
+        append the sampled tokens, release the samples held for a first token's prompt, and decide
+        which sequences end on EOS, stop token ids and length limits."""
+        appended, ending = [], {}
         for row, (seq, token_id) in enumerate(zip(batch.seqs, token_ids)):
             samples = batch.samples[row]  # False: a prompt chunk short of its end samples nothing
             seq.num_inflight -= samples
@@ -195,9 +195,23 @@ class Scheduler:
                         or seq.num_tokens >= self.max_model_len:
                     reason = "length"
             if reason is not None:
-                self.finish(seq, reason, stop_reason)
-                finished.append(seq)
-        return StepUpdate(appended, finished)
+                ending[row] = (reason, stop_reason)
+        return StepUpdate(appended, ending)
+
+    def finish_rows(self, batch: ScheduledBatch, update: StepUpdate, stop_strings: dict[int, str]) -> list[Sequence]:
+        """Finish the step's ending rows in row order (their blocks return to the free list in that
+        order), a completed stop string winning over a length limit (vLLM's rule; EOS and stop ids
+        win over it: the caller reports no stop string for those). Returns the sequences finished."""
+        ending = update.ending
+        for row, stop in stop_strings.items():
+            ending[row] = ("stop", stop)
+        rows = ending if not stop_strings else [row for row in update.appended if row in ending]
+        finished = []
+        for row in rows:
+            seq = batch.seqs[row]
+            self.finish(seq, *ending[row])
+            finished.append(seq)
+        return finished
 
     def _stop_by_token(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
         sp = seq.sampling_params
@@ -211,12 +225,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         """End a sequence wherever it is (running, waiting, held) and free its blocks. The one place
-        that decides `finish_reason` ("stop", "length" or "abort"). A stop string completed by the
-        token that also reached a length limit wins (as in vLLM): finishing with "stop" a sequence
-        that `update` just finished by length gives it that reason."""
+        that decides `finish_reason` ("stop", "length" or "abort")."""
         if seq.is_finished:
-            if reason == "stop" and seq.finish_reason == "length":
-                seq.finish_reason, seq.stop_reason = reason, stop_reason
             return
         if self.held:
             self._release_held(seq)  # its held samples go on without it

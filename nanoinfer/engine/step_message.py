@@ -1,7 +1,7 @@
 """The step message: what the engine sends a runner for one step, and what comes back.
 
-A leaf: plain, typed dataclasses that import nothing from the engine, the layers or torch, so a
-tensor-parallel worker loads them without the scheduler, and they pickle cheaply. Rows are held
+A leaf: plain, typed dataclasses that import nothing from the engine, the layers or torch, so the
+message depends on no part of the engine, and it pickles cheaply. Rows are held
 column by column (lists of ints), not as an object per row, because the step is rebuilt, and with
 tensor parallelism pickled, every step. engine/step_encoder.py builds them from scheduled sequences.
 
@@ -115,11 +115,14 @@ class SampleInput:
 @dataclass(slots=True)
 class TokenLogprobs:
     """One position's logprobs: the top entries (most likely first), and the chosen token's
-    logprob and rank (1 = the most likely)."""
+    logprob and rank (1 = the most likely). There is one per row and per prompt position."""
     top_ids: list[int]
     top_logprobs: list[float]
     logprob: float
     rank: int
+
+    def __reduce__(self):  # pickled as its constructor's arguments: far cheaper than a state dict
+        return TokenLogprobs, (self.top_ids, self.top_logprobs, self.logprob, self.rank)
 
 
 @dataclass(slots=True)

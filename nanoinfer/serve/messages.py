@@ -5,8 +5,8 @@
   engine -> HTTP:  StartFailed or Ready once, then a StepNews per engine step that has news,
                    and EngineDead if the engine loop fails (the process then exits)
 
-A stream's deltas cross as the engine's own StreamDelta objects (outputs.py keeps their pickled
-form small), a finished prompt as its RequestOutput.
+A stream's deltas are the engine's own StreamDelta objects (StepNews pickles them compactly); a
+finished prompt crosses as its RequestOutput.
 """
 from dataclasses import dataclass, field
 
@@ -85,6 +85,19 @@ class StepNews:
     admissions: list[Admission]
     deltas: list[StreamDelta]
     finals: list[RequestOutput]
+
+    def __reduce__(self):
+        # each delta as the values of StreamDelta's fields but `output` (which LLM.stream alone
+        # sets), rebuilt on arrival: pickling an object per delta would cost the engine's step
+        # loop several times more
+        deltas = [(d.index, d.completion_index, d.request_id, d.text, d.token_ids, d.logprobs, d.finished,
+                   d.finish_reason, d.stop_reason) for d in self.deltas]
+        return _step_news, (self.admissions, deltas, self.finals)
+
+
+
+def _step_news(admissions: list[Admission], deltas: list[tuple], finals: list[RequestOutput]) -> StepNews:
+    return StepNews(admissions, [StreamDelta(*fields) for fields in deltas], finals)
 
 
 @dataclass(slots=True)
