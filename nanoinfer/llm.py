@@ -68,10 +68,12 @@ class LLM(LLMEngine):
         left = dict(zip(request_ids, ns))  # completions of each request not finished yet
         try:
             while left:
-                if self.is_finished():
-                    raise RuntimeError("the engine has no work left but requests are unfinished")
-                self.advance()
-                deltas = self.take_stream_deltas(left)  # index: the position in request_ids
+                deltas = self.take_stream_deltas(left)  # news made while another caller drove the engine
+                if not deltas:
+                    if self.is_finished():
+                        raise RuntimeError("the engine has no work left but requests are unfinished")
+                    self.advance()
+                    deltas = self.take_stream_deltas(left)  # index: the position in request_ids
                 for d in deltas:  # (a request's deltas are together, its completions in order)
                     if d.finished:
                         left[d.request_id] -= 1

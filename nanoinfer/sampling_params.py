@@ -166,6 +166,8 @@ class SamplingParams:
             fail("top_k", "0 or -1 (disable), or at least 1")
         if not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "in [0, 1]")
+        if self.seed is not None and not -2**63 <= self.seed < 2**63:
+            fail("seed", "None or an int64, in [-2**63, 2**63 - 1]")
         if self.max_tokens is not None and self.max_tokens < 1:
             fail("max_tokens", "at least 1")
         if self.min_tokens < 0:

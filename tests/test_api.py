@@ -238,6 +238,32 @@ def test_stream_deltas_concatenate(llm):
     assert_all_blocks_free(llm)
 
 
+def test_stream_survives_generate_and_another_stream_driving_the_engine(llm):
+    """Deltas made while another caller drives the engine reach the stream later: each caller
+    gets its complete output, whatever the interleaving on one thread."""
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(["hello", "abc"], sp, use_tqdm=False)
+    g = llm.stream("hello", sp)
+    first = next(g)
+    other = llm.generate("world", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
+    rest = list(g)
+    assert first.token_ids + [t for d in rest for t in d.token_ids] == alone[0]["token_ids"]
+    assert len(other[0]["token_ids"]) == 50 and rest[-1].finished
+    a, b = llm.stream("hello", sp), llm.stream("abc", sp)
+    ids = {0: [], 1: []}
+    done = set()
+    while len(done) < 2:  # alternate the two generators
+        for key, gen in ((0, a), (1, b)):
+            if key not in done:
+                d = next(gen, None)
+                if d is None:
+                    done.add(key)
+                else:
+                    ids[key] += d.token_ids
+    assert ids[0] == alone[0]["token_ids"] and ids[1] == alone[1]["token_ids"]
+    assert_all_blocks_free(llm)
+
+
 def test_take_stream_deltas_takes_a_step_of_the_given_requests_at_once(llm):
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     a, b = llm.add_requests(PROMPTS[:2], [sp, SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=6, logprobs=2)],

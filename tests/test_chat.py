@@ -98,10 +98,19 @@ def test_bad_template_kwargs_and_tools(tok):
     ("{% for m in messages %}{{ m['content'] }", "TemplateSyntaxError"),
     ("{{ raise_exception('no system role') }}", "no system role"),
     ("{{ messages[0]['content'].nope.deeper }}", "UndefinedError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),  # runtime errors of the template are the request's too
+    ("{% for i in range(10**9) %}{% endfor %}", "Range too big"),
 ])
 def test_template_errors_are_value_errors(tok, template, match):
     with pytest.raises(ValueError, match=f"the chat template failed: .*{match}"):
         render_chat(tok, CONV, chat_template=template)
+
+
+def test_rendered_output_is_bounded(tok):
+    template = "{{ 'a' * 5000 }}"
+    assert len(render_chat(tok, CONV, chat_template=template, max_output_chars=5000)["prompt"]) == 5000
+    with pytest.raises(ValueError, match="more than the limit of 4999"):
+        render_chat(tok, CONV, chat_template=template, max_output_chars=4999)
 
 
 def test_no_chat_template(tok):

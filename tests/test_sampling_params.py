@@ -159,3 +159,21 @@ def test_bad_words_encoding_follows_vllm():
         WordTokenizer()).needs_host_tokens
     assert SamplingParams(logits_processors=[lambda ids, row: row]).needs_host_tokens
     assert not SamplingParams().needs_host_tokens
+
+
+@pytest.mark.parametrize("seed", [2**63, -2**63 - 1, 2**64 - 1, 2**70])
+def test_seed_outside_int64_is_refused_not_reduced(seed):
+    """vLLM's range for seed is int64; beyond it a seed was reduced mod 2**64 (-1 and 2**64 - 1 gave
+    the same text)."""
+    with pytest.raises(ValueError, match=r"seed must be None or an int64, in \[-2\*\*63, 2\*\*63 - 1\]") as err:
+        SamplingParams(seed=seed)
+    assert repr(seed) in str(err.value)
+
+
+def test_int64_seeds_are_kept_and_never_share_noise_keys():
+    from nanoinfer.sampling.noise import seed_keys
+    seeds = [-2**63, -2**32, -1, 0, 1, 2**32, 2**63 - 1]
+    assert [SamplingParams(seed=s).seed for s in seeds] == seeds
+    for step in (0, 5):
+        keys = {tuple(seed_keys(s, step)) for s in seeds}
+        assert len(keys) == len(seeds), "distinct int64 seeds must give distinct noise keys"

@@ -25,10 +25,23 @@ class TensorParallel:
 @dataclass(frozen=True)
 class ModelBuild:
     """tp: the sharding; attention_backend: shared by every Attention layer; linear_method(prefix):
-    the weight method of the linear layer named `prefix` (e.g. "model.layers.0.self_attn.qkv_proj")."""
+    the weight method of the linear layer named `prefix` (e.g. "model.layers.0.self_attn.qkv_proj");
+    max_model_len: the longest sequence the engine runs, which sizes the model's one RoPE cache
+    (positions 0 .. max_model_len - 1; None: the model's max_position_embeddings)."""
     tp: TensorParallel = TensorParallel()
     attention_backend: AttentionBackend = field(default_factory=TorchAttentionBackend)
     linear_method: Callable[[str], LinearMethod] = dense_linear_method
+    max_model_len: int | None = None
+
+    def __post_init__(self):
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    def rope_positions(self, max_position_embeddings: int) -> int:
+        """How many positions the RoPE cache holds: every one the engine can compute."""
+        if self.max_model_len is None:
+            return max_position_embeddings
+        return min(max_position_embeddings, self.max_model_len)
 
 
 def join(prefix: str, name: str) -> str:

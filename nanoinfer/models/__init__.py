@@ -1,10 +1,13 @@
 """HF `architectures` name -> our model class; the config checks made before any layer is built;
-`build_model`, which builds and loads one rank's model."""
+`build_model`, which builds and loads one rank's model. The numeric limits (size caps, eps and
+theta, the weights against the memory) are models/config_limits.py's."""
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+
+from nanoinfer.models.config_limits import check_fits_memory, check_norm_and_rope, check_size_caps
 
 if TYPE_CHECKING:
     from nanoinfer.config import Config
@@ -25,6 +28,8 @@ def check_architecture(config: PretrainedConfig) -> str:
     for arch in archs:
         if arch in MODELS:
             _check_sizes(config)
+            check_size_caps(config)
+            check_norm_and_rope(config)
             _check_supported_options(config)
             _check_moe_and_window(config, arch)
             return arch
@@ -106,7 +111,9 @@ def build_model(config: "Config", rank: int, world_size: int, device: torch.devi
     from nanoinfer.layers.model_build import ModelBuild, TensorParallel
     from nanoinfer.utils.loader import init_dummy_weights, load_model
     hf = config.hf_config
-    build = ModelBuild(TensorParallel(rank, world_size), attention_backend)
+    check_fits_memory(hf, check_architecture(hf), config.torch_dtype, device, world_size, config.max_model_len)
+    build = ModelBuild(TensorParallel(rank, world_size), attention_backend,
+                       max_model_len=config.max_model_len)  # sizes the RoPE cache
     torch.manual_seed(config.seed)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(config.torch_dtype)

@@ -18,30 +18,22 @@ from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinea
 from nanoinfer.layers.linear_method import Deferred
 from nanoinfer.layers.model_build import ModelBuild, join
 from nanoinfer.layers.rotary_embedding import RotaryEmbedding
-
-
-def rope_theta(config: PretrainedConfig) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-
-
-def rope_scaling(config: PretrainedConfig) -> dict | None:
-    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+from nanoinfer.models.config_limits import head_dim, rope_scaling, rope_theta
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool, o_bias: bool, *, build: ModelBuild,
-                 prefix: str):
+    """rotary: the model's one RoPE (its cos/sin cache is shared by every layer)."""
+
+    def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool, o_bias: bool, rotary: RotaryEmbedding, *,
+                 build: ModelBuild, prefix: str):
         super().__init__()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=bias, build=build,
                                           prefix=join(prefix, "qkv_proj"))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
                                         build=build, prefix=join(prefix, "o_proj"))
-        rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config),
-                                 rope_scaling(config))
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, rotary,
                               backend=build.attention_backend)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -127,10 +119,14 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         bias = getattr(config, "attention_bias", self.attention_bias)
         o_bias = bias and self.o_proj_bias
+        # one RoPE cos/sin cache for every layer, sized by max_model_len
+        rotary = RotaryEmbedding(head_dim(config), build.rope_positions(config.max_position_embeddings),
+                                 rope_theta(config), rope_scaling(config))
         layers = []
         for i in range(config.num_hidden_layers):
             prefix = f"model.layers.{i}"
-            attn = Qwen3Attention(config, self.qk_norm, bias, o_bias, build=build, prefix=join(prefix, "self_attn"))
+            attn = Qwen3Attention(config, self.qk_norm, bias, o_bias, rotary, build=build,
+                                  prefix=join(prefix, "self_attn"))
             layers.append(Qwen3DecoderLayer(config, attn, self.make_mlp(config, i, build, join(prefix, "mlp"))))
         self.model = Qwen3Model(config, layers, build=build)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=build.tp)

@@ -19,7 +19,9 @@ def _splitmix64(x: int) -> int:
 
 
 def seed_keys(seed: int, step: int) -> list[int]:
-    """Two 32-bit keys from (seed, step), mixed by splitmix64 on the host."""
+    """Two 32-bit keys from (seed, step), mixed by splitmix64 on the host. `seed` is an int64
+    (SamplingParams checks it): `& _M64` maps that range one-to-one onto 64 bits (two's complement),
+    so distinct seeds never share keys."""
     h = _splitmix64(_splitmix64(seed & _M64) ^ step)
     return [h & _M32, h >> 32]
 

@@ -2,7 +2,6 @@
 `LLM.chat` and the OpenAI-compatible server)."""
 from collections.abc import Mapping
 
-import jinja2
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # Arguments render_chat passes to apply_chat_template itself, or that would change what it returns,
@@ -16,12 +15,15 @@ _RESERVED_KWARGS = frozenset({
 
 def render_chat(tokenizer, messages, chat_template: str | None = None, add_generation_prompt: bool = True,
                 chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-                continue_final_message: bool = False) -> dict:
+                continue_final_message: bool = False,
+                max_output_chars: int | None = None) -> dict:
     """One conversation (a list of {"role", "content"} messages; content a str or a list of OpenAI
     text parts) -> {"prompt": the rendered text, "prompt_token_ids": its token ids}. The ids are
     encoded without adding special tokens: the template writes them. `tools` (JSON schemas) and
     `chat_template_kwargs` (extra template variables) reach the template. Bad input raises
-    ValueError / TypeError naming the message and field; a template error raises ValueError."""
+    ValueError / TypeError naming the message and field; a template error (a Jinja error or a runtime
+    one: division by zero, a range too large) raises ValueError, as does a render that writes more
+    than `max_output_chars`."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template: pass chat_template=... (a Jinja template) "
                          "or use plain prompts")
@@ -41,8 +43,10 @@ def render_chat(tokenizer, messages, chat_template: str | None = None, add_gener
             conversation, chat_template=chat_template, tools=None if tools is None else [dict(t) for t in tools],
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             tokenize=False, **kwargs)
-    except jinja2.TemplateError as e:
-        raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
+    except Exception as e:  # the template's own error, whatever it is: the request's fault
+        raise ValueError(f"the chat template failed: {type(e).__name__}: {str(e)[:500]}") from e
+    if max_output_chars is not None and len(text) > max_output_chars:
+        raise ValueError(f"the chat template wrote {len(text)} characters, more than the limit of {max_output_chars}")
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 

@@ -14,6 +14,8 @@ Nothing loads silently wrong:
 - Weight loaders compare the full, unsharded checkpoint tensor's shape with the one the config
   implies (`check_shape`) before cutting their tensor-parallel shard out of it, and raise a
   ValueError, which `load_model` prefixes with the checkpoint tensor's name.
+- An integer or bool tensor for a float parameter is refused (`check_dtype`), and so is a NaN or an
+  inf in any loaded float parameter (`check_finite`, on the device, one host sync per model).
 """
 import glob
 import os
@@ -49,6 +51,7 @@ def load_model(model: nn.Module, path: str):
     tied = getattr(model, "tie_word_embeddings", False)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[int, Hashable]] = set()  # (id(param), shard id or None); tied names share one param
+    sources: dict[int, list[tuple[str, str]]] = {}  # id(param) -> the (checkpoint tensor, file)s loaded into it
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
@@ -72,15 +75,50 @@ def load_model(model: nn.Module, path: str):
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 tensor = f.get_tensor(name)
                 try:
+                    check_dtype(tensor, param)
                     loader(param, tensor) if shard is None else loader(param, tensor, shard)
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {name!r} in {file!r}: {e}") from e
                 loaded.add((id(param), shard))
+                sources.setdefault(id(param), []).append((name, file))
     missing = [_checkpoint_name(name, shard, packed)
                for name, param in model.named_parameters()  # tied parameters once, under the embedding's name
                for shard in getattr(param, "shard_ids", (None,)) if (id(param), shard) not in loaded]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks tensor(s) {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    check_finite(model, sources)
+
+
+def check_dtype(loaded: torch.Tensor, param: nn.Parameter):
+    """Refuse an integer or bool tensor for a float parameter (copy_ would cast it); float-to-float
+    (a bf16 checkpoint into float32, fp16 into bf16) is a rounding, as in every engine."""
+    if param.dtype.is_floating_point and not loaded.dtype.is_floating_point:
+        raise ValueError(f"dtype {loaded.dtype} cannot load into a {param.dtype} parameter: a floating-point "
+                         "tensor (float32, bfloat16, float16, ...) is expected")
+
+
+@torch.no_grad()
+def check_finite(model: nn.Module, sources: dict[int, list[tuple[str, str]]]):
+    """Refuse NaN or inf in any float parameter once loaded: one isfinite per parameter on its device
+    and one host sync for the whole model. Only then, to name the culprit, the checkpoint tensors of
+    the first bad parameter are read again on the host (a value finite in the checkpoint can also
+    overflow the model's dtype, e.g. 1e5 in float16)."""
+    named = [(name, p) for name, p in model.named_parameters() if p.dtype.is_floating_point and p.numel()]
+    if not named:
+        return
+    finite = torch.stack([torch.isfinite(p).all().to(named[0][1].device) for _, p in named])
+    if bool(finite.all()):
+        return
+    name, param = named[finite.tolist().index(False)]
+    for ckpt_name, file in sources.get(id(param), []):
+        with safe_open(file, "pt", "cpu") as f:
+            tensor = f.get_tensor(ckpt_name)
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file!r} holds NaN or inf values")
+        if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor.to(param.dtype)).all()):
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file!r} holds values outside the range of "
+                             f"{param.dtype} (finite range ±{torch.finfo(param.dtype).max:.4g}): inf once loaded")
+    raise ValueError(f"parameter {name!r} holds NaN or inf values after loading")
 
 
 def _checkpoint_name(name: str, shard: Hashable, packed: dict) -> str:
