@@ -13,6 +13,7 @@ import torch
 
 from nanoinfer.engine.step_message import SamplingPlan
 from nanoinfer.sampling.plan import build_sampling_plan
+from nanoinfer.utils.device_copy import to_device
 
 
 @dataclass
@@ -67,7 +68,7 @@ class SamplingTensors:
         pin = device.type == "cuda"
 
         def dev(data, dtype):
-            return torch.tensor(data, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+            return to_device(data, dtype, device)
 
         p = plan
         t = cls(dev(p.temperatures, torch.float32), all_greedy=p.all_greedy, any_greedy=p.any_greedy, plain=p.plain,
