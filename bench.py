@@ -45,16 +45,21 @@ class Profiler:
             self.profiler = None
 
 
-def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate, tp_size=1):
-    """Per rank (`weight_bytes`: rank 0's shard; KV heads, attention and the vocabulary split
-    tp_size ways). MoE models: a step reads the non-expert weights and the experts its tokens route
-    to (expected under uniform routing); a token's matmul FLOPs count its top-k experts only."""
+def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate, tp_size=1, kv_dtype_bytes=None,
+                num_params=None, expert_bytes=None):
+    """Per rank (`weight_bytes`: rank 0's shard, as held: FP8 weights and their scales count their own
+    bytes; `num_params`: its element count, default weight_bytes / dtype_bytes; `expert_bytes`: bytes
+    of an MoE expert weight, 1 for FP8 experts, default dtype_bytes; KV heads, attention and the
+    vocabulary split tp_size ways). MoE models: a step reads the non-expert weights and the experts
+    its tokens route to (expected under uniform routing); a token's matmul FLOPs count its top-k
+    experts only. Prefill FLOPs count at the bf16 matmul rate, FP8 or not."""
     from nanoinfer.bench.moe import moe_step_costs
     kv_heads = max(hf.num_key_value_heads // tp_size, 1)  # (replicated when fewer than ranks)
-    kv_per_token = hf.num_hidden_layers * kv_heads * hf.head_dim * 2 * dtype_bytes
-    all_experts, expert_flops = moe_step_costs(hf, dtype_bytes, float("inf"), tp_size)
+    kv_per_token = hf.num_hidden_layers * kv_heads * hf.head_dim * 2 * (kv_dtype_bytes or dtype_bytes)
+    expert_bytes = expert_bytes or dtype_bytes
+    all_experts, expert_flops = moe_step_costs(hf, expert_bytes, float("inf"), tp_size)
+    params = (weight_bytes / dtype_bytes if num_params is None else num_params) - all_experts / expert_bytes
     weight_bytes -= all_experts  # what every step reads
-    params = weight_bytes / dtype_bytes
     embed = hf.vocab_size * hf.hidden_size / tp_size
     matmul_params = params - embed * (1 if hf.tie_word_embeddings else 2)  # per token, excluding vocab
     byte_time = flop_time = 0.0
@@ -62,7 +67,7 @@ def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate, tp_
         shape = step.rows
         kv_read = sum(ctx - q for q, ctx in shape) * kv_per_token  # cached context each step reads
         step_tokens = sum(q for q, _ in shape)
-        experts_read = moe_step_costs(hf, dtype_bytes, step_tokens, tp_size)[0]
+        experts_read = moe_step_costs(hf, expert_bytes, step_tokens, tp_size)[0]
         byte_time += (weight_bytes + experts_read + kv_read + step_tokens * kv_per_token) / bandwidth
         prefill = shape[step.num_decode:]  # (decode rows are counted by the bytes they read)
         if prefill:
@@ -162,6 +167,10 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="FP8 weights: random FP8 weights and scales, or a real checkpoint quantized at load")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                   help="KV cache dtype (vLLM's kv_cache_dtype): fp8 stores K/V as e4m3, one byte each")
     p.add_argument("--long-prompts", action="store_true",
                    help="measure running sequences' decode while long prompts arrive (try --max-num-batched-tokens 2048)")
     p.add_argument("--long-prompt-len", type=int, default=8000)
@@ -177,7 +186,8 @@ def main():
     max_model_len = max(args.max_model_len, args.long_prompt_len + 1) if args.long_prompts else args.max_model_len
     llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              tensor_parallel_size=args.tensor_parallel_size, load_format="auto" if args.model else "dummy")
+              tensor_parallel_size=args.tensor_parallel_size, load_format="auto" if args.model else "dummy",
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     warm_up(llm, args)
     if args.long_prompts:
         long_prompt_arrivals(llm, args)
@@ -187,14 +197,21 @@ def main():
     if llm.config.device == "cuda":
         hf = llm.config.hf_config
         dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
-        weight_bytes = info["num_parameters"] * dtype_bytes  # (rank 0's shard)
+        params = list(llm.model_runner.model.parameters())  # (rank 0's shard; FP8 weights count 1 byte)
+        weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        num_params = sum(p.numel() for p in params)
+        from nanoinfer.layers.fused_moe import ExpertsGateUp
+        fp8_experts = any(isinstance(m, ExpertsGateUp) and m.scale is not None
+                          for m in llm.model_runner.model.modules())
         bandwidth, flops_rate = measure_ceilings(torch.device("cuda"))
         print(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s")
         bound_of = lambda group: lower_bound(group, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate,  # noqa: E731
-                                             args.tensor_parallel_size)
+                                             args.tensor_parallel_size, 1 if args.kv_cache_dtype != "auto" else None,
+                                             num_params=num_params, expert_bytes=1 if fp8_experts else None)
     print(f"model: {args.model or 'random Qwen3-' + args.config}, device: {llm.config.device}, "
+          f"weights: {args.quantization or 'model dtype'}, "
           f"tp={args.tensor_parallel_size}, backend: {info['backend']}, "
-          f"cuda graphs: {info['cuda_graphs']}, one-shot all-reduce: {info['one_shot_all_reduce']}, kv blocks: {llm.scheduler.block_manager.num_blocks}")
+          f"cuda graphs: {info['cuda_graphs']}, one-shot all-reduce: {info['one_shot_all_reduce']}, kv blocks: {llm.scheduler.block_manager.num_blocks} ({args.kv_cache_dtype})")
     if args.sweep:
         sweep(llm, args, bound_of)
     else:

@@ -1,5 +1,12 @@
-from nanoinfer.llm import LLM
-from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
-from nanoinfer.sampling_params import SamplingParams
+from importlib.metadata import PackageNotFoundError, version as _version
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+try:
+    __version__ = _version("nanoinfer")
+except PackageNotFoundError:  # run from a checkout that was never installed
+    __version__ = "0.1.0"
+
+from nanoinfer.llm import LLM  # noqa: E402
+from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
+
+__all__ = ["__version__", "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]

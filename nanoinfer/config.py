@@ -14,6 +14,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 # for the longest contexts while keeping one block's K/V per layer (256 MiB at 8 KV heads x 128 bf16)
 # allocatable (far larger blocks also make a tiny request crawl on CPU).
 MAX_KVCACHE_BLOCK_SIZE = 1 << 16
+DEFAULT_MAX_MODEL_LEN = 4096
 _MAX_SEED = 2**64 - 1  # torch.manual_seed takes at most an unsigned 64-bit seed
 
 
@@ -23,7 +24,7 @@ class Config:
     tokenizer: str | None = None  # a tokenizer path or repo id; None: the model's
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int = 4096
+    max_model_len: int | None = None  # None: DEFAULT_MAX_MODEL_LEN, or the model's limit if lower
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
@@ -37,6 +38,10 @@ class Config:
     trust_remote_code: bool = False  # accepted for vLLM compatibility; True is refused
     async_scheduling: bool = True  # process each step on the host while the device computes the next (tp=1)
     load_format: str = "auto"  # "dummy": random weights, no checkpoint read (benchmarks, as in vLLM)
+    # vLLM's names: None reads the checkpoint's quantization_config (if any); "fp8" quantizes a
+    # bf16/fp32 checkpoint's linear layers at load time (per output channel)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": K/V stored as e4m3
     # Filled in by __post_init__, not user options.
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
@@ -68,7 +73,8 @@ class Config:
             self.tokenizer = _path("tokenizer", self.tokenizer)
         check_int("max_num_batched_tokens", 1)
         check_int("max_num_seqs", 1, 65535)  # the attention kernels put sequences on a CUDA grid axis (<= 65535)
-        check_int("max_model_len", 2)
+        if self.max_model_len is not None:
+            check_int("max_model_len", 2)
         check_int("tensor_parallel_size", 1)
         check_int("seed", 0, _MAX_SEED)
         self._check_block_size(check_int)
@@ -88,6 +94,10 @@ class Config:
             raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, _DTYPES))}; got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         if self.device == "auto":
@@ -105,7 +115,11 @@ class Config:
         hf = self.hf_config
         from nanoinfer.models import check_architecture
         check_architecture(hf)
-        self.max_model_len = min(self.max_model_len, hf.max_position_embeddings)
+        if self.max_model_len is None:
+            self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, hf.max_position_embeddings)
+        elif self.max_model_len > hf.max_position_embeddings:  # (as vLLM: never clipped silently)
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{hf.max_position_embeddings}; give at most that")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must fit one decode step
             self.max_num_seqs = self.max_num_batched_tokens

@@ -26,8 +26,9 @@ class LLM(LLMEngine):
         use_tqdm: show a progress bar (True), or a tqdm-like factory to make it with.
         Requests queued by hand with add_request() progress too; step() reports them later."""
         prompts, params = self._normalize(prompts, sampling_params)
-        request_ids = self.add_requests(prompts, params, keep_output=True)
-        return self._run_to_completion(request_ids, use_tqdm)
+        with self.driving():  # before queuing: another thread driving is an error with nothing queued
+            request_ids = self.add_requests(prompts, params, keep_output=True)
+            return self._run_to_completion(request_ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, chat_template: str | None = None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
@@ -68,22 +69,29 @@ class LLM(LLMEngine):
         left = dict(zip(request_ids, ns))  # completions of each request not finished yet
         try:
             while left:
-                deltas = self.take_stream_deltas(left)  # news made while another caller drove the engine
-                if not deltas:
-                    if self.is_finished():
-                        raise RuntimeError("the engine has no work left but requests are unfinished")
-                    self.advance()
-                    deltas = self.take_stream_deltas(left)  # index: the position in request_ids
-                for d in deltas:  # (a request's deltas are together, its completions in order)
-                    if d.finished:
-                        left[d.request_id] -= 1
-                        if not left[d.request_id]:
-                            d.output = self.pop_output(d.request_id)
-                            del left[d.request_id]
+                with self.driving():  # while it runs, not while it waits between yields
+                    deltas = self._next_deltas(left)
                 yield from deltas
         finally:
             for rid in left:
                 self.pop_output(rid)  # aborts what still runs
+
+    def _next_deltas(self, left: dict) -> list[StreamDelta]:
+        """The next deltas of the requests in `left` (advancing the engine if none are pending);
+        a request's last one carries its output, and the request leaves `left`."""
+        deltas = self.take_stream_deltas(left)  # news made while another caller drove the engine
+        if not deltas:
+            if self.is_finished():
+                raise RuntimeError("the engine has no work left but requests are unfinished")
+            self.advance()
+            deltas = self.take_stream_deltas(left)  # index: the position in request_ids
+        for d in deltas:  # (a request's deltas are together, its completions in order)
+            if d.finished:
+                left[d.request_id] -= 1
+                if not left[d.request_id]:
+                    d.output = self.pop_output(d.request_id)
+                    del left[d.request_id]
+        return deltas
 
     # ---- helpers --------------------------------------------------------------------------------
     def _normalize(self, prompts, sampling_params):

@@ -16,11 +16,19 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None    # sum of the sampled tokens' logprobs (when logprobs asked)
     logprobs: list[dict[int, Logprob]] | None  # per token: sampled token + top-N (when asked)
-    finish_reason: str | None = None    # "stop" | "length" | "abort"; None while running
+    finish_reason: str | None = None    # "stop" | "length" | "abort" | "error" (non-finite logits); None while running
     stop_reason: int | str | None = None  # the stop string or stop token id; None for EOS / length
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __getitem__(self, key: str):
+        """c["text"], c["token_ids"], ...: the same as attribute access (as RequestOutput allows)."""
+        if not isinstance(key, str):
+            raise TypeError(f"CompletionOutput keys are str, got {type(key).__name__}")
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
 
 
 @dataclass

@@ -10,6 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+from nanoinfer.structured.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams", "SAMPLING_EPS"]
+
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by them could overflow.
 SAMPLING_EPS = 1e-5
 
@@ -52,7 +56,10 @@ class SamplingParams:
     logits_row)`), run on this request's row before sampling.
     skip_special_tokens: drop special tokens from text; spaces_between_special_tokens: put spaces
     around them (tokenizers that support it). detokenize=False: no text (token ids only; no stop
-    strings). truncate_prompt_tokens: keep only the last k prompt tokens (-1: max_model_len)."""
+    strings). truncate_prompt_tokens: keep only the last k prompt tokens (-1: max_model_len).
+    structured_outputs: a StructuredOutputsParams (JSON schema, regex, choice, grammar, any JSON
+    object): the output is constrained to match it, and ends (finish_reason "stop") when it is
+    complete. Needs xgrammar (pip install nanoinfer[structured])."""
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -78,6 +85,7 @@ class SamplingParams:
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # set by the engine from `bad_words` and its tokenizer (vLLM's _bad_words_token_ids)
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -101,7 +109,7 @@ class SamplingParams:
             self.logits_processors = list(self.logits_processors)
         # any per-token-id feature: the sampler's loop over the batch checks this one flag
         self.has_token_constraints = bool(self.logit_bias) or self.allowed_token_ids is not None \
-            or bool(self.bad_words) or bool(self.logits_processors)
+            or bool(self.bad_words) or bool(self.logits_processors) or self.structured_outputs is not None
         if self.temperature < SAMPLING_EPS:  # greedy: the filters mean nothing (as vLLM resets them)
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -141,6 +149,9 @@ class SamplingParams:
         words = self.bad_words
         if words is not None and (not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words)):
             raise TypeError(f"bad_words must be a list of str or None, got {words!r}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs must be a StructuredOutputsParams or None, got {type(so).__name__}")
         procs = self.logits_processors
         if procs is not None and (not isinstance(procs, (list, tuple)) or not all(callable(f) for f in procs)):
             raise TypeError(f"logits_processors must be a list of callables or None, got {procs!r}")
@@ -208,9 +219,10 @@ class SamplingParams:
     @property
     def needs_host_tokens(self) -> bool:
         """Building this request's next step needs every earlier token on the host (logits
-        processors read them; a bad word of several tokens is matched against them), so with
-        overlapped steps it runs every other step. Single-token bad words need nothing."""
-        return bool(self.logits_processors) or \
+        processors read them; a bad word of several tokens is matched against them; a grammar
+        advances over them before it masks the next token), so with overlapped steps it runs every
+        other step. Single-token bad words need nothing."""
+        return bool(self.logits_processors) or self.structured_outputs is not None or \
             (self.bad_words_token_ids is not None and any(len(w) > 1 for w in self.bad_words_token_ids))
 
     def with_bad_words_token_ids(self, tokenizer) -> "SamplingParams":

@@ -44,6 +44,9 @@ def test_request_output_shape(llm):
         c = out.outputs[0]
         assert out["text"] == c.text and out["token_ids"] == c.token_ids and len(c.token_ids) == 6
         assert out["finish_reason"] == c.finish_reason == "length" and c.stop_reason is None
+        assert c["text"] == c.text and c["token_ids"] == c.token_ids and c["finish_reason"] == "length"
+        with pytest.raises(KeyError):
+            c["nope"]
         assert c.index == 0 and c.logprobs is None and c.cumulative_logprob is None
         m = out.metrics
         assert m.arrival_time <= m.first_token_time <= m.finished_time

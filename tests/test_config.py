@@ -98,3 +98,14 @@ def test_custom_code_config_is_refused_without_prompting(tiny_qwen3, tmp_path, m
     with pytest.raises(ValueError, match="runs no code from a checkpoint"):
         Config.from_options(str(path))
     assert prompts == []
+
+
+def test_max_model_len_beyond_the_model_is_refused(make_checkpoint):
+    """As vLLM: never clipped silently; left out, it is 4096 or the model's limit if lower."""
+    path = make_checkpoint(max_position_embeddings=512)
+    with pytest.raises(ValueError, match="max_model_len=100000 exceeds the model's max_position_embeddings=512"):
+        Config.from_options(path, max_model_len=100000)
+    assert Config.from_options(path).max_model_len == 512
+    assert Config.from_options(path, max_model_len=512).max_model_len == 512
+    with pytest.raises(TypeError, match="max_model_len must be an int"):
+        Config.from_options(path, max_model_len="4096")

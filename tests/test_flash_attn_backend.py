@@ -143,7 +143,8 @@ def test_greedy_through_the_flash_attn_backend_matches_hf(flash_attn, make_check
     from hf_reference import assert_greedy_matches_hf
     from nanoinfer import LLM, SamplingParams
     from nanoinfer.engine import model_runner
-    monkeypatch.setattr(model_runner, "select_attention_backend", lambda device, block_size: FlashAttnBackend(block_size))
+    monkeypatch.setattr(model_runner, "select_attention_backend",
+                        lambda device, block_size, kv_cache_dtype="auto": FlashAttnBackend(block_size, kv_cache_dtype))
     path = make_checkpoint()
     llm = LLM(path, device="cpu", kvcache_block_size=BLOCK, max_model_len=512, max_num_batched_tokens=128)
     try:

@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import threading
+import time
 
 import pytest
 
@@ -270,3 +271,95 @@ def test_lone_surrogate_is_a_value_error(llm, prompt):
         llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)[0]["token_ids"]
     assert_clean(llm)
+
+
+# ---- issue 27: bounded work per request, one driving thread, non-finite logits -------------------
+def _best_of(times, fn):
+    best = float("inf")
+    for _ in range(times):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def test_finishing_and_aborting_n_samples_is_linear_in_n(tiny_qwen3):
+    """A request's n samples finish and abort in O(n) (they were O(n^2): a scan of the request's
+    samples per finished sample, and of the waiting queue per aborted one). A ratio of times, 4x
+    the samples: about 4x the time when linear, 16x when quadratic."""
+    llm = LLM(tiny_qwen3, max_num_seqs=512, num_kvcache_blocks=2048, kvcache_block_size=BS, max_model_len=64)
+    try:
+        def abort(n):
+            def run():
+                rid = llm.add_request("hi", SamplingParams(n=n, max_tokens=4, ignore_eos=True))
+                llm.step()  # the first sample prefills; the others wait for its prompt blocks
+                llm.abort_request(rid)
+                assert llm.is_finished()
+            return run
+
+        def finish(n):
+            return lambda: llm.generate("hi", SamplingParams(n=n, max_tokens=1, ignore_eos=True), use_tqdm=False)
+
+        for make in (abort, finish):
+            small, large = _best_of(3, make(1000)), _best_of(3, make(4000))
+            assert large / small < 9, f"{make.__name__}: {small:.3f}s for n=1000, {large:.3f}s for n=4000"
+        assert_clean(llm)
+    finally:
+        llm.exit()
+
+
+def test_a_second_thread_driving_the_engine_is_refused_at_once(tiny_qwen3):
+    """While one thread is inside generate(), another's generate() / stream() / step() is a clear
+    RuntimeError at once, queuing nothing; the first thread's results are whole."""
+    llm = LLM(tiny_qwen3, kvcache_block_size=BS)
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(token_ids, logits):
+        inside.set()
+        release.wait(60)
+        return logits
+
+    try:
+        result = {}
+        first = threading.Thread(target=lambda: result.setdefault("out", llm.generate(
+            "hello", SamplingParams(max_tokens=3, temperature=0, logits_processors=[hold]), use_tqdm=False)))
+        first.start()
+        assert inside.wait(60)
+        for call in (lambda: llm.generate("world", GREEDY, use_tqdm=False), lambda: next(llm.stream("x", GREEDY)),
+                     llm.step):
+            with pytest.raises(RuntimeError, match="driven by one thread"):
+                call()
+        assert len(llm.requests) == 1  # only the first thread's
+        release.set()
+        first.join(60)
+        assert len(result["out"][0].outputs[0].token_ids) == 3
+        assert llm.generate("world", GREEDY, use_tqdm=False)  # this thread may drive it now
+        assert_clean(llm)
+    finally:
+        release.set()
+        llm.exit()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_non_finite_logits_fail_that_request_only(tiny_qwen3, overlap):
+    """A request whose logits turn NaN (here: the embedding of one token its prompt holds is NaN)
+    finishes with finish_reason "error", never a fake "stop"; the other requests of its batches are
+    untouched, and the engine serves on."""
+    llm = LLM(tiny_qwen3, kvcache_block_size=BS, async_scheduling=overlap)
+    try:
+        clean = random_prompts(3, seed=5)
+        want = token_ids(llm.generate(clean, GREEDY, use_tqdm=False))
+        poisoned = 301
+        embed = llm.model_runner.model.model.embed_tokens
+        plain = embed.forward  # (the weight itself is the tied LM head: a NaN there would reach every row)
+        embed.forward = lambda ids: plain(ids).masked_fill((ids == poisoned)[:, None], float("nan"))
+        outs = llm.generate([clean[0], [5, poisoned, 7], clean[1], clean[2]],
+                            [GREEDY, SamplingParams(max_tokens=5, n=2, temperature=0.8, logprobs=1), GREEDY, GREEDY],
+                            use_tqdm=False)
+        assert [c.finish_reason for c in outs[1].outputs] == ["error", "error"]
+        assert all(not c.token_ids for c in outs[1].outputs)
+        assert token_ids([outs[0], outs[2], outs[3]]) == want
+        assert token_ids(llm.generate(clean, GREEDY, use_tqdm=False)) == want
+        assert_clean(llm)
+    finally:
+        llm.exit()

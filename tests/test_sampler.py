@@ -320,9 +320,9 @@ def test_pipeline_order_and_a_new_stage_plugs_in():
     """The pipeline is one ordered list: a stage added to it (as a grammar bitmask would be, after
     allowed_token_ids) runs in its place and only when it applies; an end placed before SAMPLE (as a
     speculative verifier would be) picks the tokens of the steps it applies to."""
-    assert [s.name for s in PIPELINE] == ["logits_processors", "allowed_token_ids", "bad_words, min_tokens",
-                                          "logit_bias", "penalties", "sample"]
-    assert [s.end for s in PIPELINE] == [False] * 5 + [True]
+    assert [s.name for s in PIPELINE] == ["logits_processors", "allowed_token_ids", "structured_outputs",
+                                          "bad_words, min_tokens", "logit_bias", "penalties", "sample"]
+    assert [s.end for s in PIPELINE] == [False] * 6 + [True]
     torch.manual_seed(0)
     logits = torch.randn(3, 30)
     seen = []

@@ -217,7 +217,8 @@ def test_pipeline_uses_the_kernel_on_cuda_only(monkeypatch):
 def test_shards_pick_the_full_rows_token(V, ranks, config, dtype):
     """Every rank's partials of its shard, stacked, give the token the whole row gives: the same
     noise per column (shards not aligned to tiles: a tile is 128 columns on CPU), ties across the
-    shard boundary to the smaller index, -inf and NaN never chosen, an all -inf or NaN row 0."""
+    shard boundary to the smaller index, -inf never chosen, an all -inf row 0, a row with a NaN in
+    any shard NON_FINITE (-1)."""
     from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
     torch.manual_seed(V)
     shard = V // ranks
@@ -239,8 +240,8 @@ def test_shards_pick_the_full_rows_token(V, ranks, config, dtype):
         assert tokens.tolist() == sample_gumbel_argmax(logits, t, seed, config).tolist()
     greedy = pick_token(torch.stack([gumbel_argmax_partials(logits[:, r * shard:(r + 1) * shard], temps([0.0] * 10),
                                                               3, r * shard, config) for r in range(ranks)]), config)
-    want = logits.float().nan_to_num(nan=float("-inf")).argmax(-1).tolist()
-    assert greedy.tolist() == want[:5] + [0] + want[6:]
+    want = logits.float().argmax(-1).tolist()
+    assert greedy.tolist() == want[:5] + [-1, -1] + want[7:]
 
 
 def test_shard_partials_have_one_shape_on_any_gpu(monkeypatch):
@@ -256,3 +257,19 @@ def test_shard_partials_of_an_empty_batch():
     from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
     parts = gumbel_argmax_partials(torch.zeros(0, 150, device=DEV), temps([]), 1, 150)
     assert pick_token(parts[None]).shape == (0,)
+
+
+@pytest.mark.parametrize("config", [None, {"max_chunks": 1}])
+def test_a_row_with_a_nan_or_inf_logit_gives_non_finite(config):
+    """A NaN or +inf anywhere in a row (any chunk, greedy or sampled) gives NON_FINITE, whatever the
+    other rows hold; -inf entries are fine (masked tokens)."""
+    from nanoinfer.kernels.sampling import NON_FINITE
+    x = torch.randn(6, 700)
+    x[1, 650] = float("nan")
+    x[2, 3] = float("inf")
+    x[3] = float("nan")
+    x[4, :600] = float("-inf")
+    t = temps([0.0, 1.0, 0.0, 0.7, 1.0, 0.0])
+    tokens = sample_gumbel_argmax(x.to(DEV), t, 5, config).tolist()
+    assert tokens[1] == tokens[2] == tokens[3] == NON_FINITE
+    assert tokens[0] == x[0].argmax().item() and tokens[5] == x[5].argmax().item() and tokens[4] >= 600

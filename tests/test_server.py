@@ -33,19 +33,20 @@ PROMPTS = ["Hello, my name is", "The quick brown fox", "A paged KV cache stores"
 class Server:
     """`python -m nanoinfer serve MODEL` on a free port, its output in a log file."""
 
-    def __init__(self, model: str, log_path, **options):
+    def __init__(self, model: str, log_path, new_session: bool = False, **options):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        flags = [x for k, v in {**OPTIONS, **options}.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+        flags = [x for k, v in {**OPTIONS, **options}.items()
+                 for x in ((f"--{k.replace('_', '-')}",) if v is True else (f"--{k.replace('_', '-')}", str(v)))]
         self.log_path = log_path
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "nanoinfer", "serve", model, "--port", str(self.port),
                  "--served-model-name", NAME, "--log-level", "warning", *flags],
-                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=new_session)
         self.wait_healthy()
 
     def log(self) -> str:
@@ -375,10 +376,17 @@ def test_concurrent_clients_match_offline(llm, server, client, serving):
 def test_serving_benchmark(server, serving, capsys):
     from nanoinfer.serve import bench
 
-    bench.main(["--url", server.url, "--num-requests", "6", "--input-len", "5", "20", "--output-len", "3", "8",
-                "--vocab-size", "300", "--request-rate", "50", "--max-concurrency", "4"])
+    # (no --vocab-size: the tiny model's 384 tokens come from the server's /v1/models)
+    assert bench.served_vocab_size(server.url) == 384
+    assert bench.main(["--url", server.url, "--num-requests", "6", "--input-len", "5", "20", "--output-len", "3", "8",
+                       "--request-rate", "50", "--max-concurrency", "4"]) == 0
     printed = capsys.readouterr().out
     assert re.search(r"Successful requests: +6\n", printed) and re.search(r"P99 ITL \(ms\): +[0-9.]+\n", printed)
+    # nothing succeeds (no server there): it says so and exits non-zero, with no table of nan
+    assert bench.main(["--url", "http://127.0.0.1:1", "--num-requests", "2", "--vocab-size", "300",
+                       "--client-processes", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "no request succeeded" in err and "nan" not in out + err
     workload = bench.make_workload(6, "random", (5, 20), (3, 8), 300, 0)
     results, duration = asyncio.run(bench.run_benchmark(server.url, workload, NAME, max_concurrency=3))
     assert [r.error for r in results] == [None] * 6
@@ -452,7 +460,7 @@ ERRORS = [
     ("completions", {"prompt": []}, 400, "prompt"),
     ("completions", {}, 400, "prompt"),
     ("completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("completions", {"prompt": "Hi", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "Hi", "suffix": "x"}, 400, "suffix"),
     ("completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "Hi"}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
@@ -460,8 +468,11 @@ ERRORS = [
      400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"tokenize": True}},
      400, "messages"),
+    # (refused without --trust-request-chat-template; test_server_limits.py renders such templates)
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "chat_template": "{% if %}"},
-     400, "messages"),
+     400, "chat_template"),
+    ("completions", {"prompt": "Hi", "n": 129}, 400, "n"),
+    ("completions", {"prompt": "Hi", "stop": ["x"] * 65}, 400, "stop"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "model": "nope"}, 404, "model"),
@@ -575,7 +586,7 @@ class _Pipe:
     def send(self, obj):
         self.items.append(pickle.loads(pickle.dumps(obj)))
 
-    def poll(self):
+    def poll(self, timeout: float = 0.0):
         return bool(self.items)
 
     def recv(self):

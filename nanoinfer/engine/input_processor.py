@@ -4,7 +4,9 @@ A prompt (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict) 
 checked against the model's vocabulary, its sampling params against the vocabulary and the engine's
 limits; the prompt is truncated as asked, must leave room for one output token within max_model_len,
 and prompt + max_tokens must fit the whole KV cache (else it could never run). Bad words are
-encoded here, once. The request's n samples become n sequences. Every error is a ValueError or
+encoded here, once; a structured-outputs grammar is compiled here (cached per spec,
+structured/compiler.py), and each sample gets its own matcher. The request's n samples become n
+sequences. Every error is a ValueError or
 TypeError raised before anything is queued.
 """
 import pickle
@@ -16,6 +18,8 @@ from nanoinfer.config import Config
 from nanoinfer.engine.detokenizer import encode
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.structured.grammar_state import GrammarState
+from nanoinfer.utils.hf_files import load_eos_token_ids
 
 
 @dataclass(slots=True)
@@ -34,6 +38,8 @@ class InputProcessor:
         self.block_size = config.kvcache_block_size
         self.tensor_parallel = config.tensor_parallel_size > 1
         self.kv_capacity_tokens = kv_capacity_tokens  # every block of the pool
+        self.model_path = config.model
+        self._grammar_compiler = None  # made for the first structured request (xgrammar is optional)
 
     def process_all(self, prompts: list, sampling_params: list,
                     max_tokens_must_fit: bool = False) -> list[PreparedRequest]:
@@ -68,7 +74,20 @@ class InputProcessor:
             bad = [t for word in sp.bad_words_token_ids for t in word if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"bad_words encode to token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        return PreparedRequest(self._sequences(token_ids, sp), text)
+        grammar = None if sp.structured_outputs is None else self._compile_grammar(sp)
+        seqs = self._sequences(token_ids, sp)
+        if grammar is not None:
+            for seq in seqs:  # one matcher per sample; it lives and dies with its sequence
+                seq.grammar = GrammarState(grammar, self._grammar_compiler.stop_token_ids)
+        return PreparedRequest(seqs, text)
+
+    def _compile_grammar(self, sp: SamplingParams):
+        if self._grammar_compiler is None:
+            from nanoinfer.structured.compiler import StructuredCompiler
+            # the same EOS ids as the scheduler's: a finished grammar allows only tokens that stop
+            self._grammar_compiler = StructuredCompiler(self.tokenizer, self.vocab_size,
+                                                        load_eos_token_ids(self.model_path, self.tokenizer))
+        return self._grammar_compiler.compile(sp.structured_outputs)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict."""

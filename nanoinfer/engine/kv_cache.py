@@ -3,13 +3,33 @@
 Every attention layer holds a K and a V tensor of [num_blocks, block_size, num_kv_heads, head_dim]
 (the one layout every backend reads). On CUDA the capacity is what gpu_memory_utilization leaves
 after the weights and the peak activations of the largest step the scheduler can build; on CPU a
-fixed budget, at least one max_model_len sequence."""
+fixed budget, at least one max_model_len sequence. Blocks are counted in bytes of the cache's
+dtype: with kv_cache_dtype="fp8" (float8_e4m3fn, one byte) twice as many fit as in bf16."""
 import torch
 
 from nanoinfer.config import Config
+from nanoinfer.kernels.kv_store import FP8_KV_DTYPE
 from nanoinfer.utils.context import reset_context, set_context
 
 CPU_KV_BUDGET_BYTES = 1 << 30
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the cache stores: the model's for "auto", e4m3 for "fp8" / "fp8_e4m3" (vLLM's names)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return FP8_KV_DTYPE
+    raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {kv_cache_dtype!r}")
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of K and V over every layer of one rank."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
+def blocks_that_fit(available_bytes: int, block_bytes: int) -> int:
+    return max(int(available_bytes) // block_bytes, 0)
 
 
 class KVCache:
@@ -19,11 +39,11 @@ class KVCache:
         self.block_size = config.kvcache_block_size
         self.num_kv_heads, self.head_dim = self.layers[0].num_kv_heads, self.layers[0].head_dim
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        self.dtype = kv_cache_torch_dtype(config.kv_cache_dtype, config.torch_dtype)
 
     @property
     def block_bytes(self) -> int:
-        dtype_size = torch.tensor([], dtype=self.config.torch_dtype).element_size()
-        return 2 * len(self.layers) * self.block_size * self.num_kv_heads * self.head_dim * dtype_size
+        return kv_block_bytes(len(self.layers), self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     def measure_capacity(self) -> int:
         """How many blocks this rank can hold (the engine takes the minimum over ranks)."""
@@ -32,13 +52,13 @@ class KVCache:
         one_seq = self.max_blocks_per_seq * self.block_bytes
         if self.device.type == "cpu":
             budget = min(max(CPU_KV_BUDGET_BYTES, one_seq), self.config.max_num_seqs * one_seq)
-            return budget // self.block_bytes
+            return blocks_that_fit(budget, self.block_bytes)
         self._largest_step()
         free, total = torch.cuda.mem_get_info(self.device)
         stats = torch.cuda.memory_stats(self.device)
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
         available = total * self.config.gpu_memory_utilization - (total - free) - peak + current
-        return max(int(available) // self.block_bytes, 0)
+        return blocks_that_fit(available, self.block_bytes)
 
     @torch.inference_mode()
     def _largest_step(self):
@@ -61,8 +81,8 @@ class KVCache:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty  # CPU: untouched until used
         for layer in self.layers:
-            layer.k_cache = alloc(shape, dtype=self.config.torch_dtype, device=self.device)
-            layer.v_cache = alloc(shape, dtype=self.config.torch_dtype, device=self.device)
+            layer.k_cache = alloc(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = alloc(shape, dtype=self.dtype, device=self.device)
 
     def release(self):
         for layer in self.layers:

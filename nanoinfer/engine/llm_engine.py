@@ -11,8 +11,11 @@ ModelRunner in this process (one rank) or a TensorParallelExecutor driving worke
 take the step as encoded by engine/step_encoder.py.
 
 Requests enter through the InputProcessor (engine/input_processor.py) and live in one registry,
-`requests` (request id -> Request). Only `abort_request` and `exit` may be called from another
-thread: the abort is applied between steps, and exit waits for the running step to end.
+`requests` (request id -> Request). One thread drives the engine (advance, step, generate,
+stream): a second thread that tries while the first is inside one of them gets a RuntimeError at
+once (`driving`), since the finishes a step reports go to whoever ran it. `add_request`,
+`abort_request` and `exit` may be called from any thread: an abort is applied between steps, and
+exit waits for the running step to end.
 """
 import atexit
 import logging
@@ -76,6 +79,8 @@ class LLMEngine:
         self.step_log: list | None = None   # set to a list to record each step's StepRecord (bench.py)
         self._step_lock = threading.Lock()  # held while a step or a registry change runs (_locked)
         self._lock_holder: int | None = None  # the thread holding it
+        self._driver: int | None = None  # the thread inside advance / generate / stream (driving)
+        self._driver_lock = threading.Lock()
         self._aborts: deque[int] = deque()  # abort_request ids not applied yet
         self._finished_ids: list[int] = []  # requests finished outside a step, for the next advance()
         self._unreported: list[tuple[int, list[int]]] = []  # step()'s pairs not returned yet
@@ -183,10 +188,28 @@ class LLMEngine:
         aborted) in it, and the number of tokens the launched step computes (see step())."""
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
-        with self._locked(), sigint_deferred():
+        with self.driving(), self._locked(), sigint_deferred():
             if self._exited:  # exit() ran on another thread while this one waited
                 raise RuntimeError("this engine has exited; create a new LLM")
             return self._advance()
+
+    @contextmanager
+    def driving(self):
+        """Marks the calling thread as the one driving the engine for the block (re-entrant on that
+        thread). Another thread already inside is a RuntimeError, raised before anything runs."""
+        me = threading.get_ident()
+        with self._driver_lock:
+            other = self._driver
+            if other is not None and other != me:
+                raise RuntimeError(
+                    "the engine is driven by one thread: another thread is inside generate(), stream(), step() "
+                    "or advance(); call them from one thread (add_request and abort_request may be called from any)")
+            self._driver = me
+        try:
+            yield
+        finally:
+            if other is None:
+                self._driver = None
 
     @contextmanager
     def _locked(self, timeout: float = -1):
@@ -266,6 +289,9 @@ class LLMEngine:
         done = {}
         for seq in seqs:
             req = self.requests[seq.request_id]
+            if seq.finish_reason == "error":
+                logger.warning("request %d (sample %d) failed: the model produced non-finite logits (NaN or inf)",
+                               req.request_id, seq.index)
             self.output_processor.mark_finished(req, seq, now)
             if not req.keep_output and seq.finish_reason != "abort":
                 self._unreported.append((seq.seq_id, seq.completion_token_ids))
@@ -285,6 +311,13 @@ class LLMEngine:
 
     def is_finished(self) -> bool:
         return self.inflight is None and self.scheduler.is_finished()
+
+    def check_health(self):
+        """Raises RuntimeError if the engine cannot serve: it has exited, or a tensor-parallel rank
+        died (noticed here without running a step)."""
+        if self._exited:
+            raise RuntimeError("this engine has exited; create a new LLM")
+        self.model_runner.check_alive()
 
     def exit(self):
         """Release the model, the KV cache and any worker processes. Called from another thread,

@@ -29,12 +29,9 @@ class InFlight:
     """A launched step whose results the host has not collected yet (on a rank that does not
     sample, only its tokens: the next step's in-flight rows read them on every rank)."""
     sampled: Sampled                      # the tokens [rows] on the device, and what logprobs need
+    tokens: torch.Tensor                  # them as the next step's inputs: NON_FINITE rows read token 0
     host: torch.Tensor | None = None      # [rows] pinned host copy, valid once `event` has completed
     event: "torch.cuda.Event | None" = None
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        return self.sampled.tokens
 
 
 class ModelRunner:
@@ -50,7 +47,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         else:  # torch's default (a thread per core, all waiting on each other) crawls on a busy machine
             torch.set_num_threads(cpu_threads(self.world_size))
-        self.attention = select_attention_backend(config.device, config.kvcache_block_size)
+        self.attention = select_attention_backend(config.device, config.kvcache_block_size, config.kv_cache_dtype)
         self.model = build_model(config, rank, self.world_size, self.device, self.attention)
         self.one_shot_all_reduce = self.world_size > 1 and self.device.type == "cuda" and \
             use_symmetric_memory(self.model, config.max_num_seqs, config.torch_dtype, self.device)
@@ -84,11 +81,13 @@ class ModelRunner:
             sampled = self.sampler.sample(step, sample, args, logits)
         finally:
             reset_context()
+        # (a row marked NON_FINITE is failed by the host; an overlapped next step may still read it)
+        inputs = sampled.tokens.clamp_min(0)
         if sample is None:
-            return InFlight(sampled)
-        return self._copy_to_host(sampled)
+            return InFlight(sampled, inputs)
+        return self._copy_to_host(sampled, inputs)
 
-    def _copy_to_host(self, sampled: Sampled) -> InFlight:
+    def _copy_to_host(self, sampled: Sampled, inputs: torch.Tensor) -> InFlight:
         tokens = sampled.tokens
         host = torch.empty(tokens.shape[0], dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
         host.copy_(tokens, non_blocking=True)
@@ -96,7 +95,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return InFlight(sampled, host, event)
+        return InFlight(sampled, inputs, host, event)
 
     def collect(self, inflight: InFlight) -> StepResult:
         """Rank 0: wait for a launched step and bring its results to the host."""
@@ -117,6 +116,10 @@ class ModelRunner:
                     mixed_graph_sizes=list(graphs.mixed_graphs), mixed_graph_replays=graphs.mixed_replays,
                     num_kv_heads=self.kv_cache.num_kv_heads, one_shot_all_reduce=self.one_shot_all_reduce,
                     num_parameters=sum(p.numel() for p in self.model.parameters()))
+
+    def check_alive(self):
+        """One rank in this process: alive while this process runs (TensorParallelExecutor checks
+        its workers)."""
 
     def exit(self):
         """Release the KV cache, graphs and weights now: the engine object may outlive exit()."""

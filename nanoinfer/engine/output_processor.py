@@ -47,10 +47,11 @@ class Request:
         # prompt_logprobs: entry p (p >= 1) is the TokenLogprobs of prompt token p
         wants = seqs[0].sampling_params.prompt_logprobs is not None
         self.prompt_logprobs = [None] * len(self.prompt_token_ids) if wants else None
+        self.num_unfinished = len(seqs)  # counted down by mark_finished: `finished` is O(1)
 
     @property
     def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        return self.num_unfinished == 0
 
 
 class OutputProcessor:
@@ -121,6 +122,7 @@ class OutputProcessor:
         c = req.completions[seq.index]
         if c.finished_time is None:
             c.finished_time = now
+            req.num_unfinished -= 1
 
     # ---- outputs --------------------------------------------------------------------------------
     def _text(self, c: Completion) -> str:

@@ -16,12 +16,12 @@ ignores. A request whose next step needs all its tokens on the host (`logits_pro
 words of several tokens: SamplingParams.needs_host_tokens) is not scheduled while it has a token in
 flight, so it runs every other step while the rest of the batch overlaps.
 """
-from collections import deque
 from dataclasses import dataclass
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
+from nanoinfer.engine.wait_queue import WaitQueue
 
 
 @dataclass
@@ -62,11 +62,13 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, prefix_caching)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue()
         self.running: list[Sequence] = []  # admitted (holding blocks), oldest first; some may be mid-prefill
-        # n > 1: a prompt's other samples wait here (keyed by the first sample's seq_id) until its
-        # prompt K/V are computed, then join waiting and hit the prefix cache for the full blocks
-        self.held: dict[int, list[Sequence]] = {}
+        # n > 1: a prompt's other samples wait here (keyed by the first sample's seq_id; each group an
+        # ordered set) until its prompt K/V are computed, then join waiting and hit the prefix cache
+        # for the full blocks. held_under: a held sequence's seq_id -> its group's key.
+        self.held: dict[int, dict[Sequence, None]] = {}
+        self.held_under: dict[int, int] = {}
         self.num_preemptions = 0
 
     def is_finished(self) -> bool:
@@ -78,13 +80,16 @@ class Scheduler:
         if after is None or after.is_finished or after.num_completion_tokens or after.num_inflight:
             self.waiting.append(seq)
         else:
-            self.held.setdefault(after.seq_id, []).append(seq)
+            self.held.setdefault(after.seq_id, {})[seq] = None
+            self.held_under[seq.seq_id] = after.seq_id
 
     def _release_held(self, seq: Sequence):
         """Queue the samples held for `seq` ahead of other waiting prompts."""
         siblings = self.held.pop(seq.seq_id, None)
         if siblings:
-            self.waiting.extendleft(reversed(siblings))
+            for sibling in siblings:
+                del self.held_under[sibling.seq_id]
+            self.waiting.extendleft_in_order(list(siblings))
 
     # ---- planning a step ------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -180,6 +185,9 @@ class Scheduler:
             seq.num_inflight -= samples
             if seq.is_finished:
                 continue  # aborted, or stopped while this step was in flight: a wasted row
+            if token_id < 0 and samples:  # NON_FINITE: the row's logits were NaN / inf
+                ending[row] = ("error", "non-finite logits")  # (its K/V are not cached either)
+                continue
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.commit(seq, batch.starts[row] + batch.query_lens[row])
             if not samples:
@@ -205,7 +213,7 @@ class Scheduler:
         ending = update.ending
         for row, stop in stop_strings.items():
             ending[row] = ("stop", stop)
-        rows = ending if not stop_strings else [row for row in update.appended if row in ending]
+        rows = ending if not stop_strings else sorted(ending)
         finished = []
         for row in rows:
             seq = batch.seqs[row]
@@ -225,22 +233,23 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         """End a sequence wherever it is (running, waiting, held) and free its blocks. The one place
-        that decides `finish_reason` ("stop", "length" or "abort")."""
+        that decides `finish_reason` ("stop", "length", "abort", or "error": the model gave
+        non-finite logits for it)."""
         if seq.is_finished:
             return
         if self.held:
             self._release_held(seq)  # its held samples go on without it
-        # found by looking, not by status: an exception (Ctrl-C) may have left it between queues
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        else:  # held for a sibling's prompt, or in no queue
-            for key, group in list(self.held.items()):
-                if seq in group:
-                    group.remove(seq)
-                    if not group:
-                        del self.held[key]
+        # found by looking, not by status: an exception (Ctrl-C) may have left it between queues.
+        # Each look is O(1) but `running`'s (at most max_num_seqs): finishing n samples is O(n).
+        if not self.waiting.discard(seq):
+            key = self.held_under.pop(seq.seq_id, None)
+            if key is not None:  # held for a sibling's prompt
+                group = self.held[key]
+                del group[seq]
+                if not group:
+                    del self.held[key]
+            elif seq in self.running:
+                self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.block_manager.free(seq)

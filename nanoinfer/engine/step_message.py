@@ -76,14 +76,23 @@ class SamplingPlan:
     allowed: list | None = None                # (row, allowed token ids)
     bias: list | None = None                   # (row, {token: bias})
     processors: list | None = None             # (row, callables, prompt ids, output ids)
-    seed: int | None = None                    # plain plans: the fused kernel's noise seed, in [0, 2^31)
+    grammar_rows: list[int] | None = None      # structured outputs: the rows a grammar constrains
+    grammar_bitmask: bytes | None = None       # their next-token bitmasks, [G, ceil(V / 32)] int32 words
+    seed: int | None = None                    # fused plans: the fused kernel's noise seed, in [0, 2^31)
 
     @property
-    def plain(self) -> bool:
-        """Only temperature / greedy rows: what the fused kernel does on its own (kernels/sampling.py)."""
+    def fused(self) -> bool:
+        """Only temperature / greedy rows, after any grammar bitmask: what the fused kernel does on
+        its own (kernels/sampling.py) once the bitmask is applied."""
         return (self.top_k is None and self.top_p is None and self.min_p is None and self.pen_tokens is None
                 and not self.suppress_rows and not self.seeded_rows and self.lp_counts is None
                 and not self.allowed and not self.bias and not self.processors)
+
+    @property
+    def plain(self) -> bool:
+        """Fused and without a grammar bitmask (only rank 0 gets the bitmask): every rank can sample
+        its vocabulary shard alone."""
+        return self.fused and not self.grammar_rows
 
 
 @dataclass(slots=True)

@@ -189,6 +189,14 @@ class TensorParallelExecutor:
         """A round trip through every rank without a forward (what the RPC costs)."""
         self._everyone("a ping", Ping())
 
+    def check_alive(self):
+        """Raises RuntimeError (and stops the group) if a rank's process has died: an idle engine
+        notices without waiting for its next step."""
+        self._check_usable()
+        dead = [rank for rank, proc in enumerate(self.group.procs) if not proc.is_alive()]
+        if dead:
+            self._fail(RuntimeError(f"tensor-parallel rank(s) {dead} died"), "while idle")
+
     def exit(self):
         if self._closed:
             return

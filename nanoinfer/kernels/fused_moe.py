@@ -18,6 +18,10 @@ is specialised on M (a per-step integer); the tile sizes come in three sets chos
 Each row's result depends on that row alone, so the sorting and padding (BLOCK_M) never change it;
 BLOCK_K sets the accumulation order. Partial sums stay in float32 until the final rounding.
 The torch reference is layers/fused_moe.py `fused_moe_torch`.
+
+FP8 experts (weight-only): the weight tiles are float8_e4m3fn, widened to the activations' dtype in
+registers, each tile's product scaled by its K group's scale per output feature (block scales), or
+the finished sums by the row's scale (per channel / per tensor): half the weight bytes of bf16.
 """
 import torch
 import triton
@@ -125,11 +129,28 @@ def _dot(a, b, acc, FP32: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _scaled_dot(a, w, acc, s_ptr, k0, KB: tl.constexpr, GROUP_K: tl.constexpr, FP8: tl.constexpr,
+                FP32: tl.constexpr):
+    """acc + a @ w. FP8 weights are widened to a's dtype; with block scales (KB > 1) the tile's
+    product is scaled by its K group's scale of each column (s_ptr: [BLOCK_N] pointers to the
+    columns' scale rows); with one scale column the caller scales the finished sum."""
+    if not FP8:
+        return _dot(a, w, acc, FP32)
+    w = w.to(a.dtype)
+    if KB == 1:
+        return _dot(a, w, acc, FP32)
+    s = tl.load(s_ptr + k0 // GROUP_K)
+    return acc + _dot(a, w, tl.zeros_like(acc), FP32) * s[None, :]
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs, N, K,
-                    stride_xm, stride_we, stride_wn, stride_am, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
-    """act[pair, n] = silu(x[token] . W13[e, n]) * (x[token] . W13[e, N + n]) for one row block."""
+                    stride_xm, stride_we, stride_wn, stride_am, s_ptr, stride_se, stride_sn,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    FP32: tl.constexpr, FP8: tl.constexpr, KB: tl.constexpr, GROUP_K: tl.constexpr):
+    """act[pair, n] = silu(x[token] . W13[e, n]) * (x[token] . W13[e, N + n]) for one row block.
+    FP8: W13 float8 with float32 scales [E, 2N, KB], one row per output feature."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -143,17 +164,23 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pad
     a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + N * stride_wn
+    # (FP8) each column's scale row; masked columns read row 0
+    sg_ptrs = s_ptr + expert * stride_se + tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_sn
+    su_ptrs = sg_ptrs + N * stride_sn
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        gate = _dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), gate, FP32)
-        up = _dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), up, FP32)
+        gate = _scaled_dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), gate, sg_ptrs, k0, KB, GROUP_K, FP8, FP32)
+        up = _scaled_dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), up, su_ptrs, k0, KB, GROUP_K, FP8, FP32)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if FP8 and KB == 1:
+        gate *= tl.load(sg_ptrs)[None, :]
+        up *= tl.load(su_ptrs)[None, :]
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + pairs[:, None].to(tl.int64) * stride_am + offs_n[None, :],
              act.to(act_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
@@ -161,9 +188,11 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_pad
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, num_pairs,
-                 N, K, stride_am, stride_we, stride_wn, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, FP32: tl.constexpr):
-    """out[pair, n] = routing_weight[pair] * (act[pair] . W2[e, n]) for one row block."""
+                 N, K, stride_am, stride_we, stride_wn, stride_om, s_ptr, stride_se, stride_sn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr,
+                 FP8: tl.constexpr, KB: tl.constexpr, GROUP_K: tl.constexpr):
+    """out[pair, n] = routing_weight[pair] * (act[pair] . W2[e, n]) for one row block (FP8: as
+    _gate_up_kernel)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -176,13 +205,17 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    s_ptrs = s_ptr + expert * stride_se + tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _dot(a, tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0), acc, FP32)
+        acc = _scaled_dot(a, tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0), acc, s_ptrs, k0,
+                          KB, GROUP_K, FP8, FP32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if FP8 and KB == 1:
+        acc *= tl.load(s_ptrs)[None, :]
     acc *= tl.load(weights_ptr + rows, mask=row_mask, other=0.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & n_mask[None, :])
@@ -215,11 +248,42 @@ def _check(x, w13, w2, topk_weights, topk_ids):
         raise ValueError("fused_moe needs contiguous rows in x and contiguous expert weights")
 
 
+def fp8_tile_k(group_k: int, kb: int, block_k: int) -> int | None:
+    """The K tile for FP8 experts: with block scales (kb > 1) a power of two dividing group_k (each
+    tile inside one scale group), at most block_k and >= 16; None when there is none."""
+    if kb == 1:
+        return block_k
+    tile = block_k
+    while tile >= 16 and group_k % tile:
+        tile //= 2
+    return tile if tile >= 16 else None
+
+
+def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple:
+    """(scale pointer, expert stride, row stride); without scales the weight stands in, never read."""
+    if scale is None:
+        return weight, 0, 0
+    return scale, scale.stride(0), scale.stride(1)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: dict | None = None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None, group_k13: int = 0, group_k2: int = 0) -> torch.Tensor:
     """x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [M, top_k]
-    (float32), topk_ids [M, top_k] (int, in [0, E)). Returns sum_k w[m, k] * expert_k(x[m]), [M, H]."""
+    (float32), topk_ids [M, top_k] (int, in [0, E)). Returns sum_k w[m, k] * expert_k(x[m]), [M, H].
+    FP8 experts (weight-only: activations stay in x's dtype): w13 / w2 float8_e4m3fn with float32
+    scales w13_scale [E, 2I, ceil(H / group_k13)] and w2_scale [E, H, ceil(I / group_k2)], one row
+    per output feature (quant/fp8_scheme.py)."""
     _check(x, w13, w2, topk_weights, topk_ids)
+    fp8 = w13_scale is not None
+    if fp8 and (w2_scale is None or w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn
+                or w13_scale.shape[:2] != w13.shape[:2] or w2_scale.shape[:2] != w2.shape[:2]
+                or w13_scale.shape[2] != -(-w13.shape[2] // group_k13)
+                or w2_scale.shape[2] != -(-w2.shape[2] // group_k2)
+                or w13_scale.stride(2) != 1 or w2_scale.stride(2) != 1):
+        raise ValueError(f"fused_moe FP8: w13 {tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype}, "
+                         f"scales {None if w13_scale is None else tuple(w13_scale.shape)}, "
+                         f"{None if w2_scale is None else tuple(w2_scale.shape)} (group_k {group_k13}, {group_k2})")
     m, h = x.shape
     num_experts, two_i, _ = w13.shape
     inter, top_k = two_i // 2, topk_ids.shape[1]
@@ -227,6 +291,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return torch.zeros_like(x)
     cfg = dict(default_config(m, x.dtype), **(config or {}))
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bk13 = bk2 = bk
+    if fp8:
+        bk13, bk2 = fp8_tile_k(group_k13, w13_scale.shape[2], bk), fp8_tile_k(group_k2, w2_scale.shape[2], bk)
+        if bk13 is None or bk2 is None:
+            raise ValueError(f"fused_moe FP8: scale groups of {group_k13} and {group_k2} features need a "
+                             "power-of-two divisor >= 16")
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, bm)
     num_pairs, fp32 = m * top_k, x.dtype == torch.float32
@@ -235,10 +305,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     max_blocks = block_expert.shape[0]
     _gate_up_kernel[(max_blocks, triton.cdiv(inter, bn))](
         x, w13, act, sorted_ids, block_expert, num_padded, num_pairs, inter, h,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32=fp32, **launch)
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *_scale_args(w13_scale, w13),
+        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk13, FP32=fp32, FP8=fp8,
+        KB=w13_scale.shape[2] if fp8 else 1, GROUP_K=group_k13 or 1, **launch)
     _down_kernel[(max_blocks, triton.cdiv(h, bn))](
         act, w2, out_k, topk_weights.reshape(-1).float(), sorted_ids, block_expert, num_padded, num_pairs, h, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out_k.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP32=fp32, **launch)
+        act.stride(0), w2.stride(0), w2.stride(1), out_k.stride(0), *_scale_args(w2_scale, w2),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk2, FP32=fp32, FP8=fp8, KB=w2_scale.shape[2] if fp8 else 1,
+        GROUP_K=group_k2 or 1, **launch)
     return out_k.view(m, top_k, h).sum(1, dtype=torch.float32).to(x.dtype)

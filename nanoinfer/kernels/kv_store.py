@@ -5,16 +5,73 @@ viewed as [num_blocks * block_size, num_kv_heads * head_dim]. One program per to
 [heads, head_dim] load and store for K and one for V; key and value may have any token and head
 stride (views into a fused qkv) as long as head_dim is contiguous. (The CUDA attention backends
 store K/V in kernels/qkv_epilogue.py instead, fused with the q/k norms and RoPE.)
+
+FP8 cache (kv_cache_dtype="fp8", a float8_e4m3fn cache): a value x is stored as x / scale rounded
+to the nearest e4m3 value (ties to even), saturated to +-448, and read back as fp8 * scale, with
+one float32 scale per layer for K and one for V (vLLM's k_scale / v_scale). Every path rounds the
+same way: `quantize_kv` in torch, `e4m3_rounded` in Triton.
 """
+import torch
 import triton
 import triton.language as tl
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_KV_DTYPE
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """x (any float dtype) -> float8_e4m3fn holding x / scale, rounded to nearest even, saturated."""
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
+
+
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def scale_or_unit(scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The float32 scale tensor a kernel reads; None -> 1.0 (vLLM's default), one cached tensor per
+    device so that a CUDA graph captured with it keeps a valid address."""
+    if scale is not None:
+        return scale
+    device = torch.device(device)
+    if device not in _UNIT_SCALES:
+        _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return _UNIT_SCALES[device]
+
+
+@triton.jit
+def e4m3_rounded(x):
+    """float32 x -> the nearest e4m3 value (ties to even, saturated to +-448), still float32, so the
+    conversion to float8e4nv that follows is exact (the Triton interpreter's own fp8 rounding is
+    not round-to-nearest-even). The step between e4m3 values at |x| is 2^(exponent - 3), and 2^-9
+    below 2^-6 (subnormals); adding and subtracting 1.5 * 2^23 rounds |x| / step to an integer."""
+    bits = x.to(tl.int32, bitcast=True)
+    a = tl.minimum(tl.abs(x), 448.0)
+    biased = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
+    step = ((biased - 3) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((254 - (biased - 3)) << 23).to(tl.float32, bitcast=True)  # exact, unlike a division
+    r = ((a * inv_step + 12582912.0) - 12582912.0) * step
+    return tl.where(bits < 0, -r, r)  # the sign bit: -0.0 stays -0.0, as torch stores it
+
+
+@triton.jit
+def to_cache(x, scale_ptr, out_ty: tl.constexpr, KV_FP8: tl.constexpr):
+    """A K or V value, in the model's dtype, as the cache stores it."""
+    if KV_FP8:
+        y = e4m3_rounded(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))).to(out_ty)
+    else:
+        y = x.to(out_ty)
+    return y
 
 
 @triton.jit
 def _store_kv_kernel(key_ptr, key_stride_t, key_stride_h, value_ptr, value_stride_t, value_stride_h,
-                     k_cache_ptr, v_cache_ptr, slot_ptr, cache_stride_s, cache_stride_h,
+                     k_cache_ptr, v_cache_ptr, slot_ptr, cache_stride_s, cache_stride_h, k_scale_ptr, v_scale_ptr,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr,
-                     D_PAD: tl.constexpr):
+                     D_PAD: tl.constexpr, KV_FP8: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -27,38 +84,47 @@ def _store_kv_kernel(key_ptr, key_stride_t, key_stride_h, value_ptr, value_strid
     v = tl.load(value_ptr + t * value_stride_t + offs_h[:, None] * value_stride_h + offs_d[None, :],
                 mask=mask)
     dst = slot * cache_stride_s + offs_h[:, None] * cache_stride_h + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, to_cache(k, k_scale_ptr, k_cache_ptr.dtype.element_ty, KV_FP8), mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_scale_ptr, v_cache_ptr.dtype.element_ty, KV_FP8), mask=mask)
 
 
-def store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping):
+def store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     """key, value: [num_tokens, num_kv_heads, head_dim], last dim contiguous; rows and heads may be
-    strided (views into a fused qkv). slot_mapping: [num_tokens] int32/int64, -1 = skip."""
+    strided (views into a fused qkv). slot_mapping: [num_tokens] int32/int64, -1 = skip.
+    k_scale, v_scale: float32 scalar tensors, read for an FP8 cache only (None: 1.0)."""
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(1) == num_heads * head_dim
+    assert k_cache.dtype == v_cache.dtype
     h_pad, d_pad = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
     _store_kv_kernel[(num_tokens,)](key, key.stride(0), key.stride(1), value, value.stride(0),
                                     value.stride(1), k_cache, v_cache, slot_mapping,
-                                    k_cache.stride(1), k_cache.stride(2), NUM_HEADS=num_heads,
-                                    HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad,
+                                    k_cache.stride(1), k_cache.stride(2), scale_or_unit(k_scale, key.device),
+                                    scale_or_unit(v_scale, key.device), NUM_HEADS=num_heads,
+                                    HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad, KV_FP8=is_fp8_cache(k_cache),
                                     num_warps=4 if h_pad * d_pad >= 1024 else 1)
 
 
-def store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping):
+def store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     """The same store with index_copy_ (CPU fallback); rows with slot -1 are dropped."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     row = key.shape[1] * key.shape[2]
-    k_cache.view(-1, row).index_copy_(0, slot_mapping.long(), key.reshape(-1, row).to(k_cache.dtype))
-    v_cache.view(-1, row).index_copy_(0, slot_mapping.long(), value.reshape(-1, row).to(v_cache.dtype))
+    slots = slot_mapping.long()
+    if is_fp8_cache(k_cache):
+        # index_copy_ has no float8 kernel on CPU: copy the bytes
+        key = quantize_kv(key, 1.0 if k_scale is None else k_scale).view(torch.uint8)
+        value = quantize_kv(value, 1.0 if v_scale is None else v_scale).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    k_cache.view(-1, row).index_copy_(0, slots, key.reshape(-1, row).to(k_cache.dtype))
+    v_cache.view(-1, row).index_copy_(0, slots, value.reshape(-1, row).to(v_cache.dtype))
 
 
-def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     if k_cache.is_cuda:
-        store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
+        store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping)
+        store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -2,8 +2,9 @@
 registers, no vocabulary-sized buffer.
 
 A sampled row's token is argmax(x / T - log E), E ~ Exp(1) per entry (a sample of softmax(x / T));
-a greedy row (T < SAMPLING_EPS) takes argmax(x). Ties go to the smallest index. NaN logits are
-never chosen (the torch path, like torch.argmax, would pick a NaN): a row that is all NaN gives 0.
+a greedy row (T < SAMPLING_EPS) takes argmax(x). Ties go to the smallest index. A row with a NaN
+or +inf logit gives NON_FINITE (-1), as Sampler's torch path does: the engine fails that request
+rather than sample from a broken row.
 
 Grid (B, num_chunks): a program scans one chunk of its row's vocabulary tile by tile, keeping a
 per-lane running (max, index) in registers, and reduces it once at the end; a tiny kernel then picks
@@ -31,6 +32,7 @@ from nanoinfer.sampling_params import SAMPLING_EPS
 
 _EPS = tl.constexpr(SAMPLING_EPS)
 _INT_MAX = tl.constexpr(2**31 - 1)
+NON_FINITE = -1  # the token of a row whose logits hold a NaN or +inf
 
 
 @triton.jit
@@ -89,6 +91,7 @@ def _sample_kernel(logits_ptr, temp_ptr, out_ptr, part_v_ptr, part_i_ptr, stride
 
     best_v = tl.full([QUARTER], float("-inf"), tl.float32)
     best_i = tl.zeros([QUARTER], tl.int32)  # an all -inf row still returns a valid index (0)
+    broken = tl.zeros([QUARTER], tl.int32)  # a lane saw a NaN or +inf logit
     t_start = first_tile + chunk * tiles_per_chunk
     t_end = tl.minimum(t_start + tiles_per_chunk, tl.cdiv(end, 4 * QUARTER))
     for tile in range(t_start, t_end):
@@ -100,6 +103,8 @@ def _sample_kernel(logits_ptr, temp_ptr, out_ptr, part_v_ptr, part_i_ptr, stride
         x1 = tl.load(row_ptr + c1, mask=_in_shard(c1, col0, end, SHARD), other=float("-inf")).to(tl.float32)
         x2 = tl.load(row_ptr + c2, mask=_in_shard(c2, col0, end, SHARD), other=float("-inf")).to(tl.float32)
         x3 = tl.load(row_ptr + c3, mask=_in_shard(c3, col0, end, SHARD), other=float("-inf")).to(tl.float32)
+        broken |= ((x0 != x0) | (x0 == float("inf")) | (x1 != x1) | (x1 == float("inf"))).to(tl.int32)
+        broken |= ((x2 != x2) | (x2 == float("inf")) | (x3 != x3) | (x3 == float("inf"))).to(tl.int32)
         if sampled:
             r0, r1, r2, r3 = tl.randint4x(seed, ctr_row + (tile * QUARTER + offs))
             x0 = x0 * inv_t - _log_exponential(r0, FAST_LOG)
@@ -113,6 +118,9 @@ def _sample_kernel(logits_ptr, temp_ptr, out_ptr, part_v_ptr, part_i_ptr, stride
 
     m = tl.max(best_v, 0)
     idx = tl.min(tl.where(best_v == m, best_i, _INT_MAX), 0)
+    bad = tl.max(broken, 0) > 0  # then +inf at index -1: it wins every pick, across chunks and ranks
+    m = tl.where(bad, float("inf"), m)
+    idx = tl.where(bad, -1, idx)
     if SHARD:
         tl.store(part_v_ptr + row * part_stride + chunk, m)
         tl.store(part_i_ptr + row * part_stride + chunk, idx)

@@ -9,6 +9,8 @@ gathered from the cache with one index and computed with one masked SDPA call in
 grows only while padding at most doubles its work (or the work is tiny) and stays under
 _MAX_GROUP_ELEMS, so one long prompt chunk never pads many decode rows to its size.
 tests/test_attention_reference.py checks this against the plain per-sequence loop.
+
+An FP8 cache (float8_e4m3fn) is dequantized as it is gathered: fp8 -> float32 * k_scale (v_scale).
 """
 import torch
 import torch.nn.functional as F
@@ -41,14 +43,17 @@ def _group(query_lens: list[int], context_lens: list[int], num_heads: int, kv_ro
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float, k_scale: torch.Tensor | float | None = None,
+                          v_scale: torch.Tensor | float | None = None) -> torch.Tensor:
     """q: [sum(query_lens), num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads,
     head_dim]; block_tables: [num_seqs, width]. Returns [sum(query_lens), num_heads, head_dim],
-    computed in float32, in q's dtype. GQA: query head h reads KV head h // (num_heads // num_kv_heads)."""
+    computed in float32, in q's dtype. GQA: query head h reads KV head h // (num_heads // num_kv_heads).
+    k_scale, v_scale: the FP8 cache's scales (float32 scalars; None: 1.0), unused for other caches."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     dev = q.device
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     out = torch.empty_like(q)
     starts = [0]
     for n in query_lens[:-1]:
@@ -69,6 +74,11 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         slots = tables.gather(1, k_pos // block_size) * block_size + k_pos % block_size
         k = k_cache.view(-1, num_kv_heads, head_dim)[slots].float().transpose(1, 2)       # [B, Hkv, C, D]
         v = v_cache.view(-1, num_kv_heads, head_dim)[slots].float().transpose(1, 2)
+        if fp8:
+            if k_scale is not None:
+                k = k * k_scale
+            if v_scale is not None:
+                v = v * v_scale
         # GQA: a KV head's query heads become more query rows, [B, Hkv, G * Q, D].
         qg = q[rows].float().view(b, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         allowed = key[:, None, :] <= q_pos[:, :, None]  # causal; also excludes keys past the context

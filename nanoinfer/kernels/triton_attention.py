@@ -37,6 +37,11 @@ last q_len of its context_len positions, which covers plain prefill, a cached pr
 prefill alike. Two loops: the key tiles wholly below the tile's first query position (no masks at
 all), then the diagonal tiles (causal and length masks). q may be a strided view (of a fused qkv).
 
+FP8 cache (float8_e4m3fn k_cache/v_cache, kv_cache_dtype="fp8"): the kernels load the fp8 tiles,
+widen them in registers to q's dtype (exact: every e4m3 value is an fp16/bf16 value) and fold the
+layer's scales in where they cost one multiply: k_scale into the softmax scale, v_scale into the
+output. q stays in its own dtype (no fp8 dot).
+
 Tile configs (DECODE_CFG, PREFILL_CFG) are the best of nanoinfer/bench/kernels.py --sweep on an
 H200: for decode BLOCK_N 64 with 2-4 warps and 3-4 stages (32 or 256 lost); for prefill (128, 128)
 tiles, 8 warps, 3 stages. Not tried yet: more splits than max_splits, or BLOCK_N 128, for a single
@@ -47,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer.kernels.kv_store import is_fp8_cache, scale_or_unit
 from nanoinfer.kernels.pdl import pdl_options
 
 _LOG2E = 1.4426950408889634
@@ -63,14 +69,16 @@ def _kv_offsets(bt_ptr, pos, n_mask, BLOCK_SIZE: tl.constexpr, stride_kb, stride
 @triton.jit(do_not_specialize=["stride_btb"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_ptr, plse_ptr,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
-                   stride_ob, stride_oh, qk_scale,
+                   stride_ob, stride_oh, qk_scale, k_scale_ptr, v_scale_ptr,
                    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, FP32: tl.constexpr,
-                   HAS_ORDER: tl.constexpr, PDL: tl.constexpr):
+                   HAS_ORDER: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr):
     kvh = tl.program_id(0)
     if PDL:  # (kernels/pdl.py) q and the newest K/V come from the kernel before
         tl.extra.cuda.gdc_wait()
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     split = tl.program_id(1)
     seq = tl.program_id(2)
     if HAS_ORDER:
@@ -111,6 +119,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
         kv_off = off[:, None] + offs_d[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         if USE_DOT:
             if FP32:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -134,6 +145,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
         m_i = m_new
 
     has = l_i > 0
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -215,16 +228,18 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_sms: in
 
 def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: float,
                      num_splits: int | None = None, config: dict | None = None,
-                     order: torch.Tensor | None = None) -> torch.Tensor:
+                     order: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, num_heads, head_dim] (last dim contiguous); one query per sequence at position
     context_lens[i] - 1. order: None, or a permutation of range(B) (int32), longest context first.
+    k_scale, v_scale: float32 scalar tensors, read for an FP8 cache only (None: 1.0).
     Returns [B, num_heads, head_dim] contiguous. No host syncs: CUDA-graph safe."""
     cfg = dict(DECODE_CFG, **(config or {}))
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
-    assert k_cache.stride() == v_cache.stride()
+    assert k_cache.stride() == v_cache.stride() and k_cache.dtype == v_cache.dtype
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -246,9 +261,11 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: flo
         q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order, out, po, plse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
+        scale_or_unit(k_scale, q.device), scale_or_unit(v_scale, q.device),
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, USE_DOT=use_dot, FP32=q.dtype == torch.float32,
-        HAS_ORDER=order is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_ORDER=order is not None, KV_FP8=is_fp8_cache(k_cache), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
         **pdl_options(q.device))
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -263,10 +280,10 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: flo
 @triton.jit(do_not_specialize=["stride_btb"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
-                    stride_ot, stride_oh, qk_scale,
+                    stride_ot, stride_oh, qk_scale, k_scale_ptr, v_scale_ptr,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    FP32: tl.constexpr):
+                    FP32: tl.constexpr, KV_FP8: tl.constexpr):
     h = tl.program_id(0)
     seq = tl.program_id(1)
     m_tile = tl.num_programs(2) - 1 - tl.program_id(2)  # heaviest (latest) query tiles first
@@ -277,6 +294,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
     ctx = tl.load(ctx_ptr + seq)
     prefix = ctx - q_len
     kvh = h // GROUP
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
@@ -313,6 +332,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
             d_mask = offs_d[None, :] < HEAD_DIM
             k = tl.load(k_ptr + kv_off, mask=d_mask, other=0.0)
             v = tl.load(v_ptr + kv_off, mask=d_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         if FP32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -341,6 +363,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
             kv_mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
         if FP32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -358,6 +383,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -376,14 +403,16 @@ def _prefill_config(head_dim: int, device: torch.device) -> dict:
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
-                      max_seqlen_q: int, scale: float, config: dict | None = None) -> torch.Tensor:
+                      max_seqlen_q: int, scale: float, config: dict | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [total_q, num_heads, head_dim] (last dim contiguous; may be a strided view). Sequence i owns
     rows cu_seqlens_q[i]:cu_seqlens_q[i+1], the last q_len_i of its context_lens[i] positions (their
-    K/V already stored). Causal. Returns [total_q, num_heads, head_dim] contiguous."""
+    K/V already stored). Causal. k_scale, v_scale: float32 scalar tensors, read for an FP8 cache
+    only (None: 1.0). Returns [total_q, num_heads, head_dim] contiguous."""
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
-    assert k_cache.stride() == v_cache.stride()
+    assert k_cache.stride() == v_cache.stride() and k_cache.dtype == v_cache.dtype
     out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or batch == 0 or max_seqlen_q == 0:
@@ -396,7 +425,8 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
+        scale_or_unit(k_scale, q.device), scale_or_unit(v_scale, q.device),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, FP32=q.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, FP32=q.dtype == torch.float32, KV_FP8=is_fp8_cache(k_cache),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -1,11 +1,35 @@
 """Paged attention layer: from the fused qkv projection's output to the attention output, over this
 layer's K/V cache. The work is the backend's (layers/attention_backend.py), chosen once per engine
-and shared by every layer; the layer holds what is its own: head counts, RoPE, and the cache."""
+and shared by every layer; the layer holds what is its own: head counts, RoPE, the cache, and the
+cache's scales.
+
+k_scale / v_scale (vLLM's names): with kv_cache_dtype="fp8" the cache stores K / k_scale and
+V / v_scale in e4m3, read back as fp8 * scale. Float32 scalars, 1.0 unless the checkpoint has them
+(loaded as `...self_attn.attn.k_scale`); every rank holds the same value. Other caches ignore them."""
+import math
+
 import torch
 from torch import nn
 
 from nanoinfer.layers.attention_backend import AttentionBackend
 from nanoinfer.layers.rotary_embedding import RotaryEmbedding
+
+
+def load_kv_scale(param: nn.Parameter, loaded: torch.Tensor):
+    """A per-tensor scale: one positive, finite value (shape [] or [1], as checkpoints store it)."""
+    if loaded.numel() != 1:
+        raise ValueError(f"a KV cache scale is one value (shape [] or [1]), found shape {list(loaded.shape)}")
+    value = float(loaded.reshape(()).float())
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"a KV cache scale must be positive and finite, got {value}")
+    param.data.fill_(value)
+
+
+def _kv_scale() -> nn.Parameter:
+    param = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+    param.weight_loader = load_kv_scale
+    param.optional_in_checkpoint = True  # utils/loader.py: absent -> keeps its default, 1.0
+    return param
 
 
 class Attention(nn.Module):
@@ -16,6 +40,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.rotary_emb = rotary
         self.backend = backend
+        self.k_scale, self.v_scale = _kv_scale(), _kv_scale()
         self.k_cache = self.v_cache = torch.tensor([])  # bound by the model runner
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, q_norm: nn.Module | None = None,

@@ -9,7 +9,11 @@ reads the step's state from utils/context.py.
 - triton (CUDA): one kernel for q/k norm + RoPE + K/V store (kernels/qkv_epilogue.py), our
   prefill/extend and split-KV decode kernels (kernels/triton_attention.py).
 - flash_attn (CUDA, when flash-attn is importable): the same fused epilogue, then flash-attn's
-  FA2 functions as nano-vllm calls them.
+  FA2 functions as nano-vllm calls them. FA2 cannot read an FP8 cache: with kv_cache_dtype="fp8"
+  the triton backend serves instead (logged).
+
+Every backend stores and reads an FP8 cache (kv_cache_dtype="fp8") with the layer's k_scale and
+v_scale (layers/attention.py).
 
 Two flags tell the model runner what a backend can do: `mixed_step_graphs` (a step with prompt
 chunks may replay a CUDA graph: its attention is one kernel launch whatever the mix) and
@@ -60,14 +64,15 @@ class TorchAttentionBackend(AttentionBackend):
             q, k = q_norm(q), k_norm(k)
         q, k = layer.rotary_emb(positions, q, k)
         if layer.k_cache.numel():
-            store_kvcache(k, v, layer.k_cache, layer.v_cache, get_context().slot_mapping)
+            store_kvcache(k, v, layer.k_cache, layer.v_cache, get_context().slot_mapping, layer.k_scale,
+                          layer.v_scale)
         return q
 
     def attend(self, layer, q):
         ctx = get_context()
         query_lens = ctx.query_lens_cpu if ctx.is_prefill else [1] * q.shape[0]
         return paged_attention_torch(q, layer.k_cache, layer.v_cache, query_lens, ctx.context_lens_cpu,
-                                     ctx.block_tables, layer.scale)
+                                     ctx.block_tables, layer.scale, layer.k_scale, layer.v_scale)
 
 
 class FusedEpilogueBackend(AttentionBackend):
@@ -78,7 +83,8 @@ class FusedEpilogueBackend(AttentionBackend):
                             q_norm.weight if q_norm is not None else None,
                             k_norm.weight if k_norm is not None else None,
                             q_norm.eps if q_norm is not None else 0.0, layer.k_cache, layer.v_cache,
-                            get_context().slot_mapping, layer.num_heads, layer.num_kv_heads, layer.head_dim)
+                            get_context().slot_mapping, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                            layer.k_scale, layer.v_scale)
 
 
 class TritonAttentionBackend(FusedEpilogueBackend):
@@ -93,9 +99,10 @@ class TritonAttentionBackend(FusedEpilogueBackend):
         ctx = get_context()
         if ctx.is_prefill:
             return prefill_attention(q, layer.k_cache, layer.v_cache, ctx.cu_seqlens_q, ctx.context_lens,
-                                     ctx.block_tables, ctx.max_seqlen_q, layer.scale)
+                                     ctx.block_tables, ctx.max_seqlen_q, layer.scale, k_scale=layer.k_scale,
+                                     v_scale=layer.v_scale)
         return decode_attention(q, layer.k_cache, layer.v_cache, ctx.context_lens, ctx.block_tables, layer.scale,
-                                order=ctx.decode_order)
+                                order=ctx.decode_order, k_scale=layer.k_scale, v_scale=layer.v_scale)
 
 
 class FlashAttnBackend(FusedEpilogueBackend):
@@ -104,9 +111,12 @@ class FlashAttnBackend(FusedEpilogueBackend):
     a multiple of 256 tokens."""
     name = "flash_attn"
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, kv_cache_dtype: str = "auto"):
         if block_size % 256:
             raise ValueError(f"the flash_attn backend needs kvcache_block_size % 256 == 0, got {block_size}")
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"the flash_attn backend cannot read an FP8 KV cache (kv_cache_dtype={kv_cache_dtype!r}); "
+                             "use the triton backend, or kv_cache_dtype='auto'")
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -129,13 +139,17 @@ def flash_attn_importable() -> bool:
     return True
 
 
-def select_attention_backend(device: str, block_size: int) -> AttentionBackend:
-    """flash_attn on CUDA when importable, else triton on CUDA; torch on CPU. Logged once."""
+def select_attention_backend(device: str, block_size: int, kv_cache_dtype: str = "auto") -> AttentionBackend:
+    """flash_attn on CUDA when importable (and the cache is not FP8), else triton on CUDA; torch on
+    CPU. Logged once."""
     if device != "cuda":
         backend = TorchAttentionBackend()
-    elif flash_attn_importable():
+    elif flash_attn_importable() and kv_cache_dtype == "auto":
         backend = FlashAttnBackend(block_size)
     else:
+        if flash_attn_importable():
+            logger.info("kv_cache_dtype=%r: flash-attn cannot read an FP8 KV cache; using the triton backend",
+                        kv_cache_dtype)
         backend = TritonAttentionBackend()
     logger.info("attention backend: %s", backend.name)
     return backend

@@ -1,7 +1,9 @@
 """Mixture-of-experts MLP: router softmax + top-k, then every expert's SiLU MLP over its tokens.
 
 Expert weights are stacked as [E, 2I, H] (each expert's gate rows, then its up rows) and [E, H, I],
-filled one checkpoint tensor at a time by the loader (shard ids (expert, 0 | 1) and expert). Tensor
+filled one checkpoint tensor at a time by the loader (shard ids (expert, 0 | 1) and expert). FP8
+checkpoints' experts load as float8 with their scales: the CUDA kernel reads them so (weight-only),
+CPU dequantizes them once loaded. Tensor
 parallel: each rank holds a slice of every expert's intermediate dimension (gate/up column-split,
 down row-split); the combined output is all-reduced once. The router is replicated.
 
@@ -50,38 +52,132 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     return out
 
 
-class ExpertsGateUp(nn.Module):
+class _Experts(nn.Module):
+    """Stacked expert weights [E, rows, cols]; with an FP8 scheme (quant/fp8_scheme.py) they load as
+    float8 with scales [E, rows, ceil(cols / group_k)] (one scale row per output feature, as FP8
+    linear layers hold them). On CUDA the fused-MoE kernel reads them as they are (weight-only FP8);
+    on CPU they are dequantized to the model's dtype once loaded (the dequantized model, exactly)."""
+
+    def __init__(self, num_experts: int, rows: int, cols: int, shard_ids: list, fp8, tp: TensorParallel):
+        super().__init__()
+        self.tp_rank, self.tp_size, self.fp8 = tp.rank, tp.size, fp8
+        self.compute_dtype = torch.get_default_dtype()
+        dtype = torch.float8_e4m3fn if fp8 is not None else None
+        self.weight = nn.Parameter(torch.empty(num_experts, rows, cols, dtype=dtype), requires_grad=False)
+        params = [self.weight]
+        if fp8 is not None:
+            from nanoinfer.quant.fp8_math import cdiv, group_k
+            self.group_k = group_k(fp8, cols)
+            scale = nn.Parameter(torch.empty(num_experts, rows, cdiv(cols, self.group_k), dtype=torch.float32),
+                                 requires_grad=False)
+            scale.dummy_value = 0.02
+            scale.from_checkpoint = not fp8.online  # online: computed while the weight loads
+            self.register_parameter(fp8.scale_name, scale)
+            params.append(scale)
+            if fp8.static_input:  # per-tensor activation scales: unused (the experts' FP8 is weight-only)
+                self.input_scale = nn.Parameter(torch.empty(0), requires_grad=False)
+                self.input_scale.dummy_value = 0.0
+                params.append(self.input_scale)
+        for param in params:
+            param.weight_loader = self.weight_loader
+            param.shard_ids = shard_ids  # the loader checks that all came
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id):
+        if param is self.weight:
+            checkpoint_fp8 = self.fp8 is not None and not self.fp8.online
+            if (loaded.dtype == torch.float8_e4m3fn) != checkpoint_fp8:
+                raise ValueError(f"dtype {loaded.dtype}: the experts are "
+                                 f"{'FP8' if checkpoint_fp8 else 'not FP8'} in this model's checkpoint config")
+            share = self.weight_share(loaded)
+            if checkpoint_fp8 or self.fp8 is None:
+                self.target(param, shard_id).copy_(share)
+                return
+            # online FP8: this rank's rows quantized, each row its own scale
+            from nanoinfer.quant.fp8_math import quantize_rows
+            q, scale = quantize_rows(share.to(param.device))
+            self.target(param, shard_id).copy_(q)
+            self.target(self.scale, shard_id).copy_(scale)
+        elif param is getattr(self, "input_scale", None):
+            if loaded.numel() != 1:
+                raise ValueError(f"size mismatch: expected one per-tensor input_scale, found {list(loaded.shape)}")
+        else:
+            self.target(param, shard_id).copy_(self.scale_share(loaded))
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        """FP8: the scales [E, rows, ceil(cols / group_k)] (None for experts in the model's dtype)."""
+        return None if self.fp8 is None else getattr(self, self.fp8.scale_name)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self):
+        """FP8 experts stay FP8 where the fused-MoE kernel runs them (CUDA, and scale groups it tiles);
+        elsewhere (CPU) they are dequantized to the model's dtype."""
+        if self.fp8 is None:
+            return
+        from nanoinfer.kernels.fused_moe import fp8_tile_k
+        from nanoinfer.quant import fp8_linear
+        from nanoinfer.quant.fp8_math import dequantize
+        scale = self.scale
+        if fp8_linear.keeps_fp8(self.weight.device) and fp8_tile_k(self.group_k, scale.shape[2], 128) is not None:
+            if self.fp8.static_input:
+                delattr(self, "input_scale")
+            return
+        dense = torch.empty(self.weight.shape, dtype=self.compute_dtype, device=self.weight.device)
+        for e in range(dense.shape[0]):  # one expert at a time: a float32 copy of all would not fit
+            dense[e] = dequantize(self.weight[e], scale[e], self.group_k, self.compute_dtype)
+        delattr(self, self.fp8.scale_name)
+        if self.fp8.static_input:
+            delattr(self, "input_scale")
+        self.weight = nn.Parameter(dense, requires_grad=False)
+        self.fp8 = None
+
+
+class ExpertsGateUp(_Experts):
     """Every expert's gate and up projections, stacked: weight [E, 2 * I / tp, H]."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, tp: TensorParallel):
-        super().__init__()
-        self.tp_rank, self.tp_size = tp.rank, tp.size
-        self.local = intermediate_size // self.tp_size
-        self.weight = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.weight.shard_ids = [(e, j) for e in range(num_experts) for j in (0, 1)]  # the loader checks all came
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, tp: TensorParallel, fp8=None):
+        self.local = intermediate_size // tp.size
+        super().__init__(num_experts, 2 * self.local, hidden_size, [(e, j) for e in range(num_experts) for j in (0, 1)],
+                         fp8, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]):
+    def target(self, param: nn.Parameter, shard_id: tuple[int, int]) -> torch.Tensor:
         expert, part = shard_id  # part 0: gate, 1: up
-        check_shape(loaded, (self.local * self.tp_size, param.shape[2]))
-        rows = loaded.narrow(0, self.tp_rank * self.local, self.local)
-        param.data[expert].narrow(0, part * self.local, self.local).copy_(rows)
+        return param.data[expert].narrow(0, part * self.local, self.local)
+
+    def weight_share(self, loaded: torch.Tensor) -> torch.Tensor:
+        check_shape(loaded, (self.local * self.tp_size, self.weight.shape[2]))
+        return loaded.narrow(0, self.tp_rank * self.local, self.local)
+
+    def scale_share(self, loaded: torch.Tensor) -> torch.Tensor:
+        from nanoinfer.quant.fp8_math import check_block_cut, scale_rows
+        full = self.local * self.tp_size
+        rows = scale_rows(self.fp8, loaded, full, self.weight.shape[2])
+        check_block_cut(self.fp8, self.tp_rank * self.local, self.local, full, 0, "output")
+        return rows.narrow(0, self.tp_rank * self.local, self.local)
 
 
-class ExpertsDown(nn.Module):
+class ExpertsDown(_Experts):
     """Every expert's down projection, stacked: weight [E, H, I / tp]."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, tp: TensorParallel):
-        super().__init__()
-        self.tp_rank, self.tp_size = tp.rank, tp.size
-        self.local = intermediate_size // self.tp_size
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.local), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.weight.shard_ids = list(range(num_experts))
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, tp: TensorParallel, fp8=None):
+        self.local = intermediate_size // tp.size
+        super().__init__(num_experts, hidden_size, self.local, list(range(num_experts)), fp8, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert: int):
-        check_shape(loaded, (param.shape[1], self.local * self.tp_size))
-        param.data[expert].copy_(loaded.narrow(1, self.tp_rank * self.local, self.local))  # loaded [H, I]
+    def target(self, param: nn.Parameter, expert: int) -> torch.Tensor:
+        return param.data[expert]
+
+    def weight_share(self, loaded: torch.Tensor) -> torch.Tensor:
+        check_shape(loaded, (self.weight.shape[1], self.local * self.tp_size))
+        return loaded.narrow(1, self.tp_rank * self.local, self.local)  # loaded [H, I]
+
+    def scale_share(self, loaded: torch.Tensor) -> torch.Tensor:
+        from nanoinfer.quant.fp8_math import check_block_cut, scale_rows
+        full, start = self.local * self.tp_size, self.tp_rank * self.local
+        rows = scale_rows(self.fp8, loaded, self.weight.shape[1], full)
+        check_block_cut(self.fp8, start, self.local, full, 1, "input")
+        if rows.shape[1] > 1:  # block scales: this rank's columns
+            rows = rows.narrow(1, start // self.fp8.block[1], self.scale.shape[2])
+        return rows
 
 
 class FusedMoE(nn.Module):
@@ -101,17 +197,24 @@ class FusedMoE(nn.Module):
                              f"{intermediate_size}")
         self.num_experts, self.top_k, self.renormalize, self.tp_size = num_experts, top_k, renormalize, tp_size
         self.gate = ReplicatedLinear(hidden_size, num_experts, build=build, prefix=join(prefix, "gate"))
+        # FP8 experts when the build's weight method for them is FP8 (a checkpoint format, or online)
+        fp8 = getattr(build.linear_method(join(prefix, "experts")), "scheme", None)
         self.experts = nn.Module()
-        self.experts.gate_up_proj = ExpertsGateUp(num_experts, hidden_size, intermediate_size, tp=build.tp)
-        self.experts.down_proj = ExpertsDown(num_experts, hidden_size, intermediate_size, tp=build.tp)
+        self.experts.gate_up_proj = ExpertsGateUp(num_experts, hidden_size, intermediate_size, tp=build.tp, fp8=fp8)
+        self.experts.down_proj = ExpertsDown(num_experts, hidden_size, intermediate_size, tp=build.tp, fp8=fp8)
         if tp_size > 1:
             self.all_reduce = AllReduce(hidden_size)
 
     def forward(self, x: torch.Tensor, reduce_later: bool = False) -> torch.Tensor:
         """reduce_later (the caller could take a PartialSum) is not taken up: the output is summed here."""
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
-        if x.is_cuda:
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        w13, w2 = gate_up.weight, down.weight
+        if gate_up.scale is not None:  # FP8 experts, kept FP8 (CUDA)
+            from nanoinfer.kernels.fused_moe import fused_moe
+            out = fused_moe(x, w13, w2, weights, ids, w13_scale=gate_up.scale, w2_scale=down.scale,
+                            group_k13=gate_up.group_k, group_k2=down.group_k)
+        elif x.is_cuda:
             from nanoinfer.kernels.fused_moe import fused_moe
             out = fused_moe(x, w13, w2, weights, ids)
         else:

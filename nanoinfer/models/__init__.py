@@ -103,30 +103,39 @@ def get_model_class(config: PretrainedConfig):
 def build_model(config: "Config", rank: int, world_size: int, device: torch.device,
                 attention_backend: "AttentionBackend") -> nn.Module:
     """The model of `config` for tensor-parallel rank `rank` of `world_size`: built on `device` in
-    config.torch_dtype (seeded: the same random values wherever nothing is loaded), then its
-    weights loaded, or drawn at random for load_format="dummy", then each linear layer's weight
-    method told the weights are in."""
+    config.torch_dtype (seeded: the same random values wherever nothing is loaded), each linear layer
+    with the weight method of the checkpoint's quantization_config or of config.quantization
+    (nanoinfer/quant), then its weights loaded, or drawn at random for load_format="dummy", then each
+    weight method (and each module that has one, as FP8 experts) told the weights are in."""
     # (the layers are imported here: config.py runs this module's checks without them)
     from nanoinfer.layers.linear import LinearBase
     from nanoinfer.layers.model_build import ModelBuild, TensorParallel
+    from nanoinfer.quant import fp8_scheme, linear_method_chooser
     from nanoinfer.utils.loader import init_dummy_weights, load_model
     hf = config.hf_config
-    check_fits_memory(hf, check_architecture(hf), config.torch_dtype, device, world_size, config.max_model_len)
+    scheme = fp8_scheme(config.quantization, hf)
+    model_class = get_model_class(hf)
+    fp8 = scheme is not None and torch.device(device).type == "cuda"  # (CPU dequantizes at load)
+    check_fits_memory(hf, check_architecture(hf), config.torch_dtype, device, world_size, config.max_model_len,
+                      fp8=fp8, fp8_experts=fp8)
     build = ModelBuild(TensorParallel(rank, world_size), attention_backend,
+                       linear_method=linear_method_chooser(scheme, getattr(model_class, "packed_modules_mapping", {})),
                        max_model_len=config.max_model_len)  # sizes the RoPE cache
     torch.manual_seed(config.seed)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(config.torch_dtype)
     try:
         with torch.device(device):
-            model = get_model_class(hf)(hf, build)
+            model = model_class(hf, build)
     finally:
         torch.set_default_dtype(default_dtype)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        load_model(model, config.model)
+        load_model(model, config.model, config.kv_cache_dtype)
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.method.process_weights_after_loading(module)
+        elif hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     return model

@@ -81,12 +81,42 @@ def _mlp_elements(config: PretrainedConfig, arch: str) -> int:
     return (layers - sparse) * dense + sparse * experts
 
 
-def weight_elements(config: PretrainedConfig, arch: str) -> int:
-    """The number of weight elements the config implies (norms and biases left out: a lower bound)."""
+def weight_parts(config: PretrainedConfig, arch: str) -> tuple[int, int, int]:
+    """(embedding and LM head, other linear layers, MoE experts and routers) weight elements the
+    config implies (norms and biases left out: a lower bound)."""
     h, d = config.hidden_size, head_dim(config)
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     embed = config.vocab_size * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
-    return embed + config.num_hidden_layers * (h * (q + 2 * kv) + q * h) + _mlp_elements(config, arch)
+    attention = config.num_hidden_layers * (h * (q + 2 * kv) + q * h)
+    mlp = _mlp_elements(config, arch)
+    experts = mlp - _mlp_elements_dense_only(config, arch)
+    return embed, attention + mlp - experts, experts
+
+
+def _mlp_elements_dense_only(config: PretrainedConfig, arch: str) -> int:
+    """The dense MLP layers' share of _mlp_elements (all of it for a dense model)."""
+    if arch == "MixtralForCausalLM":
+        return 0
+    if arch != "Qwen3MoeForCausalLM":
+        return _mlp_elements(config, arch)
+    only = set(config.mlp_only_layers or [])
+    sparse = sum(1 for i in range(config.num_hidden_layers)
+                 if i not in only and (i + 1) % config.decoder_sparse_step == 0)
+    return (config.num_hidden_layers - sparse) * 3 * config.hidden_size * config.intermediate_size
+
+
+def weight_elements(config: PretrainedConfig, arch: str) -> int:
+    """The number of weight elements the config implies (norms and biases left out: a lower bound)."""
+    return sum(weight_parts(config, arch))
+
+
+def weight_bytes(config: PretrainedConfig, arch: str, dtype: torch.dtype, fp8: bool = False,
+                 fp8_experts: bool = False) -> int:
+    """The weights' bytes: with fp8 the linear layers' weights take one byte each, with fp8_experts the
+    MoE experts' too (scales left out: a lower bound); the rest (embedding, LM head) the model's dtype."""
+    embed, linear, experts = weight_parts(config, arch)
+    return (embed * dtype.itemsize + linear * (1 if fp8 else dtype.itemsize)
+            + experts * (1 if fp8_experts else dtype.itemsize))
 
 
 def _memory_bytes(device: torch.device, tp: int) -> tuple[int, str]:
@@ -97,16 +127,18 @@ def _memory_bytes(device: torch.device, tp: int) -> tuple[int, str]:
 
 
 def check_fits_memory(config: PretrainedConfig, arch: str, dtype: torch.dtype, device: torch.device, tp: int,
-                      max_model_len: int):
+                      max_model_len: int, fp8: bool = False, fp8_experts: bool = False):
     """Refuse, before allocating, a model whose weights (one rank's share) and RoPE cache cannot fit
-    on `device` (run by build_model in the rank's own process, where the device is in use anyway)."""
-    weights = weight_elements(config, arch) * dtype.itemsize // tp
+    on `device` (run by build_model in the rank's own process, where the device is in use anyway).
+    fp8 / fp8_experts: the linear layers / MoE experts hold FP8 weights (weight_bytes)."""
+    weights = weight_bytes(config, arch, dtype, fp8, fp8_experts) // tp
     rope = max_model_len * head_dim(config) * 4  # float32 cos and sin, one cache per model
     bound, what = _memory_bytes(torch.device(device), tp)
     if weights + rope > bound:
         gib = 1 << 30
         raise ValueError(
-            f"model config: the weights take about {weights / gib:.1f} GiB per rank in {dtype} and the RoPE "
+            f"model config: the weights take about {weights / gib:.1f} GiB per rank in {dtype}"
+            f"{' (FP8 linear layers)' if fp8 else ''} and the RoPE "
             f"cache {rope / gib:.1f} GiB (vocab_size={config.vocab_size}, hidden_size={config.hidden_size}, "
             f"intermediate_size={config.intermediate_size}, num_hidden_layers={config.num_hidden_layers}, "
             f"max_model_len={max_model_len}), more than the {bound / gib:.1f} GiB of {what}")

@@ -2,15 +2,17 @@
 
 PIPELINE is one ordered list of Stages (sampling/stage.py): the per-request edits in vLLM's order,
 each run only when some row uses it, then the end that picks the tokens. A feature adds an entry:
-a grammar bitmask after ALLOWED_TOKENS, a speculative verifier (an end) before SAMPLE.
+a grammar bitmask (GRAMMAR, structured outputs) after ALLOWED_TOKENS; a speculative verifier (an end)
+would go before SAMPLE.
 
     raw logits --(logprobs of the rows that ask: log_softmax of the raw logits)
-      -> logits_processors -> allowed_token_ids -> bad words, min_tokens -> logit_bias -> penalties
+      -> logits_processors -> allowed_token_ids -> grammar bitmask -> bad words, min_tokens
+      -> logit_bias -> penalties
       -> sample: greedy argmax, or / temperature -> min_p -> top_k -> top_p -> Gumbel-max
 
 A step whose rows use temperature alone (SamplingTensors.plain) skips the list on CUDA: a fused
 Triton kernel (kernels/sampling.py) reads the logits once for temperature, noise and argmax, its
-noise seeded per step from the engine's generator.
+noise seeded per step from the engine's generator; a grammar bitmask is applied just before it.
 """
 import torch
 
@@ -18,7 +20,7 @@ from nanoinfer.kernels.sampling import sample_gumbel_argmax
 from nanoinfer.sampling.draw import SAMPLE
 from nanoinfer.sampling.logprobs import gather_logprobs, logprobs_to_host, raw_logprobs
 from nanoinfer.sampling.stage import Stage
-from nanoinfer.sampling.stages import ALLOWED_TOKENS, LOGIT_BIAS, PENALTIES, PROCESSORS, SUPPRESSION
+from nanoinfer.sampling.stages import ALLOWED_TOKENS, GRAMMAR, LOGIT_BIAS, PENALTIES, PROCESSORS, SUPPRESSION
 from nanoinfer.sampling.tensors import SamplingTensors
 
 __all__ = ["PIPELINE", "sample_logits", "logprobs_to_host"]
@@ -26,6 +28,7 @@ __all__ = ["PIPELINE", "sample_logits", "logprobs_to_host"]
 PIPELINE: tuple[Stage, ...] = (
     PROCESSORS,
     ALLOWED_TOKENS,
+    GRAMMAR,
     SUPPRESSION,
     LOGIT_BIAS,
     PENALTIES,
@@ -49,6 +52,9 @@ def sample_logits(logits: torch.Tensor, t: SamplingTensors, pipeline=PIPELINE) -
     """The sampled token ids [B] on the device (an int dtype), and the logprob tensors for
     logprobs_to_host (None when no row asked). The caller's logits are left as they were."""
     if logits.is_cuda and t.plain:
+        if t.grammar_rows is not None:  # the fused kernel samples what the grammar allows
+            logits = logits.clone()
+            GRAMMAR.run(logits, t)
         return sample_gumbel_argmax(logits, t.temperatures, t.seed), None
     todo = _stages_for(t, pipeline)
     raw = logits

@@ -2,8 +2,9 @@
 
 It runs on the host every step, so it is one Python loop over the batch that appends to column
 lists, with no object per row; options no row uses stay None, so the plan stays small to pickle and
-the rank that samples (sampling/tensors.py) skips them. Here too: which tokens bad words ban, since
-that reads the host's token history.
+the rank that samples (sampling/tensors.py) skips them. Here too, since they read the host's token
+history: which tokens bad words ban, and the grammar bitmasks of structured outputs (each row's
+matcher advances over its new tokens, then fills its next-token mask: structured/grammar_state.py).
 """
 from array import array
 
@@ -12,6 +13,7 @@ import torch
 from nanoinfer.engine.step_message import SamplingPlan
 from nanoinfer.sampling.noise import seed_keys
 from nanoinfer.sampling_params import SAMPLING_EPS
+from nanoinfer.structured.grammar_state import fill_bitmasks
 
 TOP_K_OFF = 1 << 62  # larger than any vocabulary (logits may be wider than the tokenizer's vocab)
 
@@ -28,7 +30,7 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
     counted = samples or [False] * len(seqs)
     temps, top_ks, top_ps, min_ps = [], [], [], []
     pen, supp_rows, supp_toks, seeded, keys, lp_rows, lp_counts = [], [], [], [], [], [], []
-    allowed, bias, procs = [], [], []
+    allowed, bias, procs, grammar_rows, grammar_seqs = [], [], [], [], []
     use_top_k = use_top_p = use_min_p = False
     eos = list(eos_token_ids)
     for i, seq in enumerate(seqs):
@@ -58,8 +60,11 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
             lp_rows.append(i)
             lp_counts.append(sp.logprobs)
         if sp.has_token_constraints:
-            _add_token_constraints(i, seq, generated, samples is None or samples[i], allowed, bias, procs,
-                                   supp_rows, supp_toks)
+            sampled = samples is None or samples[i]
+            _add_token_constraints(i, seq, generated, sampled, allowed, bias, procs, supp_rows, supp_toks)
+            if sp.structured_outputs is not None and sampled:
+                grammar_rows.append(i)
+                grammar_seqs.append(seq)
     B = len(seqs)
     all_greedy = all(t == 0.0 for t in temps)
     p = SamplingPlan(temps, all_greedy=all_greedy, any_greedy=any(t == 0.0 for t in temps))
@@ -80,7 +85,9 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
         p.lp_rows = None if len(lp_rows) == B else lp_rows
         p.lp_counts, p.lp_max = lp_counts, min(max(lp_counts), vocab_size)
     p.allowed, p.bias, p.processors = allowed or None, bias or None, procs or None
-    if p.plain:
+    if grammar_rows:
+        p.grammar_rows, p.grammar_bitmask = grammar_rows, fill_bitmasks(grammar_seqs, vocab_size)
+    if p.fused:
         p.seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seeds))
     return p
 
@@ -94,8 +101,8 @@ def _add_token_constraints(i, seq, generated, sampled, allowed, bias, procs, sup
     if sp.logit_bias:
         bias.append((i, sp.logit_bias))
     if sp.needs_host_tokens and generated != seq.num_completion_tokens:
-        raise RuntimeError("a request with logits_processors or multi-token bad_words was scheduled "
-                           "before the host saw its previous token")
+        raise RuntimeError("a request with logits_processors, multi-token bad_words or structured outputs "
+                           "was scheduled before the host saw its previous token")
     if sp.bad_words_token_ids:
         banned = _banned_by_bad_words(sp.bad_words_token_ids, seq.token_ids, seq.num_prompt_tokens)
         supp_rows.extend([i] * len(banned))

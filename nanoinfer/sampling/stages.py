@@ -1,7 +1,8 @@
 """The per-request logits edits, each a Stage of the pipeline (sampling/pipeline.py orders them):
-logits processors, allowed_token_ids, suppressed tokens (bad words, min_tokens), logit_bias and the
-repetition / frequency / presence penalties. Each touches only the rows that asked for it, batched
-over those rows; vocabulary-sized work stays on the device.
+logits processors, allowed_token_ids, grammar bitmasks (structured outputs), suppressed tokens
+(bad words, min_tokens), logit_bias and the repetition / frequency / presence penalties. Each
+touches only the rows that asked for it, batched over those rows; vocabulary-sized work stays on
+the device.
 """
 import inspect
 
@@ -9,6 +10,7 @@ import torch
 
 from nanoinfer.sampling.stage import Stage
 from nanoinfer.sampling.tensors import SamplingTensors
+from nanoinfer.structured.bitmask import apply_token_bitmask
 
 
 def _num_params(fn) -> int:
@@ -33,6 +35,11 @@ def apply_allowed_tokens(logits: torch.Tensor, t: SamplingTensors) -> None:
     keep = torch.zeros(t.allowed_rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
     keep[t.allowed_pos, t.allowed_tokens] = True
     logits[t.allowed_rows] = logits[t.allowed_rows].masked_fill(~keep, float("-inf"))
+
+
+def apply_grammar(logits: torch.Tensor, t: SamplingTensors) -> None:
+    """Structured outputs: every token the row's grammar does not allow next -> -inf."""
+    apply_token_bitmask(logits, t.grammar_rows, t.grammar_bitmask)
 
 
 def apply_suppression(logits: torch.Tensor, t: SamplingTensors) -> None:
@@ -72,6 +79,7 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
 
 PROCESSORS = Stage("logits_processors", lambda t: t.processors is not None, apply_processors)
 ALLOWED_TOKENS = Stage("allowed_token_ids", lambda t: t.allowed_rows is not None, apply_allowed_tokens)
+GRAMMAR = Stage("structured_outputs", lambda t: t.grammar_rows is not None, apply_grammar)
 SUPPRESSION = Stage("bad_words, min_tokens", lambda t: t.suppress_rows is not None, apply_suppression)
 LOGIT_BIAS = Stage("logit_bias", lambda t: t.bias_rows is not None, apply_logit_bias)
 PENALTIES = Stage("penalties", lambda t: t.pen_tokens is not None, apply_penalties)

@@ -3,9 +3,9 @@
 The engine builds a SamplingPlan (plain lists, one Python loop over the batch: sampling/plan.py);
 the rank that samples turns it into these: [B]-sized temperatures and filters, and, only for the rows
 that use them, penalty histories, suppressed tokens (min_tokens, bad words), allowed tokens, logit
-biases, seeds, logprob requests and logits processors. A field is None when no row uses it, which is
-how a pipeline stage knows, on the host, whether it applies. Vocabulary-sized work happens only on
-the device.
+biases, grammar bitmasks (structured outputs), seeds, logprob requests and logits processors. A
+field is None when no row uses it, which is how a pipeline stage knows, on the host, whether it
+applies. Vocabulary-sized work happens only on the device.
 """
 from dataclasses import dataclass
 
@@ -51,9 +51,12 @@ class SamplingTensors:
     bias_rows: torch.Tensor | None = None
     bias_tokens: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    # structured outputs: rows `grammar_rows` keep the tokens their [G, ceil(V / 32)] int32 bitmask allows
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
     # logits_processors: (row, callables, prompt token ids, output token ids), run on the host
     processors: list | None = None
-    plain: bool = False                        # SamplingPlan.plain
+    plain: bool = False                        # SamplingPlan.fused: temperature alone, after any grammar bitmask
     seed: int | None = None                    # SamplingPlan.seed
 
     @classmethod
@@ -71,7 +74,7 @@ class SamplingTensors:
             return to_device(data, dtype, device)
 
         p = plan
-        t = cls(dev(p.temperatures, torch.float32), all_greedy=p.all_greedy, any_greedy=p.any_greedy, plain=p.plain,
+        t = cls(dev(p.temperatures, torch.float32), all_greedy=p.all_greedy, any_greedy=p.any_greedy, plain=p.fused,
                 seed=p.seed)
         if p.top_k is not None:
             t.top_k, t.max_top_k = dev(p.top_k, torch.int64), p.max_top_k
@@ -106,6 +109,10 @@ class SamplingTensors:
             t.bias_rows = dev([i for i, b in p.bias for _ in b], torch.int64)
             t.bias_tokens = dev([tok for _, b in p.bias for tok in b], torch.int64)
             t.bias_values = dev([v for _, b in p.bias for v in b.values()], torch.float32)
+        if p.grammar_rows:
+            words = torch.frombuffer(bytearray(p.grammar_bitmask), dtype=torch.int32).view(len(p.grammar_rows), -1)
+            t.grammar_rows = dev(p.grammar_rows, torch.int64)
+            t.grammar_bitmask = words.pin_memory().to(device, non_blocking=True) if pin else words
         if p.processors:
             t.processors = p.processors
         return t

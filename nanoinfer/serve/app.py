@@ -4,6 +4,7 @@ Every error has OpenAI's shape (errors.py). A client that disconnects has its re
 streaming or not.
 """
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -14,14 +15,33 @@ from pydantic import BaseModel
 
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.serve import convert
-from nanoinfer.serve.engine_client import EngineClient, EngineDeadError, Submission
+from nanoinfer.serve.chat_renderer import ChatRenderer, RenderRefused
+from nanoinfer.serve.chat_reply import ReplyFormat
+from nanoinfer.serve.engine_client import EngineClient, EngineDeadError, ShutdownCut, Submission
 from nanoinfer.serve.errors import APIError, add_error_handlers, error_body, error_response
-from nanoinfer.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from nanoinfer.utils.chat import render_chat
+from nanoinfer.serve.http_guards import ApiKeyCheck, BodyLimit, HostCheck
+from nanoinfer.serve.limits import ServerLimits
+from nanoinfer import __version__
+from nanoinfer.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from nanoinfer.serve.metrics import ServerMetrics
+from nanoinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                                      ModelList, TokenizeRequest)
+
+logger = logging.getLogger("nanoinfer.serve")
+
+NON_FINITE_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request; see the server log"
 
 
-def build_app(engine: EngineClient, served_model_name: str) -> FastAPI:
-    """The app; the engine process starts serving with the app's lifespan and stops after it."""
+def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLimits = ServerLimits(),
+              renderer: ChatRenderer | None = None, allowed_hosts: list[str] | None = None,
+              enable_docs: bool = False, model_aliases: tuple[str, ...] = (), api_key: str | None = None,
+              reasoning_parser: str | None = None, tool_call_parser: str = "hermes") -> FastAPI:
+    """The app; the engine process starts serving with the app's lifespan and stops after it.
+    allowed_hosts: the Host names answered (None: any); model_aliases: other names a request's
+    `model` may use (e.g. the path given on the command line); /v1/models lists the served name."""
+    renderer = renderer or ChatRenderer(engine.tokenizer)
+    engine.metrics = ServerMetrics(served_model_name)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
@@ -29,19 +49,29 @@ def build_app(engine: EngineClient, served_model_name: str) -> FastAPI:
             yield
         finally:  # after uvicorn's graceful shutdown: the in-flight requests have ended
             engine.stop()
+            renderer.close()
 
-    app = FastAPI(title="nanoinfer", lifespan=lifespan)
+    docs = {} if enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="nanoinfer", lifespan=lifespan, **docs)
     app.state.engine = engine
     add_error_handlers(app)
-    add_status_routes(app, engine, served_model_name)
-    add_generation_routes(app, engine, served_model_name)
+    model_names = (served_model_name, *model_aliases)
+    add_status_routes(app, engine, served_model_name, model_names, renderer)
+    add_generation_routes(app, engine, served_model_name, limits, renderer, model_names, reasoning_parser is not None,
+                          tool_call_parser)
+    app.add_middleware(BodyLimit, limit=limits.max_request_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyCheck, key=api_key)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)  # (added last: runs first)
     return app
 
 
-def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str):
+def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str, model_names: tuple[str, ...],
+                      renderer: ChatRenderer):
     @app.get("/health")
     async def health():
-        """200 while the engine runs, else 503."""
+        """200 while the engine (every tensor-parallel rank of it) runs, else 503."""
         if not engine.alive:
             return error_response(503, "the engine is not running")
         return {"status": "ok"}
@@ -53,43 +83,110 @@ def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str
         return {"requests_running": engine.num_requests, "requests_finished": engine.num_finished,
                 "prompt_tokens_total": engine.prompt_tokens, "generation_tokens_total": engine.generation_tokens}
 
+    def card() -> ModelCard:
+        return ModelCard(id=served_model_name, root=served_model_name, max_model_len=engine.max_model_len,
+                         vocab_size=engine.summary.get("vocab_size"))
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, root=engine.model, max_model_len=engine.max_model_len)])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        if model_id not in model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+        return card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        """Prometheus' text format (serve/metrics.py)."""
+        return Response(engine.metrics.render() if engine.metrics else b"", media_type=METRICS_CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: the prompt's token ids (or the chat messages', rendered), their count, max_model_len."""
+        _check_model(body.model, model_names)
+        try:
+            if body.messages is not None:
+                ids = (await renderer.render([m.model_dump(exclude_unset=True) for m in body.messages],
+                                             add_generation_prompt=body.add_generation_prompt))["prompt_token_ids"]
+            else:
+                ids = await renderer.encode(body.prompt, body.add_special_tokens)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), "messages" if body.messages is not None else "prompt") from e
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(body.model, model_names)
+        vocab = len(engine.tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens must be token ids in [0, {vocab}), got {bad[:5]}", "tokens")
+        return {"prompt": await renderer.decode(body.tokens)}
 
 
-def add_generation_routes(app: FastAPI, engine: EngineClient, served_model_name: str):
-    """Chat prompts are rendered here, with the engine's tokenizer (a copy it sent at start)."""
+def add_generation_routes(app: FastAPI, engine: EngineClient, served_model_name: str, limits: ServerLimits,
+                          renderer: ChatRenderer, model_names: tuple[str, ...], reasoning: bool = False,
+                          tool_call_parser: str = "hermes"):
+    """Prompts are rendered and tokenized here, off the event loop, with the engine's tokenizer (a
+    copy it sent at start); the engine process gets token ids."""
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(body.model, served_model_name)
-        sub = await _submit(engine, body.prompts(), body, body.stream)
+        _check_request(body, model_names, limits)
+        if body.echo and body.stream:
+            raise APIError(400, "echo is not supported with stream", "echo")
+        try:
+            prompts = await renderer.tokenize(body.prompts())
+        except (ValueError, TypeError) as e:  # e.g. a lone surrogate
+            raise APIError(400, str(e), "prompt") from e
+        sub = await _submit(engine, prompts, body, body.stream)
         if body.stream:
             return _event_stream(engine, convert.completion_chunks(sub, served_model_name, body.include_usage), sub)
         outputs = await _outputs(engine, sub, request)
-        return outputs if isinstance(outputs, Response) else convert.completion_response(outputs, served_model_name)
+        return outputs if isinstance(outputs, Response) else \
+            convert.completion_response(outputs, served_model_name, body.echo, engine.tokenizer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(body.model, served_model_name)
+        _check_request(body, model_names, limits)
         try:
-            prompt = render_chat(engine.tokenizer, body.message_dicts(), chat_template=body.chat_template,
-                                 add_generation_prompt=body.add_generation_prompt,
-                                 chat_template_kwargs=body.chat_template_kwargs, tools=body.tools,
-                                 continue_final_message=body.continue_final_message)
+            prompt = await renderer.render(body.message_dicts(), chat_template=body.chat_template,
+                                           add_generation_prompt=body.add_generation_prompt,
+                                           chat_template_kwargs=body.chat_template_kwargs, tools=body.tools,
+                                           continue_final_message=body.continue_final_message)
+        except RenderRefused as e:
+            raise APIError(400, str(e), "chat_template") from e
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), "messages") from e
         top = (body.top_logprobs or 0) if body.logprobs else None
+        reply = ReplyFormat.of(body, reasoning, tool_call_parser)
         sub = await _submit(engine, [prompt], body, body.stream)
         if body.stream:
-            return _event_stream(engine, convert.chat_chunks(sub, served_model_name, body.include_usage, top), sub)
+            return _event_stream(engine, convert.chat_chunks(sub, served_model_name, body.include_usage, top,
+                                                             reply), sub)
         outputs = await _outputs(engine, sub, request)
-        return outputs if isinstance(outputs, Response) else convert.chat_response(outputs[0], served_model_name, top)
+        return outputs if isinstance(outputs, Response) else \
+            convert.chat_response(outputs[0], served_model_name, top, reply)
 
 
-def _check_model(model: str | None, served_model_name: str):
-    if model is not None and model != served_model_name:
+def _check_model(model: str | None, model_names: tuple[str, ...]):
+    if model is not None and model not in model_names:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def _check_request(body, model_names: tuple[str, ...], limits: ServerLimits):
+    _check_model(body.model, model_names)
+    if body.model_extra:
+        logger.warning("fields the server does not use were ignored: %s", ", ".join(sorted(body.model_extra))[:500])
+    try:
+        limits.check(body)
+    except ValueError as e:
+        raise APIError(400, str(e), str(e).split(" ", 1)[0]) from e
 
 
 async def _submit(engine: EngineClient, prompts: list, body, stream: bool) -> Submission:
@@ -122,6 +219,8 @@ async def _outputs(engine: EngineClient, sub: Submission, request: Request) -> l
     if not done.done() or done.cancelled():
         return Response(status_code=499)  # the client closed the request: nobody reads this
     done.result()  # the engine's error, if any
+    if any(c.finish_reason == "error" for out in outputs for c in out.outputs):
+        raise APIError(500, NON_FINITE_MESSAGE)
     return outputs
 
 
@@ -132,14 +231,20 @@ def _event_stream(engine: EngineClient, chunks: AsyncIterator[BaseModel], sub: S
         complete = False
         try:
             async for chunk in chunks:
+                if any(getattr(c, "finish_reason", None) == "error" for c in chunk.choices):
+                    complete = True  # (the request's other samples are aborted below)
+                    yield format_sse_event(data_str=error_body(500, NON_FINITE_MESSAGE).model_dump_json())
+                    break
                 yield format_sse_event(data_str=chunk.model_dump_json(exclude_unset=True))
-            complete = True
-        except EngineDeadError as e:
+            else:
+                complete = True
+        except (EngineDeadError, ShutdownCut) as e:
             complete = True
             yield format_sse_event(data_str=error_body(503, str(e)).model_dump_json())
         finally:
             if not complete:  # cancelled: the client left
                 engine.abort(sub)
+        engine.abort(sub)  # (a no-op once every prompt is done)
         yield format_sse_event(data_str="[DONE]")
 
     return EventSourceResponse(events())

@@ -28,6 +28,7 @@ import multiprocessing as mp
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -239,6 +240,15 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
+def served_vocab_size(url: str) -> int | None:
+    """The vocabulary the server's model takes token ids from (its /v1/models card), if it says."""
+    try:
+        cards = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
+        return int(cards[0]["vocab_size"])
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
 def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -250,7 +260,9 @@ def main(argv: list[str] | None = None):
                    help="random: prompt lengths, uniform in [MIN, MAX]")
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
                    help="random: output lengths, uniform in [MIN, MAX]")
-    p.add_argument("--vocab-size", type=int, default=10000, help="prompt token ids are drawn from [0, VOCAB_SIZE)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids are drawn from [0, VOCAB_SIZE) (default: 10000, or the served model's "
+                        "vocabulary if smaller)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="Poisson arrivals per second (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests running at once (default: no cap)")
@@ -260,12 +272,22 @@ def main(argv: list[str] | None = None):
                    help="client processes (one asyncio loop each)")
     p.add_argument("--json", default=None, help="also write the summary to this file")
     args = p.parse_args(argv)
+    if args.vocab_size is None:
+        args.vocab_size = min(10000, served_vocab_size(args.url) or 10000)
     workload = make_workload(args.num_requests, args.dataset, tuple(args.input_len), tuple(args.output_len),
                              args.vocab_size, args.seed)
-    results, duration, client_cpu = run_parallel(args.url, workload, args.model, args.request_rate,
-                                                 args.max_concurrency, args.temperature, args.seed,
-                                                 args.client_processes)
+    try:
+        results, duration, client_cpu = run_parallel(args.url, workload, args.model, args.request_rate,
+                                                     args.max_concurrency, args.temperature, args.seed,
+                                                     args.client_processes)
+    except httpx.HTTPError as e:  # (the model's name could not be asked for)
+        print(f"no request succeeded: the server at {args.url} did not answer ({e})", file=sys.stderr)
+        return 1
     summary = summarize(results, duration, client_cpu)
+    if not summary["successful_requests"]:
+        print(f"no request succeeded ({summary['failed_requests']} failed)", *(f"error: {e}" for e in summary["errors"]),
+              sep="\n", file=sys.stderr)
+        return 1
     print(format_summary(summary))
     if args.json:
         with open(args.json, "w") as f:

@@ -2,6 +2,7 @@
 server. Every LLM option is a --kebab-case flag, generated from nanoinfer.config.Config."""
 import argparse
 import logging
+import os
 import signal
 import sys
 import types
@@ -9,6 +10,10 @@ import typing
 from dataclasses import MISSING, fields
 
 from nanoinfer.config import Config
+from nanoinfer.serve.limits import ServerLimits
+from nanoinfer.serve.option_help import OPTION_HELP
+from nanoinfer.serve.chat_reply import TOOL_CALL_PARSERS
+from nanoinfer.serve.reasoning import PARSERS
 
 
 def add_engine_args(parser: argparse.ArgumentParser):
@@ -23,12 +28,12 @@ def add_engine_args(parser: argparse.ArgumentParser):
         optional = len(kinds) < len(_union_args(hints[f.name]))
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is MISSING else f.default
+        text = OPTION_HELP.get(f.name, f"(default: {default})")
         if kinds == [bool]:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=f"(default: {default})")
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
         else:
             group.add_argument(flag, type=_parser(kinds[0], optional), default=argparse.SUPPRESS,
-                               metavar=kinds[0].__name__.upper(), help=f"(default: {default})")
+                               metavar=kinds[0].__name__.upper(), help=text)
 
 
 def _union_args(t) -> tuple:
@@ -45,7 +50,9 @@ def _parser(kind: type, optional: bool):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from nanoinfer import __version__
     parser = argparse.ArgumentParser(prog="nanoinfer", description="nanoinfer: a minimal LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"nanoinfer {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -57,35 +64,110 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's and nanoinfer's log level")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them")
+                       help="on SIGINT/SIGTERM, seconds to let in-flight requests finish; then they are cut "
+                            "(a stream gets an error event and [DONE]) and the server exits within a few seconds")
+    add_server_limit_args(serve)
     add_engine_args(serve)
     return parser
 
 
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def add_server_limit_args(parser: argparse.ArgumentParser):
+    """What one request may ask (serve/limits.py) and who may reach the server."""
+    group = parser.add_argument_group("limits and exposure")
+    defaults = ServerLimits()
+    group.add_argument("--max-n", type=int, default=defaults.max_n, help="most samples (n) a request may ask for")
+    group.add_argument("--max-request-body-bytes", type=int, default=defaults.max_request_body_bytes,
+                       help="larger request bodies get a 413")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a chat_template in requests (rendered in a sandbox process with time and "
+                            "memory limits); without it such requests get a 400")
+    group.add_argument("--chat-template-timeout", type=float, default=5.0,
+                       help="seconds a chat template may take to render before its request gets a 400")
+    group.add_argument("--max-chat-template-chars", type=int, default=1 << 22,
+                       help="most characters a chat template render may write")
+    group.add_argument("--allowed-hosts", default=None,
+                       help="comma-separated Host names the server answers to, '*' for any (default: localhost, "
+                            "the --host address, and for a wildcard --host this machine's names and IP addresses)")
+    group.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json")
+    group.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                       help="return the <think> ... </think> part of chat replies as reasoning_content "
+                            "(default: none: it stays in content)")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
+                       help="the model's tool-call syntax, parsed for tool_choice auto: hermes (Qwen's "
+                            "<tool_call>{json}</tool_call>) or llama3_json")
+    group.add_argument("--api-key", default=argparse.SUPPRESS,
+                       help="require `Authorization: Bearer KEY` on every route but /health, /version and /metrics "
+                            "(default: $NANOINFER_API_KEY, else none)")
+    group.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a connection has to send its request headers before it is closed")
+    group.add_argument("--timeout-keep-alive", type=int, default=5,
+                       help="seconds an idle keep-alive connection stays open (uvicorn's setting)")
 
+
+def serve(args: argparse.Namespace) -> int:
+    from nanoinfer.serve import http_server
     from nanoinfer.serve.app import build_app
+    from nanoinfer.serve.chat_renderer import ChatRenderer
     from nanoinfer.serve.engine_client import EngineClient
+    from nanoinfer.serve.http_guards import default_allowed_hosts
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        limits = ServerLimits(max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes)
+        _check_port_free(args.host, args.port)  # before minutes of model loading
+    except (ValueError, OSError) as e:
+        print(f"nanoinfer serve: {e}", file=sys.stderr)
+        return 2
     options = {name: getattr(args, name) for name in Config.option_names() if hasattr(args, name)}
     try:
         engine = EngineClient(args.model, options, args.log_level)  # builds the LLM in the engine process
     except (ValueError, TypeError) as e:
         print(f"nanoinfer serve: {e}", file=sys.stderr)
         return 2
+    renderer = None
     try:
-        app = build_app(engine, getattr(args, "served_model_name", args.model))
+        renderer = ChatRenderer(engine.tokenizer, args.trust_request_chat_template, args.chat_template_timeout,
+                                args.max_chat_template_chars)
+        # a local checkpoint is served under its directory's name (clients may also use the path given)
+        default_name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
+        allowed = default_allowed_hosts(args.host) if args.allowed_hosts is None else \
+            [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+        app = build_app(engine, getattr(args, "served_model_name", default_name), limits=limits, renderer=renderer,
+                        allowed_hosts=allowed, enable_docs=args.enable_docs, model_aliases=(args.model,),
+                        api_key=getattr(args, "api_key", None) or os.environ.get("NANOINFER_API_KEY"),
+                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+        _log_start(engine, args)
         # uvicorn shuts down gracefully on SIGINT / SIGTERM (the app's lifespan stops the engine),
         # then re-raises the signal to the handler found at start: this one, status 0.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: sys.exit(0))
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        http_server.run(app, engine, args.host, args.port, args.log_level, args.shutdown_timeout,
+                        args.header_timeout, args.timeout_keep_alive)
     finally:
+        if renderer is not None:
+            renderer.close()
         engine.close()
     return 0
+
+
+def _log_start(engine, args):
+    info = engine.summary
+    logging.getLogger("nanoinfer.serve").info(
+        "serving %s on http://%s:%d: dtype %s, max_model_len %d, tensor_parallel_size %s, KV cache %s blocks x %s "
+        "tokens = %s tokens, at most %s sequences at once (%sx max_model_len)", engine.model, args.host, args.port,
+        info.get("dtype"), engine.max_model_len, info.get("tensor_parallel_size"), info.get("kv_blocks"),
+        info.get("block_size"), info.get("kv_tokens"), info.get("max_num_seqs"), info.get("max_concurrency"))
+
+
+def _check_port_free(host: str, port: int):
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

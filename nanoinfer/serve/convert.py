@@ -5,6 +5,7 @@ from collections.abc import AsyncIterator
 
 from nanoinfer.outputs import Logprob, RequestOutput, StreamDelta
 from nanoinfer.serve.engine_client import Submission
+from nanoinfer.serve.chat_reply import ReplyFormat, ReplyStream
 from nanoinfer.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
                                       ChatLogProbs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                                       CompletionChunk, CompletionLogProbs, CompletionResponse, DeltaMessage,
@@ -18,6 +19,13 @@ def usage(outputs: list[RequestOutput]) -> UsageInfo:
 
 
 # ---- logprobs -----------------------------------------------------------------------------------
+MIN_LOGPROB = -9999.0  # what -inf (or NaN) is sent as: JSON has no infinities (vLLM sends the same)
+
+
+def finite(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # (NaN compares False: it becomes the floor too)
+
+
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
                         offset: int = 0) -> CompletionLogProbs:
     """Completions' shape: per token its text, logprob, text offset, and top entries (the sampled
@@ -26,10 +34,10 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
     for tid, entries in zip(token_ids, logprobs):
         token = entries[tid].decoded_token or ""
         tokens.append(token)
-        token_logprobs.append(entries[tid].logprob)
+        token_logprobs.append(finite(entries[tid].logprob))
         top = {}
         for lp in sorted(entries.values(), key=lambda lp: lp.rank or 0):
-            top.setdefault(lp.decoded_token or "", lp.logprob)  # tokens with the same text: the likeliest
+            top.setdefault(lp.decoded_token or "", finite(lp.logprob))  # tokens with the same text: the likeliest
         top_logprobs.append(top)
         text_offset.append(offset)
         offset += len(token)
@@ -49,27 +57,72 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_
 
 def _top(lp: Logprob) -> dict:
     token = lp.decoded_token or ""
-    return dict(token=token, logprob=lp.logprob, bytes=list(token.encode("utf-8", errors="replace")))
+    return dict(token=token, logprob=finite(lp.logprob), bytes=list(token.encode("utf-8", errors="replace")))
 
 
 # ---- whole responses ----------------------------------------------------------------------------
-def completion_response(outputs: list[RequestOutput], model: str) -> CompletionResponse:
+def completion_response(outputs: list[RequestOutput], model: str, echo: bool = False,
+                        tokenizer=None) -> CompletionResponse:
+    """echo: each choice's text and logprobs start with its prompt's (the first prompt token has
+    no logprob: None, as OpenAI and vLLM send it)."""
     choices = []
     for i, out in enumerate(outputs):
+        prompt = _prompt_text(out, tokenizer) if echo else ""
         for c in out.outputs:
-            lps = None if c.logprobs is None else completion_logprobs(c.token_ids, c.logprobs)
-            choices.append(CompletionChoice(index=i * len(out.outputs) + c.index, text=c.text, logprobs=lps,
+            lps = None
+            if c.logprobs is not None:
+                lps = completion_logprobs(c.token_ids, c.logprobs, len(prompt))
+                if echo:
+                    lps = _join(_prompt_logprobs(out, tokenizer), lps)
+            choices.append(CompletionChoice(index=i * len(out.outputs) + c.index, text=prompt + c.text, logprobs=lps,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     return CompletionResponse(model=model, choices=choices, usage=usage(outputs))
 
 
-def chat_response(out: RequestOutput, model: str, top_logprobs: int | None) -> ChatCompletionResponse:
+def _prompt_text(out: RequestOutput, tokenizer) -> str:
+    if out.prompt is not None:
+        return out.prompt
+    return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
+
+
+def _prompt_logprobs(out: RequestOutput, tokenizer) -> CompletionLogProbs:
+    tokens, token_logprobs, top_logprobs, text_offset, offset = [], [], [], [], 0
+    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    for tid, lps in zip(out.prompt_token_ids, entries):
+        if lps is None or tid not in lps:
+            token = tokenizer.decode([tid]) if tokenizer is not None else ""
+            tokens.append(token)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            token = lps[tid].decoded_token or ""
+            tokens.append(token)
+            token_logprobs.append(finite(lps[tid].logprob))
+            top = {}
+            for lp in sorted(lps.values(), key=lambda lp: lp.rank or 0):
+                top.setdefault(lp.decoded_token or "", finite(lp.logprob))
+            top_logprobs.append(top)
+        text_offset.append(offset)
+        offset += len(token)
+    return CompletionLogProbs(text_offset=text_offset, token_logprobs=token_logprobs, tokens=tokens,
+                              top_logprobs=top_logprobs)
+
+
+def _join(a: CompletionLogProbs, b: CompletionLogProbs) -> CompletionLogProbs:
+    return CompletionLogProbs(text_offset=a.text_offset + b.text_offset, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens, top_logprobs=a.top_logprobs + b.top_logprobs)
+
+
+def chat_response(out: RequestOutput, model: str, top_logprobs: int | None,
+                  reply: ReplyFormat = ReplyFormat()) -> ChatCompletionResponse:
+    """reply: how each reply's text becomes its message (reasoning, tool calls: serve/chat_reply.py)."""
     choices = []
     for c in out.outputs:
         lps = None if c.logprobs is None or top_logprobs is None else \
             chat_logprobs(c.token_ids, c.logprobs, top_logprobs)
-        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=lps,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        fields, finish_reason = reply.message(c.text, c.finish_reason)
+        choices.append(ChatChoice(index=c.index, message=AssistantMessage(**fields), logprobs=lps,
+                                  finish_reason=finish_reason, stop_reason=c.stop_reason))
     return ChatCompletionResponse(model=model, choices=choices, usage=usage([out]))
 
 
@@ -95,13 +148,14 @@ async def completion_chunks(sub: Submission, model: str, include_usage: bool) ->
         yield CompletionChunk(**head, choices=[], usage=usage(outputs))
 
 
-async def chat_chunks(sub: Submission, model: str, include_usage: bool,
-                      top_logprobs: int | None) -> AsyncIterator[ChatCompletionChunk]:
+async def chat_chunks(sub: Submission, model: str, include_usage: bool, top_logprobs: int | None,
+                      reply: ReplyFormat = ReplyFormat()) -> AsyncIterator[ChatCompletionChunk]:
     head = dict(id=random_id("chatcmpl"), object="chat.completion.chunk", created=int(time.time()), model=model)
     for j in range(sub.params.n):  # first the role of every choice, as OpenAI and vLLM send it
         yield ChatCompletionChunk(**head, choices=[ChatStreamChoice(
             index=j, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)])
     outputs = []
+    streams: dict[int, ReplyStream] = {}  # choice -> its reply's parsing
     async for _, item in _stream_events(sub):
         if isinstance(item, RequestOutput):
             outputs.append(item)
@@ -109,9 +163,18 @@ async def chat_chunks(sub: Submission, model: str, include_usage: bool,
         d: StreamDelta = item
         lps = None if d.logprobs is None or top_logprobs is None else \
             chat_logprobs(d.token_ids, d.logprobs, top_logprobs)
+        stream = streams.setdefault(d.completion_index, reply.stream())
+        thought, text, calls = stream.feed(d.text, d.finished, d.finish_reason)
+        delta = DeltaMessage(content=text)
+        if thought:
+            delta.reasoning_content = thought
+        if calls:
+            delta.tool_calls = calls
+        finish_reason = "tool_calls" if d.finished and stream.made_calls and d.finish_reason != "length" \
+            else d.finish_reason
         yield ChatCompletionChunk(**head, choices=[ChatStreamChoice(
-            index=d.completion_index, delta=DeltaMessage(content=d.text), logprobs=lps,
-            finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+            index=d.completion_index, delta=delta, logprobs=lps, finish_reason=finish_reason,
+            stop_reason=d.stop_reason)])
     if include_usage:
         yield ChatCompletionChunk(**head, choices=[], usage=usage(outputs))
 

@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -16,16 +17,21 @@ from multiprocessing.connection import wait
 
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.serve.engine_process import engine_main
+from nanoinfer.serve.engine_process import EXIT_SIGNAL, engine_main
+from nanoinfer.serve.metrics import ServerMetrics
 from nanoinfer.serve.messages import Abort, EngineDead, Ready, StartFailed, StepNews, Stop, Submit
 
 logger = logging.getLogger("nanoinfer.serve")
 
-STOP_TIMEOUT_S = 60.0   # a stopping engine aborts its requests and stops its workers; then SIGTERM, SIGKILL
+STOP_TIMEOUT_S = 5.0   # a stopping engine aborts its requests and stops its workers; then SIGTERM, SIGKILL
 
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class ShutdownCut(Exception):
+    """The server is shutting down and its grace period is over: a request still running is cut."""
 
 
 @dataclass
@@ -96,6 +102,8 @@ class EngineClient:
             self.close()
             raise
         self.model, self.max_model_len, self.tokenizer = info.model, info.max_model_len, info.tokenizer
+        self.summary = info.summary
+        self.metrics: ServerMetrics | None = None  # set by the app: fed from every engine message
 
     def _wait_ready(self) -> Ready:
         """The engine's Ready; raises what building the LLM raised (ValueError / TypeError for bad
@@ -125,7 +133,7 @@ class EngineClient:
         """Queue one engine request per prompt; raises the engine's ValueError / TypeError (and
         queues none) if any is invalid."""
         if not self.alive:
-            raise EngineDeadError(f"the engine is not running{f': {self.error}' if self.error else ''}")
+            raise EngineDeadError("the engine is not running" if self.error is None else _public(self.error))
         sub = Submission(next(self._ids), prompts, params, stream, self._loop.create_future())
         self._subs[sub.id] = sub
         self._outbox.put(Submit(sub.id, prompts, params, stream))
@@ -142,19 +150,28 @@ class EngineClient:
         if sub.id in self._subs:
             self._outbox.put(Abort(sub.id))
 
+    def cut_all(self, message: str):
+        """Shutdown's grace period is over: every request still running ends now with `message`
+        (a stream with an error event and [DONE]) and is aborted in the engine."""
+        for sub in list(self._subs.values()):
+            if sub.added.done():
+                sub.events.put_nowait(ShutdownCut(message))
+                self.abort(sub)
+
     def stop(self, timeout: float = STOP_TIMEOUT_S):
-        """Abort whatever is left and end the engine process (and its workers)."""
+        """Abort whatever is left and end the engine process (and its workers), within about
+        3 x timeout even if the engine is stuck in a step."""
         self._stopping = True
         self._outbox.put(Stop())
         self.process.join(timeout)
-        self.close()
+        self.close(timeout)
 
-    def close(self):
-        """End the engine process if it still runs (SIGTERM: it cleans up; then SIGKILL)."""
+    def close(self, timeout: float = STOP_TIMEOUT_S):
+        """End the engine process if it still runs (EXIT_SIGNAL: it cleans up; then SIGKILL)."""
         self._stopping = True
         if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(STOP_TIMEOUT_S)
+            os.kill(self.process.pid, EXIT_SIGNAL)  # it ignores SIGTERM; this one makes it clean up and exit
+            self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
@@ -181,9 +198,16 @@ class EngineClient:
                 _resolve(sub.added, admission.error.exception())
         news: dict[int, list] = {}  # sub_id -> its events of this step
         requests = self._requests
+        metrics = self.metrics
+        if metrics is not None and message.stats is not None:
+            metrics.engine_stats(message.stats)
         for d in message.deltas:
             news.setdefault(requests[d.request_id][0].id, []).append((d.index, d))
+            if metrics is not None:
+                metrics.stream_delta(d.request_id, d.completion_index, len(d.token_ids), d.finished)
         for out in message.finals:
+            if metrics is not None:
+                metrics.finished(out)
             sub, i = requests.pop(out.request_id)
             news.setdefault(sub.id, []).append((i, out))
             self.num_requests -= 1
@@ -204,7 +228,7 @@ class EngineClient:
         self.error = reason
         if not self._stopping:
             logger.error("the engine stopped: %s", reason)
-        failure = EngineDeadError(f"the engine failed: {reason}")
+        failure = EngineDeadError(_public(reason))
         for sub in self._subs.values():
             if not sub.added.done():
                 sub.added.set_exception(failure)
@@ -248,6 +272,15 @@ class EngineClient:
             self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:  # the event loop is closed: nobody is waiting any more
             pass
+
+
+def _public(reason: str) -> str:
+    """What a client is told of an engine failure: its kind, never the details (tracebacks, local
+    paths), which the server's log keeps."""
+    kind = reason.split(":", 1)[0] if ":" in reason else ""
+    if kind.isidentifier():
+        return f"the engine failed ({kind}); see the server log"
+    return "the engine failed; see the server log"
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None):

@@ -3,10 +3,12 @@ process, so that building and sending thousands of stream chunks a second never 
 What the two send each other is in messages.py: a batch of commands in, one StepNews per engine
 step that has news out.
 
-The process ignores SIGINT (a terminal's Ctrl-C reaches the whole process group: the server
-decides when to stop) and exits cleanly on SIGTERM, on the commands pipe's EOF, or when the server
-process dies (a watcher thread), so it never outlives the server; its LLM's tensor-parallel
-workers and shared memory go with it (LLM.exit in a finally).
+The process ignores SIGINT and SIGTERM, and so do its tensor-parallel workers (they inherit it): a
+terminal's Ctrl-C, and `timeout`, systemd or Kubernetes stopping the whole process group, reach
+every process, and the server decides when the engine stops, after draining its requests. The
+engine exits cleanly on the server's Stop, on EXIT_SIGNAL (EngineClient.close), on the commands
+pipe's EOF, or when the server process dies (a watcher thread), so it never outlives the server;
+its workers and shared memory go with it (LLM.exit in a finally).
 """
 import logging
 import multiprocessing as mp
@@ -17,10 +19,13 @@ import threading
 from multiprocessing.connection import Connection, wait
 
 from nanoinfer.llm import LLM
-from nanoinfer.serve.messages import (Abort, Admission, EngineDead, Ready, RemoteError, StartFailed, StepNews,
-                                      Submit)
+from nanoinfer.serve.messages import (Abort, Admission, EngineDead, EngineStats, Ready, RemoteError, StartFailed,
+                                      StepNews, Submit)
 
 logger = logging.getLogger("nanoinfer.serve")
+
+EXIT_SIGNAL = signal.SIGUSR1  # the server's "exit now" (SIGTERM is ignored: see above)
+HEALTH_CHECK_S = 1.0  # how often an idle engine checks its tensor-parallel ranks (for /health)
 
 
 def engine_main(model: str, options: dict, commands: Connection, events: Connection, log_level: str):
@@ -28,7 +33,8 @@ def engine_main(model: str, options: dict, commands: Connection, events: Connect
     global _exiting
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_once)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (before the workers start: they inherit it)
+    signal.signal(EXIT_SIGNAL, _exit_once)
     _watch_parent()
     try:
         llm = LLM(model, **options)
@@ -36,7 +42,7 @@ def engine_main(model: str, options: dict, commands: Connection, events: Connect
         events.send(StartFailed(RemoteError.of(e)))
         return
     try:
-        events.send(Ready(llm.config.model, llm.config.max_model_len, llm.get_tokenizer()))
+        events.send(Ready(llm.config.model, llm.config.max_model_len, llm.get_tokenizer(), _summary(llm)))
         EngineCore(llm, commands, events).run()
     except (EOFError, BrokenPipeError):
         pass  # the server is gone: nobody to answer
@@ -63,7 +69,7 @@ def _watch_parent():
 
     def watch():
         wait([parent.sentinel])
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), EXIT_SIGNAL)
 
     threading.Thread(target=watch, name="nanoinfer-parent-watch", daemon=True).start()
 
@@ -104,6 +110,8 @@ class EngineCore:
         False once told to stop."""
         if not self.llm.is_finished() and not self.commands.poll():
             return True
+        while not self.commands.poll(HEALTH_CHECK_S):  # idle: notice a dead rank without a step
+            self.llm.check_health()
         while True:
             for command in self.commands.recv():
                 if isinstance(command, Submit):
@@ -157,5 +165,20 @@ class EngineCore:
     def _flush(self):
         news = self.news
         if news.admissions or news.deltas or news.finals:
+            scheduler = self.llm.scheduler
+            blocks = scheduler.block_manager
+            news.stats = EngineStats(len(scheduler.running), len(scheduler.waiting) + len(scheduler.held_under),
+                                     blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
+                                     scheduler.num_preemptions)
             self.events.send(news)
             self.news = StepNews([], [], [])
+
+
+def _summary(llm) -> dict:
+    config = llm.config
+    blocks = llm.scheduler.block_manager.num_blocks
+    return dict(dtype=str(config.torch_dtype).removeprefix("torch."), kv_blocks=blocks,
+                vocab_size=min(llm.vocab_size, len(llm.tokenizer)),
+                block_size=config.kvcache_block_size, kv_tokens=blocks * config.kvcache_block_size,
+                max_num_seqs=config.max_num_seqs, tensor_parallel_size=config.tensor_parallel_size,
+                max_concurrency=round(blocks * config.kvcache_block_size / config.max_model_len, 2))

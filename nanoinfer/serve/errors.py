@@ -1,16 +1,21 @@
 """OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, for every failure the
 HTTP API reports: invalid parameters (pydantic's or nanoinfer's ValueError / TypeError) and malformed
 JSON are 400, an unknown model 404, a stopped engine 503, anything else 500."""
+import logging
+
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from nanoinfer.serve.engine_client import EngineDeadError
+from nanoinfer.serve.engine_client import EngineDeadError, ShutdownCut
 from nanoinfer.serve.protocol import ErrorInfo, ErrorResponse
 
+logger = logging.getLogger("nanoinfer.serve")
+
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+                413: "RequestTooLargeError", 421: "MisdirectedRequestError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
@@ -45,9 +50,14 @@ def add_error_handlers(app: FastAPI):
     async def _engine_dead(_, e: EngineDeadError):
         return error_response(503, str(e))
 
+    @app.exception_handler(ShutdownCut)
+    async def _shutdown_cut(_, e: ShutdownCut):
+        return error_response(503, str(e))
+
     @app.exception_handler(Exception)
-    async def _internal_error(_, e: Exception):
-        return error_response(500, f"{type(e).__name__}: {e}")
+    async def _internal_error(_, e: Exception):  # a bug: the log keeps the traceback, the client gets its kind
+        logger.error("internal error", exc_info=e)
+        return error_response(500, f"internal server error ({type(e).__name__}); see the server log")
 
 
 def _validation_response(errors: list[dict]) -> JSONResponse:

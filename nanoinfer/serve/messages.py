@@ -62,10 +62,23 @@ class StartFailed:
 
 @dataclass(slots=True)
 class Ready:
-    """The LLM is built; the HTTP process renders chat prompts with this copy of its tokenizer."""
+    """The LLM is built; the HTTP process renders chat prompts with this copy of its tokenizer.
+    `summary`: what the start-up log shows (dtype, KV blocks, block size, most sequences at once)."""
     model: str
     max_model_len: int
     tokenizer: object
+    summary: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """The engine's state after a step, for /metrics: sequences running and waiting, KV blocks in
+    use of the pool, and preemptions since start."""
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks: int = 1
+    preemptions: int = 0
 
 
 @dataclass(slots=True)
@@ -85,6 +98,7 @@ class StepNews:
     admissions: list[Admission]
     deltas: list[StreamDelta]
     finals: list[RequestOutput]
+    stats: EngineStats | None = None
 
     def __reduce__(self):
         # each delta as the values of StreamDelta's fields but `output` (which LLM.stream alone
@@ -92,12 +106,12 @@ class StepNews:
         # loop several times more
         deltas = [(d.index, d.completion_index, d.request_id, d.text, d.token_ids, d.logprobs, d.finished,
                    d.finish_reason, d.stop_reason) for d in self.deltas]
-        return _step_news, (self.admissions, deltas, self.finals)
+        return _step_news, (self.admissions, deltas, self.finals, self.stats)
 
 
-
-def _step_news(admissions: list[Admission], deltas: list[tuple], finals: list[RequestOutput]) -> StepNews:
-    return StepNews(admissions, [StreamDelta(*fields) for fields in deltas], finals)
+def _step_news(admissions: list[Admission], deltas: list[tuple], finals: list[RequestOutput],
+               stats: EngineStats | None = None) -> StepNews:
+    return StepNews(admissions, [StreamDelta(*fields) for fields in deltas], finals, stats)
 
 
 @dataclass(slots=True)

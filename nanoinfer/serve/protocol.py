@@ -4,9 +4,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.structured.openai import structured_outputs_for_request
+
+
+_CONSTRAINING_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                        "guided_grammar", "tools", "tool_choice", "parallel_tool_calls")
 
 
 def random_id(prefix: str) -> str:
@@ -23,8 +28,9 @@ class StreamOptions(BaseModel):
 
 
 class _GenerationRequest(BaseModel):
-    """The sampling fields completions and chat share (OpenAI's, plus vLLM's extras)."""
-    model_config = _STRICT
+    """The sampling fields completions and chat share (OpenAI's, plus vLLM's extras). Other fields
+    are accepted and ignored, with a warning in the log naming them (as vLLM does)."""
+    model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -45,6 +51,14 @@ class _GenerationRequest(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None    # token id (as a string, as OpenAI sends it) -> bias
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and legacy guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -61,8 +75,17 @@ class _GenerationRequest(BaseModel):
         """Raises ValueError / TypeError naming the field, as the offline API does."""
         given = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                  if getattr(self, name) is not None}
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError("logit_bias keys must be token ids (integers as strings), got "
+                                 f"{next(k for k in self.logit_bias if not k.strip().lstrip('-').isdigit())!r}") from None
+        fields = {name: getattr(self, name, None) for name in _CONSTRAINING_FIELDS}
+        constraint = structured_outputs_for_request(fields)  # ValueError naming the field
         return SamplingParams(
-            n=self.n, stop=self.stop, seed=self.seed, presence_penalty=self.presence_penalty,
+            structured_outputs=constraint, logit_bias=bias, n=self.n, stop=self.stop, seed=self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens, logprobs=logprobs,
@@ -76,7 +99,6 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -85,7 +107,7 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("prompt must not be empty (nor contain an empty prompt)")
         return v
 
-    @field_validator("echo", "suffix", "logit_bias")
+    @field_validator("suffix")
     @classmethod
     def _unsupported(cls, v, info: ValidationInfo):
         if v:
@@ -105,7 +127,10 @@ class CompletionRequest(_GenerationRequest):
         return [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        sp = self._sampling_params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:  # the prompt's tokens get logprobs too
+            sp.prompt_logprobs = self.logprobs
+        return sp
 
 
 class ChatMessage(BaseModel):
@@ -121,7 +146,8 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None    # tools reach the template; tool calls are not parsed
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool | None = None       # False: tool_choice "required" makes exactly one call
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -194,6 +220,7 @@ class ChatLogProbs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the text inside <think> ... </think>
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -217,6 +244,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # each with its "index" among the choice's calls
 
 
 class ChatStreamChoice(BaseModel):
@@ -255,6 +284,7 @@ class ModelCard(BaseModel):
     root: str
     parent: str | None = None
     max_model_len: int
+    vocab_size: int | None = None  # nanoinfer's: token ids a prompt may hold are in [0, vocab_size)
 
 
 class ModelList(BaseModel):
@@ -271,3 +301,25 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the chat template."""
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[int]

@@ -16,6 +16,12 @@ Nothing loads silently wrong:
   ValueError, which `load_model` prefixes with the checkpoint tensor's name.
 - An integer or bool tensor for a float parameter is refused (`check_dtype`), and so is a NaN or an
   inf in any loaded float parameter (`check_finite`, on the device, one host sync per model).
+- An FP8 tensor for a parameter that is not FP8 is refused (its scales would be lost); a quantized
+  layer's method checks its own tensors (quant/). Parameters marked `from_checkpoint = False` (online
+  FP8 scales) are made while loading, not read.
+- A checkpoint's FP8 KV-cache scales (`self_attn.k_proj.k_scale`, `self_attn.k_scale`, v alike) go to
+  the Attention layer's `self_attn.attn.k_scale` / `v_scale` when the model has them; without them
+  they are skipped for kv_cache_dtype="auto", as vLLM does.
 """
 import glob
 import os
@@ -43,7 +49,7 @@ def _rename(name: str, old: str, new: str) -> str:
     return name.replace(f".{old}.", f".{new}.", 1)
 
 
-def load_model(model: nn.Module, path: str):
+def load_model(model: nn.Module, path: str, kv_cache_dtype: str = "auto"):
     files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in {path!r}")
@@ -57,9 +63,15 @@ def load_model(model: nn.Module, path: str):
             for name in f.keys():
                 if tied and name == "lm_head.weight":
                     continue  # tied: the embedding is the head
-                target, shard = name, None
+                kv_scale = _kv_scale_target(name)
+                if kv_scale is not None and kv_scale not in params:
+                    if kv_cache_dtype == "auto":
+                        continue  # a checkpoint's FP8 KV-cache scale, unused by a model-dtype cache
+                    raise ValueError(f"checkpoint tensor {name!r}: kv_cache_dtype={kv_cache_dtype!r} needs "
+                                     f"parameter {kv_scale!r}, which {type(model).__name__} lacks")
+                target, shard = kv_scale or name, None
                 for ckpt_key, (ours, shard_id) in packed.items():
-                    if f".{ckpt_key}." in name:
+                    if kv_scale is None and f".{ckpt_key}." in name:
                         target, shard = _rename(name, ckpt_key, ours), shard_id
                         break
                 param = params.get(target)
@@ -83,6 +95,8 @@ def load_model(model: nn.Module, path: str):
                 sources.setdefault(id(param), []).append((name, file))
     missing = [_checkpoint_name(name, shard, packed)
                for name, param in model.named_parameters()  # tied parameters once, under the embedding's name
+               if not getattr(param, "optional_in_checkpoint", False)  # e.g. KV cache scales (default 1.0)
+               if getattr(param, "from_checkpoint", True)  # (e.g. online FP8 scales, made while loading)
                for shard in getattr(param, "shard_ids", (None,)) if (id(param), shard) not in loaded]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks tensor(s) {missing[:5]}{'...' if len(missing) > 5 else ''}")
@@ -95,6 +109,10 @@ def check_dtype(loaded: torch.Tensor, param: nn.Parameter):
     if param.dtype.is_floating_point and not loaded.dtype.is_floating_point:
         raise ValueError(f"dtype {loaded.dtype} cannot load into a {param.dtype} parameter: a floating-point "
                          "tensor (float32, bfloat16, float16, ...) is expected")
+    if loaded.dtype in _FP8_DTYPES and param.dtype not in _FP8_DTYPES:
+        raise ValueError(f"dtype {loaded.dtype} cannot load into a {param.dtype} parameter: FP8 weights need "
+                         "their scales, and this layer is not quantized (no quantization_config in config.json, "
+                         "or the layer is in its ignore list)")
 
 
 @torch.no_grad()
@@ -106,19 +124,44 @@ def check_finite(model: nn.Module, sources: dict[int, list[tuple[str, str]]]):
     named = [(name, p) for name, p in model.named_parameters() if p.dtype.is_floating_point and p.numel()]
     if not named:
         return
-    finite = torch.stack([torch.isfinite(p).all().to(named[0][1].device) for _, p in named])
+    finite = torch.stack([_all_finite(p).to(named[0][1].device) for _, p in named])
     if bool(finite.all()):
         return
     name, param = named[finite.tolist().index(False)]
     for ckpt_name, file in sources.get(id(param), []):
         with safe_open(file, "pt", "cpu") as f:
             tensor = f.get_tensor(ckpt_name)
-        if not bool(torch.isfinite(tensor).all()):
+        if not bool(_all_finite(tensor)):
             raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file!r} holds NaN or inf values")
-        if tensor.dtype.is_floating_point and not bool(torch.isfinite(tensor.to(param.dtype)).all()):
+        if tensor.dtype.is_floating_point and not bool(_all_finite(tensor.to(param.dtype))):
             raise ValueError(f"checkpoint tensor {ckpt_name!r} in {file!r} holds values outside the range of "
                              f"{param.dtype} (finite range ±{torch.finfo(param.dtype).max:.4g}): inf once loaded")
     raise ValueError(f"parameter {name!r} holds NaN or inf values after loading")
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_KV_SCALES = {".k_proj.k_scale": ".attn.k_scale", ".v_proj.v_scale": ".attn.v_scale",
+              ".self_attn.k_scale": ".self_attn.attn.k_scale", ".self_attn.v_scale": ".self_attn.attn.v_scale"}
+
+
+def _kv_scale_target(name: str) -> str | None:
+    """The Attention layer's parameter for a checkpoint's FP8 KV-cache scale: compressed-tensors'
+    `...self_attn.k_proj.k_scale` and the older `...self_attn.k_scale` (v the same) both go to
+    `...self_attn.attn.k_scale`; None for any other tensor."""
+    for suffix, ours in _KV_SCALES.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + ours
+    return None
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    """isfinite(t).all(), also for float8 (which torch's isfinite lacks): e4m3fn has no inf, and its NaN
+    is every exponent and mantissa bit set; e5m2's inf/NaN have every exponent bit set."""
+    if t.dtype == torch.float8_e4m3fn:
+        return ((t.view(torch.uint8) & 0x7F) != 0x7F).all()
+    if t.dtype == torch.float8_e5m2:
+        return ((t.view(torch.uint8) & 0x7C) != 0x7C).all()
+    return torch.isfinite(t).all()
 
 
 def _checkpoint_name(name: str, shard: Hashable, packed: dict) -> str:
@@ -138,7 +181,13 @@ def init_dummy_weights(model: nn.Module, seed: int):
     for name, param in model.named_parameters():
         if gen is None:
             gen = torch.Generator(device=param.device).manual_seed(seed)
-        if param.dim() >= 2:
+        if hasattr(param, "dummy_value"):  # a quantized layer's scales
+            param.fill_(param.dummy_value)
+        elif param.dtype in _FP8_DTYPES:  # FP8 codes, N(0, dummy_std), drawn in bfloat16
+            noise = torch.empty(param.shape, dtype=torch.bfloat16, device=param.device)
+            noise.normal_(0.0, getattr(param, "dummy_std", 1.0), generator=gen)
+            param.copy_(noise.clamp_(-torch.finfo(param.dtype).max, torch.finfo(param.dtype).max))
+        elif param.dim() >= 2:
             param.normal_(0.0, 0.02, generator=gen)
         elif name.endswith("bias"):
             param.zero_()

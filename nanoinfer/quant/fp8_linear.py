@@ -1,0 +1,164 @@
+"""FP8 linear layers (vLLM's Fp8LinearMethod / CompressedTensorsW8A8Fp8): weights float8_e4m3fn
+[N, K] with float32 scales [N, ceil(K / group_k)] (quant/fp8_scheme.py), loaded one checkpoint
+tensor (shard) at a time.
+
+- CPU: the weights are dequantized to the model's dtype once loaded and run as dense layers: CPU
+  results are those of the dequantized model (the exactness reference). Activations are not
+  quantized there.
+- CUDA, one row (decode at batch 1): the FP8 GEMV (kernels/fp8_gemv.py) reads the FP8 weight and its
+  scales, activations in the model's dtype, and can fuse the RMSNorm / SiLU * mul before it.
+- CUDA, more rows: W8A8. Activations are quantized per token (kernels/fp8_quant.py; static: the
+  checkpoint's per-tensor input_scale); one scale column runs torch._scaled_mm with row-wise scales,
+  block scales (per token and block_k group activations) the Triton block-scaled GEMM
+  (kernels/fp8_gemm.py).
+Every step is shape-only (no host sync, no data-dependent allocation): CUDA graphs capture it."""
+import torch
+from torch import nn
+
+from nanoinfer.layers.linear_method import (Deferred, LinearMethod, ShardSlice, linear, linear_parameter,
+                                           load_feature_slice, takes_gemv)
+from nanoinfer.quant import fp8_math
+from nanoinfer.quant.fp8_scheme import FP8_DTYPE, Fp8Scheme
+from nanoinfer.utils.loader import check_shape
+
+
+def keeps_fp8(device: torch.device) -> bool:
+    """Whether FP8 weights stay FP8 on `device` (CUDA), else are dequantized at load (CPU)."""
+    return device.type == "cuda"
+
+
+def scaled_mm_ok(device: torch.device, n: int, k: int) -> bool:
+    """torch._scaled_mm with row-wise scales: Hopper or later (sm90+), N and K multiples of 16."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0) and n % 16 == 0 \
+        and k % 16 == 0
+
+
+class Fp8LinearMethod(LinearMethod):
+    """One instance per scheme, shared by the layers; per-layer state lives on the layer."""
+    accepts_deferred = True
+
+    def __init__(self, scheme: Fp8Scheme):
+        self.scheme = scheme
+
+    def create_weights(self, layer, input_size, output_size, bias):
+        s = self.scheme
+        layer.compute_dtype = torch.get_default_dtype()  # build_model sets it to the model's dtype
+        layer.fp8_group_k = fp8_math.group_k(s, input_size)
+        layer.weight = linear_parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE), 0, 1)
+        layer.weight.dummy_std = 1.0  # load_format="dummy": N(0, 1) codes times a 0.02 scale
+        scale = nn.Parameter(torch.empty(output_size, fp8_math.cdiv(input_size, layer.fp8_group_k),
+                                         dtype=torch.float32), requires_grad=False)
+        scale.from_checkpoint = not s.online  # online: computed while the weight loads
+        scale.dummy_value = 0.02
+        layer.register_parameter(s.scale_name, scale)
+        if s.static_input:
+            layer.input_scale = nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=False)
+            layer.input_scale.dummy_value = 1.0 / 16
+            layer.input_scale_parts = {}  # shard id -> its scale; the max is taken once all are in
+        layer.register_parameter("bias", linear_parameter(torch.empty(output_size), 0, None) if bias else None)
+
+    def load_weight(self, layer, param, loaded, where: ShardSlice):
+        s = self.scheme
+        if param is layer.weight:
+            return self._load_fp8_weight(layer, loaded, where)
+        if param is getattr(layer, s.scale_name):
+            rows = fp8_math.scale_rows(s, loaded, where.out_full, where.in_full)
+            fp8_math.check_block_cut(s, where.out_start, where.out_size, where.out_full, 0, "output")
+            fp8_math.check_block_cut(s, where.in_start, where.in_size, where.in_full, 1, "input")
+            rows = rows.narrow(0, where.out_start, where.out_size)
+            if rows.shape[1] > 1:  # block scales: this rank's input features' columns
+                rows = rows.narrow(1, where.in_start // s.block[1], param.shape[1])
+            param.data.narrow(0, where.out_offset, where.out_size).copy_(rows)
+            return
+        if param is getattr(layer, "input_scale", None):
+            if loaded.numel() != 1 or loaded.dim() > 1:
+                raise ValueError(f"size mismatch: expected one per-tensor input_scale (shape [] or [1]), "
+                                 f"found {list(loaded.shape)}")
+            layer.input_scale_parts[where.shard_id] = loaded.float().reshape(1)
+            return
+        super().load_weight(layer, param, loaded, where)  # the bias
+
+    def _load_fp8_weight(self, layer, loaded: torch.Tensor, where: ShardSlice):
+        weight = layer.weight
+        if self.scheme.online:
+            if loaded.dtype == FP8_DTYPE:
+                raise ValueError("quantization='fp8' quantizes a high-precision checkpoint; this tensor is "
+                                 "already float8 (load the FP8 checkpoint without quantization=...)")
+        elif loaded.dtype != FP8_DTYPE:
+            raise ValueError(f"dtype {loaded.dtype}: the quantization_config makes this layer FP8, so a "
+                             "float8_e4m3fn weight is expected (is the layer missing from its ignore list?)")
+        fp8_math.check_block_cut(self.scheme, where.in_start, where.in_size, where.in_full, 1, "input")
+        if not self.scheme.online:
+            load_feature_slice(weight, loaded, where)
+            return
+        # online: quantize this rank's rows of the high-precision tensor, each row its own scale
+        check_shape(loaded, (where.out_full, where.in_full))
+        part = loaded.narrow(0, where.out_start, where.out_size).narrow(1, where.in_start, where.in_size)
+        q, scale = fp8_math.quantize_rows(part.to(weight.device))
+        weight.data.narrow(0, where.out_offset, where.out_size).copy_(q)
+        getattr(layer, self.scheme.scale_name).data.narrow(0, where.out_offset, where.out_size).copy_(scale)
+
+    def process_weights_after_loading(self, layer):
+        s = self.scheme
+        scale = getattr(layer, s.scale_name)
+        if s.static_input:
+            parts = list(layer.input_scale_parts.values())
+            if parts:  # (load_format="dummy" fills input_scale itself)
+                # one activation tensor feeds every shard of a fused layer: the largest scale fits all
+                layer.input_scale.data.copy_(torch.stack(parts).amax(0).to(layer.input_scale.device))
+            layer.input_scale_parts = {}
+        if not keeps_fp8(layer.weight.device):
+            # CPU: the dequantized model, as dense weights
+            dense = fp8_math.dequantize(layer.weight.data, scale.data, layer.fp8_group_k, layer.compute_dtype)
+            delattr(layer, s.scale_name)
+            if s.static_input:
+                delattr(layer, "input_scale")
+            layer.weight = linear_parameter(dense, 0, 1)
+            return
+        from nanoinfer.kernels.fp8_gemm import block_k_for
+        from nanoinfer.kernels.fp8_gemv import supports
+        # block sizes no kernel tiles (block_k without a power-of-two divisor >= 16): dequantize per call
+        layer.fp8_kernels_ok = supports(scale, layer.fp8_group_k) and \
+            block_k_for(layer.fp8_group_k, scale.shape[1]) is not None
+        layer.use_scaled_mm = scale.shape[1] == 1 and scaled_mm_ok(layer.weight.device, *layer.weight.shape)
+        if layer.use_scaled_mm:
+            layer.weight_scale_row = scale.data.t()  # [1, N], as _scaled_mm's scale_b
+
+    def apply(self, layer, x, bias=None, out=None):
+        if layer.weight.dtype != FP8_DTYPE:  # dequantized (CPU)
+            return linear(x, layer.weight, bias, out)
+        from nanoinfer.kernels.fp8_gemv import fp8_gemv
+        scale = getattr(layer, self.scheme.scale_name)
+        if not layer.fp8_kernels_ok:
+            dense = fp8_math.dequantize(layer.weight, scale, layer.fp8_group_k, layer.compute_dtype)
+            if isinstance(x, Deferred):
+                return linear(x, dense.contiguous(), bias, out)
+            return linear(x, dense, bias, out)
+        if isinstance(x, Deferred):
+            return fp8_gemv(x.x, layer.weight, scale, layer.fp8_group_k, bias, norm_weight=x.norm_weight, eps=x.eps,
+                            residual=x.residual, residual_out=x.residual_out, silu_mul=x.silu_mul, out=out)
+        if takes_gemv(x):
+            return fp8_gemv(x, layer.weight, scale, layer.fp8_group_k, bias, out=out)
+        y = self._w8a8(layer, x, scale)
+        if bias is not None:
+            y = y + bias
+        if out is not None:
+            return out.copy_(y)
+        return y
+
+    def _w8a8(self, layer, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(-1, x.shape[-1])
+        s, dtype = self.scheme, layer.compute_dtype
+        gk = layer.fp8_group_k if scale.shape[1] > 1 else None
+        if s.static_input:
+            xq = fp8_math.quantize_static(x, layer.input_scale)
+            x_scale = layer.input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+        else:
+            from nanoinfer.kernels.fp8_quant import quantize_fp8
+            xq, x_scale = quantize_fp8(x if x.stride(-1) == 1 else x.contiguous(), gk)
+        if layer.use_scaled_mm:  # row-wise scales need a bf16 output
+            y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale_row,
+                                 out_dtype=torch.bfloat16)
+            return y if dtype == torch.bfloat16 else y.to(dtype)
+        from nanoinfer.kernels.fp8_gemm import fp8_gemm
+        return fp8_gemm(xq, x_scale, layer.weight, scale, layer.fp8_group_k, dtype)

@@ -1,0 +1,35 @@
+"""What one HTTP request may ask of the server, checked before it reaches the engine, so that no
+single request can hold up the others: at most `max_n` samples, bounded stop lists, and (enforced
+by http_guards.BodyLimit) a bounded body. Each is a server flag; a request past one is a 400 naming
+the field and its limit."""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_n: int = 128                     # samples per prompt (OpenAI's own limit)
+    max_stop_strings: int = 64
+    max_stop_chars: int = 1024           # per stop string
+    max_stop_token_ids: int = 1024
+    max_request_body_bytes: int = 8 << 20
+
+    def __post_init__(self):
+        for name in ("max_n", "max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_request_body_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+    def check(self, body) -> None:
+        """Raises ValueError("<field> ...") for the first field of `body` (a completion or chat
+        request) past a limit."""
+        if body.n > self.max_n:
+            raise ValueError(f"n must be at most {self.max_n} on this server (--max-n), got {body.n}")
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stops) > self.max_stop_strings:
+            raise ValueError(f"stop may hold at most {self.max_stop_strings} strings, got {len(stops)}")
+        longest = max(map(len, stops), default=0)
+        if longest > self.max_stop_chars:
+            raise ValueError(f"stop strings may be at most {self.max_stop_chars} characters, got {longest}")
+        ids = body.stop_token_ids or []
+        if len(ids) > self.max_stop_token_ids:
+            raise ValueError(f"stop_token_ids may hold at most {self.max_stop_token_ids} ids, got {len(ids)}")

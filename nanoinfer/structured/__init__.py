@@ -1,0 +1,13 @@
+"""Structured outputs (xgrammar): constrain a request's output to a JSON schema, a regex, a choice
+of strings or a grammar, and the OpenAI-server helpers around them (response_format, tools).
+
+    params.py         StructuredOutputsParams (vLLM's names), checked when made
+    compiler.py       one GrammarCompiler per engine, compiled grammars cached by spec (at intake)
+    grammar_state.py  one GrammarMatcher per sequence, advanced when a step's sampling plan is built
+    bitmask.py        the packed bitmask applied to the logits on the device (the GRAMMAR stage)
+    openai.py         response_format / vLLM extra fields / tools + tool_choice -> StructuredOutputsParams
+    tool_calls.py     the model's tool-call text -> OpenAI tool_calls
+"""
+from nanoinfer.structured.params import StructuredOutputsParams
+
+__all__ = ["StructuredOutputsParams"]
