@@ -19,12 +19,16 @@ def _scaled_tile_sum(w, x, s_ptr, rn, n_mask, k0, KB: tl.constexpr, GROUP_K: tl.
     """One [BLOCK_N, BLOCK_K] FP8 tile's dot products with x: per row (one scale column: scaled by the
     caller at the end), or per group of GROUP_K features times that group's scale."""
     prod = w.to(tl.float32) * x[None, :]
+    # (one return, after a constexpr if/else: the compiler would type-check code after an early return)
     if KB == 1:
-        return tl.sum(prod, 1)
-    part = tl.sum(tl.reshape(prod, (BLOCK_N, GROUPS, GROUP_K)), 2)
-    cols = k0 // GROUP_K + tl.arange(0, GROUPS)
-    s = tl.load(s_ptr + rn[:, None] * KB + cols[None, :], mask=n_mask[:, None] & (cols[None, :] < KB), other=0.0)
-    return tl.sum(part * s, 1)
+        total = tl.sum(prod, 1)
+    else:
+        part = tl.sum(tl.reshape(prod, (BLOCK_N, GROUPS, GROUP_K)), 2)
+        cols = k0 // GROUP_K + tl.arange(0, GROUPS)
+        s = tl.load(s_ptr + rn[:, None] * KB + cols[None, :], mask=n_mask[:, None] & (cols[None, :] < KB),
+                    other=0.0)
+        total = tl.sum(part * s, 1)
+    return total
 
 
 @triton.jit
