@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoinfer.kernels.gemv import _input_tile
+from nanoinfer.kernels.gemv import _input_tile, _row_rstd
 from nanoinfer.kernels.pdl import pdl_options
 
 
@@ -51,16 +51,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res_ptr, res_out_ptr, nw
         tl.extra.cuda.gdc_launch_dependents()
     rstd = 0.0
     if PROLOGUE == 1:
-        ss = tl.zeros((BLOCK_K,), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-            if HAS_RES:
-                x += tl.load(res_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-                if pid == 0:
-                    tl.store(res_out_ptr + rk, x.to(DTYPE), mask=rk < K)
-            ss += x * x
-        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, pid, eps, K, HAS_RES, DTYPE, BLOCK_K)
     x = _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk0, K, PROLOGUE, HAS_RES, DTYPE)
     acc = _scaled_tile_sum(w_first, x, s_ptr, rn, n_mask, 0, KB, GROUP_K, GROUPS, BLOCK_N)
     for k0 in range(BLOCK_K, K, BLOCK_K):

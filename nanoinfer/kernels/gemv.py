@@ -43,6 +43,23 @@ def _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk, K, PROLOGUE: tl.constexpr, HAS
 
 
 @triton.jit
+def _row_rstd(x_ptr, res_ptr, res_out_ptr, pid, eps, K: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """The RMSNorm prologue's 1 / rms of the row (x + residual) over all of K; program 0 also
+    stores x + residual as the new residual. Shared by the GEMVs (here and kernels/fp8_gemv.py)."""
+    ss = tl.zeros((BLOCK_K,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        if HAS_RES:
+            x += tl.load(res_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+            if pid == 0:
+                tl.store(res_out_ptr + rk, x.to(DTYPE), mask=rk < K)
+        ss += x * x
+    return tl.rsqrt(tl.sum(ss, 0) / K + eps)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, res_out_ptr, nw_ptr, eps,
                  N: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -59,17 +76,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, res_out_ptr, nw_ptr, eps,
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     rstd = 0.0
-    if PROLOGUE == 1:  # the row's RMS over all of K first (program 0 also stores the new residual)
-        ss = tl.zeros((BLOCK_K,), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-            if HAS_RES:
-                x += tl.load(res_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-                if pid == 0:
-                    tl.store(res_out_ptr + rk, x.to(DTYPE), mask=rk < K)
-            ss += x * x
-        rstd = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+    if PROLOGUE == 1:
+        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, pid, eps, K, HAS_RES, DTYPE, BLOCK_K)
     x = _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk0, K, PROLOGUE, HAS_RES, DTYPE)
     acc = tl.sum(w_first.to(tl.float32) * x[None, :], 1)
     for k0 in range(BLOCK_K, K, BLOCK_K):

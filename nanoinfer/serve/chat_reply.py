@@ -44,19 +44,23 @@ class ReplyFormat:
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(AssistantMessage fields, finish_reason) of a whole reply."""
         thought, content = split_reasoning(text) if self.reasoning else (None, text)
-        calls = []
-        if self.tool_choice is not None and finish_reason != "length":
-            if self.constrained:
-                try:
-                    calls, content = parse_constrained_tool_calls(content, self.tool_choice), None
-                except ValueError:
-                    calls = []
-            else:
-                parse = parse_llama3_json_tool_calls if self.parser == "llama3_json" else parse_hermes_tool_calls
-                parsed = parse(content, self.tool_names)
-                calls, content = parsed.tool_calls, parsed.content if parsed.tool_calls else content
+        calls, content = self.tool_calls(content, finish_reason)
         fields = dict(content=content, reasoning_content=thought, tool_calls=calls)
         return fields, ("tool_calls" if calls else finish_reason)
+
+    def tool_calls(self, content: str, finish_reason: str | None) -> tuple[list[dict], str | None]:
+        """(the calls in a reply's content, the content left): none unless tools are parsed and the
+        reply was not cut off."""
+        if self.tool_choice is None or finish_reason == "length":
+            return [], content
+        if self.constrained:
+            try:
+                return parse_constrained_tool_calls(content, self.tool_choice), None
+            except ValueError:
+                return [], content
+        parse = parse_llama3_json_tool_calls if self.parser == "llama3_json" else parse_hermes_tool_calls
+        parsed = parse(content, self.tool_names)
+        return (parsed.tool_calls, parsed.content) if parsed.tool_calls else ([], content)
 
     def stream(self) -> "ReplyStream":
         return ReplyStream(self)
@@ -85,11 +89,9 @@ class ReplyStream:
         elif self.whole is not None:  # constrained or llama3_json: the calls are known at the end
             self.whole += text
             text = ""
-            if final:
-                fields, _ = self.fmt.message(self.whole, finish_reason) if not self.fmt.reasoning else \
-                    ReplyFormat(False, self.fmt.tool_choice, self.fmt.tool_names, self.fmt.parser).message(
-                        self.whole, finish_reason)
-                calls, text = fields["tool_calls"], fields["content"] or ""
+            if final:  # (the reasoning is already split off)
+                calls, rest = self.fmt.tool_calls(self.whole, finish_reason)
+                text = rest or ""
         start, self.num_calls = self.num_calls, self.num_calls + len(calls)
         return thought, text, [dict(call, index=start + i) for i, call in enumerate(calls)]
 
