@@ -62,7 +62,8 @@ class LLM(LLMEngine):
         aborts the requests still running. Runs on the calling thread, one engine step per
         iteration; other requests queued on the engine progress too."""
         prompts, params = self._normalize(prompts, sampling_params)
-        request_ids = self.add_requests(prompts, params, stream=True, keep_output=True)  # raises now
+        with self.driving():  # before queuing, as generate(): another thread driving queues nothing
+            request_ids = self.add_requests(prompts, params, stream=True, keep_output=True)  # raises now
         return self._stream(request_ids, [sp.n if sp is not None else 1 for sp in params])
 
     def _stream(self, request_ids, ns) -> Iterator[StreamDelta]:
