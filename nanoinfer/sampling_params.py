@@ -186,10 +186,10 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            fail("logprobs", "None or at least 0")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            fail("prompt_logprobs", "None or at least 0")
+        if self.logprobs is not None and self.logprobs < -1:
+            fail("logprobs", "None, -1 (the whole vocabulary) or at least 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            fail("prompt_logprobs", "None, -1 (the whole vocabulary) or at least 0")
         if self.truncate_prompt_tokens is not None and (self.truncate_prompt_tokens == 0
                                                         or self.truncate_prompt_tokens < -1):
             fail("truncate_prompt_tokens", "None, -1 (max_model_len) or at least 1")

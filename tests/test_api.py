@@ -365,6 +365,23 @@ def test_bad_batch_adds_nothing(llm):
     assert_all_blocks_free(llm)
 
 
+def test_logprobs_minus_one_is_the_whole_vocabulary(llm):
+    """vLLM's rule: logprobs / prompt_logprobs = -1 return every token's logprob; the caller's
+    SamplingParams is left as given, and the values equal an explicit vocabulary-sized request."""
+    sp = SamplingParams(max_tokens=3, temperature=0, logprobs=-1, prompt_logprobs=-1)
+    vocab = llm.vocab_size
+    whole = llm.generate(["hello there"], sp, use_tqdm=False)[0]
+    assert (sp.logprobs, sp.prompt_logprobs) == (-1, -1)
+    explicit = llm.generate(["hello there"], SamplingParams(max_tokens=3, temperature=0, logprobs=vocab,
+                                                            prompt_logprobs=vocab), use_tqdm=False)[0]
+    completion = whole.outputs[0]
+    assert [len(step) for step in completion.logprobs] == [vocab] * 3
+    assert all(len(p) == vocab for p in whole.prompt_logprobs[1:])
+    for got, want in zip(completion.logprobs, explicit.outputs[0].logprobs):
+        assert {t: lp.logprob for t, lp in got.items()} == {t: lp.logprob for t, lp in want.items()}
+    assert sorted(completion.logprobs[0]) == list(range(vocab))
+
+
 @pytest.mark.parametrize("prompt, match", [
     ({"prompt_token_ids": "hello"}, "prompt_token_ids"),       # text where ids belong: not tokenized
     ({"prompt": 123, "prompt_token_ids": [1, 2]}, "'prompt'"),  # would become the output's prompt

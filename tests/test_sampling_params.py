@@ -44,7 +44,7 @@ def test_normalisation():
     ("min_p", 1.1, r"\[0, 1\]"),
     ("max_tokens", 0, "at least 1"),
     ("min_tokens", -1, "at least 0"),
-    ("logprobs", -1, "at least 0"),
+    ("logprobs", -2, "-1 \\(the whole vocabulary\\) or at least 0"),
 ])
 def test_value_errors_name_field_value_and_range(field, value, allowed):
     with pytest.raises(ValueError, match=allowed) as err:
@@ -118,7 +118,7 @@ def test_vllm_parity_fields_defaults_and_normalisation():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(prompt_logprobs=-1), "prompt_logprobs must be None or at least 0"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs must be None, -1"),
     (dict(truncate_prompt_tokens=0), r"truncate_prompt_tokens must be None, -1 \(max_model_len\) or at least 1"),
     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
     (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),

@@ -45,6 +45,12 @@ def test_n_and_stop_lists_are_bounded(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "at most 8" in r.text
     r = post(server, "/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2, "stop": ["a" * 2000]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    for logprobs in (21, -1):  # -1 is the whole vocabulary: over any limit but --max-logprobs -1
+        r = post(server, "/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2, "logprobs": logprobs})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs" and "at most 20" in r.text
+    r = post(server, "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": 2, "logprobs": True, "top_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     r = post(server, "/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2, "n": 8})
     assert r.status_code == 200 and len(r.json()["choices"]) == 8
 

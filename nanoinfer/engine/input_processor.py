@@ -66,7 +66,7 @@ class InputProcessor:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         text, token_ids = self._tokenize(prompt)
-        sp = sampling_params
+        sp = self._resolve_whole_vocabulary(sampling_params)
         self._check_sampling_params(sp)
         token_ids = self._fit_length(token_ids, sp, max_tokens_must_fit)
         if sp.bad_words:
@@ -122,6 +122,18 @@ class InputProcessor:
         if not token_ids:
             raise ValueError("prompt is empty (no tokens)")
         return text, token_ids
+
+    def _resolve_whole_vocabulary(self, sp: SamplingParams) -> SamplingParams:
+        """logprobs / prompt_logprobs = -1 mean the whole vocabulary (vLLM); the caller's object is
+        left as given (it may be shared by other prompts)."""
+        if sp.logprobs != -1 and sp.prompt_logprobs != -1:
+            return sp
+        sp = copy(sp)
+        if sp.logprobs == -1:
+            sp.logprobs = self.vocab_size
+        if sp.prompt_logprobs == -1:
+            sp.prompt_logprobs = self.vocab_size
+        return sp
 
     def _check_sampling_params(self, sp: SamplingParams):
         """What SamplingParams cannot check on its own: token ids and logprob counts against the

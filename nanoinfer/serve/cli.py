@@ -76,6 +76,9 @@ def add_server_limit_args(parser: argparse.ArgumentParser):
     group = parser.add_argument_group("limits and exposure")
     defaults = ServerLimits()
     group.add_argument("--max-n", type=int, default=defaults.max_n, help="most samples (n) a request may ask for")
+    group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
+                       help="most logprobs / top_logprobs a request may ask for; -1: no limit (then logprobs=-1 "
+                            "returns the whole vocabulary)")
     group.add_argument("--max-request-body-bytes", type=int, default=defaults.max_request_body_bytes,
                        help="larger request bodies get a 413")
     group.add_argument("--trust-request-chat-template", action="store_true",
@@ -91,7 +94,7 @@ def add_server_limit_args(parser: argparse.ArgumentParser):
     group.add_argument("--enable-docs", action="store_true", help="serve /docs and /openapi.json")
     group.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                        help="return the <think> ... </think> part of chat replies as reasoning_content "
-                            "(default: none: it stays in content)")
+                            "(none: it stays in content)")
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
                        help="the model's tool-call syntax, parsed for tool_choice auto: hermes (Qwen's "
                             "<tool_call>{json}</tool_call>) or llama3_json")
@@ -113,7 +116,8 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        limits = ServerLimits(max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes)
+        limits = ServerLimits(max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes,
+                              max_logprobs=args.max_logprobs)
         _check_port_free(args.host, args.port)  # before minutes of model loading
     except (ValueError, OSError) as e:
         print(f"nanoinfer serve: {e}", file=sys.stderr)

@@ -12,8 +12,11 @@ class ServerLimits:
     max_stop_chars: int = 1024           # per stop string
     max_stop_token_ids: int = 1024
     max_request_body_bytes: int = 8 << 20
+    max_logprobs: int = 20               # vLLM's default; -1: no limit (logprobs=-1 asks for the vocabulary)
 
     def __post_init__(self):
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an int >= -1, got {self.max_logprobs!r}")
         for name in ("max_n", "max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_request_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -30,6 +33,18 @@ class ServerLimits:
         longest = max(map(len, stops), default=0)
         if longest > self.max_stop_chars:
             raise ValueError(f"stop strings may be at most {self.max_stop_chars} characters, got {longest}")
+        self._check_logprobs(body)
         ids = body.stop_token_ids or []
         if len(ids) > self.max_stop_token_ids:
             raise ValueError(f"stop_token_ids may hold at most {self.max_stop_token_ids} ids, got {len(ids)}")
+
+    def _check_logprobs(self, body):
+        """Completions' `logprobs`, chat's `top_logprobs`: -1 (the whole vocabulary) counts as more
+        than any limit but -1, since every token of the reply would carry the whole vocabulary."""
+        name = "top_logprobs" if hasattr(body, "top_logprobs") else "logprobs"
+        value = getattr(body, name)
+        if value is None or self.max_logprobs == -1:
+            return
+        if value == -1 or value > self.max_logprobs:
+            raise ValueError(f"{name} must be at most {self.max_logprobs} on this server (--max-logprobs), "
+                             f"got {value}")
