@@ -105,3 +105,21 @@ def test_cuda_replicas_get_their_devices(monkeypatch):
         [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
     with pytest.raises(ValueError, match="needs 6 CUDA devices; 5 are visible"):
         replica_envs(3, {"device": "cuda", "tensor_parallel_size": 2})
+
+
+def test_router_benchmark_affinity_beats_round_robin(capsys):
+    """The micro-benchmark's workload (shared system prompts, caches that hold only some of them):
+    affinity hits the cache far more often than round robin, and balances the replicas."""
+    import argparse
+    import random
+
+    from nanoinfer.bench import router as bench
+    args = argparse.Namespace(system_prompts=8, system_len=128, user_len=(8, 32), output_len=16, requests=400,
+                              block_size=16, cache_blocks=3 * (128 + 32) // 16)
+    prompts = bench.make_workload(args, random.Random(0))
+    affinity = bench.simulate(PrefixAffinityRouter(2, 16), prompts, 2, args)
+    round_robin = bench.simulate(RoundRobinRouter(2, 16), prompts, 2, args)
+    assert affinity["hit_rate"] > 1.5 * round_robin["hit_rate"], (affinity, round_robin)
+    assert min(affinity["served"]) > 0.3 * len(prompts)
+    assert bench.main(["--requests", "50", "--system-len", "64", "--replicas", "2"]) == 0
+    assert "round robin" in capsys.readouterr().out
