@@ -85,17 +85,7 @@ class EngineClient:
 
     def __init__(self, model: str, options: dict, log_level: str = "warning", env: dict | None = None,
                  wait: bool = True):
-        ctx = mp.get_context("spawn")
-        commands_reader, self._commands = ctx.Pipe(duplex=False)
-        self._events, events_writer = ctx.Pipe(duplex=False)
-        # Not daemonic: a daemonic process cannot start the tensor-parallel workers. It exits by
-        # itself when this process dies (engine_process.py); stop() / close() end it otherwise.
-        self.process = ctx.Process(target=engine_main, name="nanoinfer-engine",
-                                   args=(model, options, commands_reader, events_writer, log_level))
-        with _environ(env or {}):
-            self.process.start()
-        commands_reader.close()  # our copies: the engine's end closing is then an EOF here
-        events_writer.close()
+        self.process, self._commands, self._events = self._launch(model, options, log_level, env or {})
         self.error: str | None = None
         self.num_requests = self.num_finished = self.prompt_tokens = self.generation_tokens = 0
         self.outstanding_tokens = 0
@@ -110,6 +100,11 @@ class EngineClient:
         self.metrics: ServerMetrics | None = None  # set by the app: fed from every engine message
         if wait:
             self.wait_ready()
+
+    def _launch(self, model: str, options: dict, log_level: str, env: dict):
+        """(process, commands pipe, events pipe) of a new engine process; a subclass may put the
+        process elsewhere (data_parallel/ray_replica.py) behind objects with the same methods."""
+        return launch_engine_process(model, options, log_level, env)
 
     def wait_ready(self):
         """Wait for the engine to be built (minutes for a large model); raises as _wait_ready says,
@@ -197,16 +192,14 @@ class EngineClient:
     def close(self, timeout: float = STOP_TIMEOUT_S):
         """End the engine process if it still runs (EXIT_SIGNAL: it cleans up; then SIGKILL)."""
         self._stopping = True
-        if self.process.is_alive():
-            os.kill(self.process.pid, EXIT_SIGNAL)  # it ignores SIGTERM; this one makes it clean up and exit
-            self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        self._end_process(timeout)
         self._outbox.put(None)  # ends the writer thread
         for t in (self._writer, self._reader):
             if t.is_alive():
                 t.join(10)
+
+    def _end_process(self, timeout: float):
+        end_engine_process(self.process, timeout)
 
     def _dispatch(self, message: StepNews | EngineDead):
         """One engine message, on the event loop."""
@@ -302,6 +295,33 @@ class EngineClient:
             self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:  # the event loop is closed: nobody is waiting any more
             pass
+
+
+def launch_engine_process(model: str, options: dict, log_level: str, env: dict):
+    """Start an engine process (engine_process.py); returns it and the ends of its two pipes that
+    this process keeps: commands (send) and events (recv)."""
+    ctx = mp.get_context("spawn")
+    commands_reader, commands = ctx.Pipe(duplex=False)
+    events, events_writer = ctx.Pipe(duplex=False)
+    # Not daemonic: a daemonic process cannot start the tensor-parallel workers. It exits by
+    # itself when this process dies (engine_process.py); stop() / close() end it otherwise.
+    process = ctx.Process(target=engine_main, name="nanoinfer-engine",
+                          args=(model, options, commands_reader, events_writer, log_level))
+    with _environ(env):
+        process.start()
+    commands_reader.close()  # our copies: the engine's end closing is then an EOF here
+    events_writer.close()
+    return process, commands, events
+
+
+def end_engine_process(process, timeout: float = STOP_TIMEOUT_S):
+    """End an engine process if it still runs (EXIT_SIGNAL: it cleans up; then SIGKILL)."""
+    if process.is_alive():
+        os.kill(process.pid, EXIT_SIGNAL)  # it ignores SIGTERM; this one makes it clean up and exit
+        process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join()
 
 
 _environ_lock = threading.Lock()

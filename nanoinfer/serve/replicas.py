@@ -18,7 +18,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from nanoinfer.data_parallel.devices import replica_envs
+from nanoinfer.data_parallel.devices import check_data_parallel_size, replica_envs
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.serve.engine_client import EngineClient, EngineDeadError, Submission
 from nanoinfer.serve.metrics import ServerMetrics
@@ -54,18 +54,24 @@ class Replica:
 
 class ReplicaSet:
     def __init__(self, model: str, options: dict, log_level: str, data_parallel_size: int, backend: str = "mp"):
+        """backend: "mp", replicas are processes of this machine; "ray", Ray actors on a Ray cluster,
+        each with the devices Ray gives it (data_parallel/ray_replica.py)."""
         self._args = (model, options, log_level)
         if backend == "ray":
-            raise ValueError("data_parallel_backend='ray' is not available yet")
-        envs = replica_envs(data_parallel_size, options)
+            from nanoinfer.data_parallel.ray_replica import RayEngineClient
+            self._client_type, envs = RayEngineClient, [{}] * check_data_parallel_size(data_parallel_size)
+        elif backend == "mp":
+            self._client_type, envs = EngineClient, replica_envs(data_parallel_size, options)
+        else:
+            raise ValueError(f"data_parallel_backend must be 'mp' or 'ray', got {backend!r}")
         clients = []
         try:  # every engine process starts at once; then each is waited for
             for env in envs:
-                clients.append(EngineClient(model, options, log_level, env=env, wait=False))
+                clients.append(self._client_type(model, options, log_level, env=env, wait=False))
             for client in clients:
                 client.wait_ready()
         except BaseException:
-            _each(clients, EngineClient.close)
+            _each(clients, "close")
             raise
         first = clients[0]
         self.model, self.max_model_len, self.tokenizer = first.model, first.max_model_len, first.tokenizer
@@ -147,12 +153,12 @@ class ReplicaSet:
 
     def stop(self):
         """Abort what is left and end every replica's engine process, in parallel."""
-        self._end(EngineClient.stop)
+        self._end("stop")
 
     def close(self):
-        self._end(EngineClient.close)
+        self._end("close")
 
-    def _end(self, how):
+    def _end(self, how: str):
         with self._lock:
             self._stopping = True
             self._stopped.set()
@@ -187,7 +193,7 @@ class ReplicaSet:
             with self._lock:
                 if self._stopping:
                     return
-                client = r.starting = EngineClient(*self._args, env=r.env, wait=False)
+                client = r.starting = self._client_type(*self._args, env=r.env, wait=False)
             try:
                 client.wait_ready()
             except Exception as e:
@@ -218,8 +224,8 @@ class ReplicaSet:
         logger.warning("data-parallel replica %d restarted (engine process %d)", r.index, client.process.pid)
 
 
-def _each(clients: list[EngineClient], how):
-    """how(client) for every client at once (each may take seconds)."""
+def _each(clients: list[EngineClient], how: str):
+    """client.how() for every client at once (each may take seconds)."""
     if clients:
         with ThreadPoolExecutor(len(clients)) as pool:
-            list(pool.map(how, clients))
+            list(pool.map(lambda client: getattr(client, how)(), clients))
