@@ -175,3 +175,11 @@ def test_shutdown_ends_every_replica_and_leaves_nothing(llm, tiny_qwen3, tmp_pat
         srv.stop()
     wait_until(lambda: not [p for p in children if running(p)], timeout=60, what="the server's children to exit")
     assert not shm_entries([srv.proc.pid, *children])
+
+
+def test_data_parallel_flags(tiny_qwen3):
+    from nanoinfer.serve.cli import build_parser, main
+    args = build_parser().parse_args(["serve", "m", "-dp", "3", "--data-parallel-backend", "ray"])
+    assert (args.data_parallel_size, args.data_parallel_backend) == (3, "ray")
+    assert build_parser().parse_args(["serve", "m"]).data_parallel_size == 1
+    assert main(["serve", tiny_qwen3, "--port", "0", "--data-parallel-size", "0"]) == 2  # before any engine starts
