@@ -43,6 +43,8 @@ def test_generate_equals_one_engine_in_prompt_order(dp_llm, one):
     assert results(got) == results(one.generate(PROMPTS, params, use_tqdm=False))
     assert got[3].outputs[0].finish_reason == "length"
     assert dp_llm.generate([], greedy) == []
+    with pytest.raises(NotImplementedError, match="one engine"):
+        dp_llm.stream(PROMPTS)
 
 
 def test_chat_and_progress(dp_llm, one):

@@ -144,7 +144,8 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(llm, server, cl
                                                 ignore_eos=True)["text"].startswith(texts[survivor])
     responses[survivor].close()  # (the abort frees its replica)
     # meanwhile the server answers, on the replica left
-    assert client.completions.create(model=NAME, prompt="Hello", max_tokens=2, temperature=0).usage.completion_tokens == 2
+    out = client.completions.create(model=NAME, prompt="Hello", max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens == 2
     wait_until(lambda: sum(r["restarts"] for r in replicas(server)) == restarts + 1 and
                all(r["alive"] for r in replicas(server)), what="the replica to restart")
     assert "restarted" in server.log()

@@ -73,6 +73,10 @@ class DataParallelLLM:
             out.request_id = next(self._request_ids)
         return outputs
 
+    def stream(self, prompts, sampling_params=None):
+        raise NotImplementedError("stream() runs on one engine: make the LLM with data_parallel_size=1, or stream "
+                                  "from `nanoinfer serve --data-parallel-size N`")
+
     def exit(self):
         """End every engine process (their workers and shared memory go with them)."""
         if self._exited:
