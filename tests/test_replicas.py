@@ -158,15 +158,20 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(llm, server, cl
 
 
 def test_shutdown_ends_every_replica_and_leaves_nothing(llm, tiny_qwen3, tmp_path):
-    """SIGTERM with a request in flight: it still ends, then the server and every replica's engine
-    process (tensor-parallel workers included) exit, leaving no shared memory."""
+    """SIGTERM with a request in flight and a replica being restarted: the request still ends, then
+    the server and every replica's engine process (tensor-parallel workers included, the one still
+    starting too) exit, leaving no shared memory."""
     srv = Server(tiny_qwen3, tmp_path / "server.log", data_parallel_size=2, tensor_parallel_size=2)
     try:
-        children = descendants(srv.proc.pid)
-        assert len(engine_pids(srv.proc.pid)) == 2 and len(children) >= 2 + 2 * 2
+        children = set(descendants(srv.proc.pid))
+        first = engine_pids(srv.proc.pid)
+        assert len(first) == 2 and len(children) >= 2 + 2 * 2
+        os.kill(first[0], signal.SIGKILL)
+        wait_until(lambda: len(set(engine_pids(srv.proc.pid)) - set(first)) == 1, what="the restart to begin")
         stream = iter(srv.client().completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0,
                                                       stream=True, extra_body={"ignore_eos": True}))
-        chunks = [next(stream)]
+        chunks = [next(stream)]  # on the replica left
+        children |= set(descendants(srv.proc.pid))
         srv.proc.send_signal(signal.SIGTERM)
         chunks += list(stream)
         assert "".join(c.choices[0].text for c in chunks) == \
@@ -175,6 +180,7 @@ def test_shutdown_ends_every_replica_and_leaves_nothing(llm, tiny_qwen3, tmp_pat
     finally:
         srv.stop()
     wait_until(lambda: not [p for p in children if running(p)], timeout=60, what="the server's children to exit")
+
     assert not shm_entries([srv.proc.pid, *children])
 
 
