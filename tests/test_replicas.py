@@ -180,7 +180,6 @@ def test_shutdown_ends_every_replica_and_leaves_nothing(llm, tiny_qwen3, tmp_pat
     finally:
         srv.stop()
     wait_until(lambda: not [p for p in children if running(p)], timeout=60, what="the server's children to exit")
-
     assert not shm_entries([srv.proc.pid, *children])
 
 
