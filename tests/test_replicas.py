@@ -142,7 +142,8 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(llm, server, cl
     # (41 chunks hold 41 tokens or more, if the server merged some: far fewer than 400)
     assert len(texts[survivor]) > 0 and offline(llm, PROMPTS[survivor], max_tokens=400, temperature=0,
                                                 ignore_eos=True)["text"].startswith(texts[survivor])
-    responses[survivor].close()  # (the abort frees its replica)
+    responses[survivor].close()  # the client leaves: its request is aborted on its replica
+    wait_until(lambda: server.stats()["requests_running"] == 0, what="the abandoned stream to be aborted")
     # meanwhile the server answers, on the replica left
     out = client.completions.create(model=NAME, prompt="Hello", max_tokens=2, temperature=0)
     assert out.usage.completion_tokens == 2

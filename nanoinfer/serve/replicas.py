@@ -53,12 +53,17 @@ class Replica:
 
 
 class ReplicaSet:
+    """The app's engine with --data-parallel-size N: N replicas, a router, their restarts."""
+
     def __init__(self, model: str, options: dict, log_level: str, data_parallel_size: int, backend: str = "mp"):
         """backend: "mp", replicas are processes of this machine; "ray", Ray actors on a Ray cluster,
         each with the devices Ray gives it (data_parallel/ray_replica.py)."""
         self._args = (model, options, log_level)
         if backend == "ray":
-            from nanoinfer.data_parallel.ray_replica import RayEngineClient
+            try:
+                from nanoinfer.data_parallel.ray_replica import RayEngineClient
+            except ImportError as e:
+                raise ValueError(f"data_parallel_backend='ray' needs Ray: pip install 'nanoinfer[ray]' ({e})") from None
             self._client_type, envs = RayEngineClient, [{}] * check_data_parallel_size(data_parallel_size)
         elif backend == "mp":
             self._client_type, envs = EngineClient, replica_envs(data_parallel_size, options)
