@@ -16,6 +16,19 @@ def _is_token_ids(x) -> bool:
 
 
 class LLM(LLMEngine):
+    def __new__(cls, model=None, data_parallel_size=1, **options):
+        """data_parallel_size=N > 1 makes a DataParallelLLM instead (data_parallel/llm.py): generate
+        and chat over N engine processes."""
+        if data_parallel_size != 1:
+            from nanoinfer.data_parallel.devices import check_data_parallel_size
+            if check_data_parallel_size(data_parallel_size) > 1:
+                from nanoinfer.data_parallel.llm import DataParallelLLM
+                return DataParallelLLM(model, data_parallel_size, **options)
+        return super().__new__(cls)
+
+    def __init__(self, model: str, data_parallel_size: int = 1, **options):
+        super().__init__(model, **options)
+
     # ---- public API -----------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
         """prompts: a str, a list of token ids, a {"prompt": str} / {"prompt_token_ids": [...]} dict,

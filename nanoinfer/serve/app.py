@@ -79,9 +79,12 @@ def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str
     @app.get("/stats")
     async def stats():
         """Requests in the engine now; since start: requests finished or aborted, and their prompt
-        and generated tokens."""
-        return {"requests_running": engine.num_requests, "requests_finished": engine.num_finished,
-                "prompt_tokens_total": engine.prompt_tokens, "generation_tokens_total": engine.generation_tokens}
+        and generated tokens; with data-parallel replicas, `replicas`: the same per replica."""
+        stats = {"requests_running": engine.num_requests, "requests_finished": engine.num_finished,
+                 "prompt_tokens_total": engine.prompt_tokens, "generation_tokens_total": engine.generation_tokens}
+        if hasattr(engine, "replica_stats"):
+            stats["replicas"] = engine.replica_stats()
+        return stats
 
     def card() -> ModelCard:
         return ModelCard(id=served_model_name, root=served_model_name, max_model_len=engine.max_model_len,

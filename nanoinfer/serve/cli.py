@@ -67,8 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGINT/SIGTERM, seconds to let in-flight requests finish; then they are cut "
                             "(a stream gets an error event and [DONE]) and the server exits within a few seconds")
     add_server_limit_args(serve)
+    add_data_parallel_args(serve)
     add_engine_args(serve)
     return parser
+
+
+def add_data_parallel_args(parser: argparse.ArgumentParser):
+    group = parser.add_argument_group("data parallel (README: Data-parallel serving)")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine replicas behind this server, each with its own process, tensor-parallel group "
+                            "and devices; requests go to the replica that cached their prefix, or the least loaded")
+    group.add_argument("--data-parallel-backend", choices=["mp", "ray"], default="mp",
+                       help="mp: replicas are local processes; ray: Ray actors placed on a Ray cluster "
+                            "(pip install 'nanoinfer[ray]')")
 
 
 def add_server_limit_args(parser: argparse.ArgumentParser):
@@ -111,7 +122,6 @@ def serve(args: argparse.Namespace) -> int:
     from nanoinfer.serve import http_server
     from nanoinfer.serve.app import build_app
     from nanoinfer.serve.chat_renderer import ChatRenderer
-    from nanoinfer.serve.engine_client import EngineClient
     from nanoinfer.serve.http_guards import default_allowed_hosts
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -124,7 +134,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     options = {name: getattr(args, name) for name in Config.option_names() if hasattr(args, name)}
     try:
-        engine = EngineClient(args.model, options, args.log_level)  # builds the LLM in the engine process
+        engine = _start_engines(args, options)  # builds the LLM in the engine process(es)
     except (ValueError, TypeError) as e:
         print(f"nanoinfer serve: {e}", file=sys.stderr)
         return 2
@@ -154,12 +164,23 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_engines(args: argparse.Namespace, options: dict):
+    """One engine process, or --data-parallel-size replicas behind a router."""
+    from nanoinfer.data_parallel.devices import check_data_parallel_size
+    from nanoinfer.serve.engine_client import EngineClient
+    if check_data_parallel_size(args.data_parallel_size) == 1 and args.data_parallel_backend == "mp":
+        return EngineClient(args.model, options, args.log_level)
+    from nanoinfer.serve.replicas import ReplicaSet
+    return ReplicaSet(args.model, options, args.log_level, args.data_parallel_size, args.data_parallel_backend)
+
+
 def _log_start(engine, args):
     info = engine.summary
     logging.getLogger("nanoinfer.serve").info(
-        "serving %s on http://%s:%d: dtype %s, max_model_len %d, tensor_parallel_size %s, KV cache %s blocks x %s "
-        "tokens = %s tokens, at most %s sequences at once (%sx max_model_len)", engine.model, args.host, args.port,
-        info.get("dtype"), engine.max_model_len, info.get("tensor_parallel_size"), info.get("kv_blocks"),
+        "serving %s on http://%s:%d: dtype %s, max_model_len %d, tensor_parallel_size %s, data_parallel_size %s, "
+        "KV cache %s blocks x %s tokens = %s tokens, at most %s sequences at once (%sx max_model_len) per replica",
+        engine.model, args.host, args.port, info.get("dtype"), engine.max_model_len, info.get("tensor_parallel_size"),
+        info.get("data_parallel_size", 1), info.get("kv_blocks"),
         info.get("block_size"), info.get("kv_tokens"), info.get("max_num_seqs"), info.get("max_concurrency"))
 
 

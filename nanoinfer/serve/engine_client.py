@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
@@ -46,6 +47,7 @@ class Submission:
     added: asyncio.Future          # resolved with None, or the add_requests error
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     unfinished: int = 0            # prompts without their RequestOutput yet (the engine client's count)
+    costs: list[int] = field(default_factory=list)  # each prompt's tokens to prefill and generate, at most
 
     async def batches(self):
         """Lists of the events queued since the previous list (waiting for at least one), until
@@ -73,21 +75,20 @@ class Submission:
 class EngineClient:
     """Starts the engine process (building the LLM there) and talks to it; `start` on the event
     loop, `stop` to end it. Counters for /stats: requests in the engine now; since start, requests
-    finished or aborted and their prompt and generated tokens."""
+    finished or aborted and their prompt and generated tokens; and for a data-parallel router,
+    `outstanding_tokens`: the tokens the submissions not finished yet may still cost (prompt plus
+    n x max_tokens each, counted from the moment they are submitted).
 
-    def __init__(self, model: str, options: dict, log_level: str = "warning"):
-        ctx = mp.get_context("spawn")
-        commands_reader, self._commands = ctx.Pipe(duplex=False)
-        self._events, events_writer = ctx.Pipe(duplex=False)
-        # Not daemonic: a daemonic process cannot start the tensor-parallel workers. It exits by
-        # itself when this process dies (engine_process.py); stop() / close() end it otherwise.
-        self.process = ctx.Process(target=engine_main, name="nanoinfer-engine",
-                                   args=(model, options, commands_reader, events_writer, log_level))
-        self.process.start()
-        commands_reader.close()  # our copies: the engine's end closing is then an EOF here
-        events_writer.close()
+    env: environment variables the engine process starts with (a data-parallel replica's
+    CUDA_VISIBLE_DEVICES). wait=False returns once the process is started; `wait_ready` then
+    waits for the engine, and `close` may end it meanwhile."""
+
+    def __init__(self, model: str, options: dict, log_level: str = "warning", env: dict | None = None,
+                 wait: bool = True):
+        self.process, self._commands, self._events = self._launch(model, options, log_level, env or {})
         self.error: str | None = None
         self.num_requests = self.num_finished = self.prompt_tokens = self.generation_tokens = 0
+        self.outstanding_tokens = 0
         self._subs: dict[int, Submission] = {}
         self._requests: dict[int, tuple[Submission, int]] = {}  # engine request id -> (submission, prompt index)
         self._ids = itertools.count()
@@ -96,6 +97,18 @@ class EngineClient:
         self._stopping = False
         self._reader = threading.Thread(target=self._read, name="nanoinfer-engine-reader", daemon=True)
         self._writer = threading.Thread(target=self._write, name="nanoinfer-engine-writer", daemon=True)
+        self.metrics: ServerMetrics | None = None  # set by the app: fed from every engine message
+        if wait:
+            self.wait_ready()
+
+    def _launch(self, model: str, options: dict, log_level: str, env: dict):
+        """(process, commands pipe, events pipe) of a new engine process; a subclass may put the
+        process elsewhere (data_parallel/ray_replica.py) behind objects with the same methods."""
+        return launch_engine_process(model, options, log_level, env)
+
+    def wait_ready(self):
+        """Wait for the engine to be built (minutes for a large model); raises as _wait_ready says,
+        with the process ended."""
         try:
             info = self._wait_ready()
         except BaseException:
@@ -103,7 +116,6 @@ class EngineClient:
             raise
         self.model, self.max_model_len, self.tokenizer = info.model, info.max_model_len, info.tokenizer
         self.summary = info.summary
-        self.metrics: ServerMetrics | None = None  # set by the app: fed from every engine message
 
     def _wait_ready(self) -> Ready:
         """The engine's Ready; raises what building the LLM raised (ValueError / TypeError for bad
@@ -129,14 +141,18 @@ class EngineClient:
     def alive(self) -> bool:
         return self.error is None and not self._stopping and self.process.is_alive()
 
-    async def submit(self, prompts: list, params: SamplingParams, stream: bool) -> Submission:
+    async def submit(self, prompts: list, params: SamplingParams, stream: bool,
+                     max_tokens_must_fit: bool = True) -> Submission:
         """Queue one engine request per prompt; raises the engine's ValueError / TypeError (and
-        queues none) if any is invalid."""
+        queues none) if any is invalid. max_tokens_must_fit=False: max_tokens past max_model_len
+        stops at it (as offline) instead of being an error (as vLLM's server)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running" if self.error is None else _public(self.error))
-        sub = Submission(next(self._ids), prompts, params, stream, self._loop.create_future())
+        sub = Submission(next(self._ids), prompts, params, stream, self._loop.create_future(),
+                         costs=[self._cost(p, params) for p in prompts])
         self._subs[sub.id] = sub
-        self._outbox.put(Submit(sub.id, prompts, params, stream))
+        self.outstanding_tokens += sum(sub.costs)
+        self._outbox.put(Submit(sub.id, prompts, params, stream, max_tokens_must_fit))
         try:
             await asyncio.shield(sub.added)
         except asyncio.CancelledError:  # the client left: the abort follows the add down the pipe
@@ -145,9 +161,16 @@ class EngineClient:
             raise
         return sub
 
+    def _cost(self, prompt, params: SamplingParams | None) -> int:
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+        length = len(ids) if isinstance(ids, (list, tuple)) else 0  # (text: the engine tokenizes it)
+        max_tokens = getattr(params, "max_tokens", None) or max(self.max_model_len - length, 1)
+        return length + getattr(params, "n", 1) * max_tokens
+
     def abort(self, sub: Submission):
-        """Stop what is left of a submission (its blocks are freed); safe to call more than once."""
-        if sub.id in self._subs:
+        """Stop what is left of a submission (its blocks are freed); safe to call more than once, and
+        with another client's submission (a no-op)."""
+        if self._subs.get(sub.id) is sub:
             self._outbox.put(Abort(sub.id))
 
     def cut_all(self, message: str):
@@ -169,16 +192,14 @@ class EngineClient:
     def close(self, timeout: float = STOP_TIMEOUT_S):
         """End the engine process if it still runs (EXIT_SIGNAL: it cleans up; then SIGKILL)."""
         self._stopping = True
-        if self.process.is_alive():
-            os.kill(self.process.pid, EXIT_SIGNAL)  # it ignores SIGTERM; this one makes it clean up and exit
-            self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        self._end_process(timeout)
         self._outbox.put(None)  # ends the writer thread
         for t in (self._writer, self._reader):
             if t.is_alive():
                 t.join(10)
+
+    def _end_process(self, timeout: float):
+        end_engine_process(self.process, timeout)
 
     def _dispatch(self, message: StepNews | EngineDead):
         """One engine message, on the event loop."""
@@ -195,6 +216,7 @@ class EngineClient:
                 _resolve(sub.added, None)
             else:
                 del self._subs[sub.id]
+                self.outstanding_tokens -= sum(sub.costs)
                 _resolve(sub.added, admission.error.exception())
         news: dict[int, list] = {}  # sub_id -> its events of this step
         requests = self._requests
@@ -210,6 +232,7 @@ class EngineClient:
                 metrics.finished(out)
             sub, i = requests.pop(out.request_id)
             news.setdefault(sub.id, []).append((i, out))
+            self.outstanding_tokens -= sub.costs[i]
             self.num_requests -= 1
             self.num_finished += 1
             self.prompt_tokens += len(out.prompt_token_ids)
@@ -236,7 +259,7 @@ class EngineClient:
                 sub.events.put_nowait(failure)
         self._subs.clear()
         self._requests.clear()
-        self.num_requests = 0
+        self.num_requests = self.outstanding_tokens = 0
 
     # ---- threads --------------------------------------------------------------------------------
     def _read(self):
@@ -272,6 +295,55 @@ class EngineClient:
             self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:  # the event loop is closed: nobody is waiting any more
             pass
+
+
+def launch_engine_process(model: str, options: dict, log_level: str, env: dict):
+    """Start an engine process (engine_process.py); returns it and the ends of its two pipes that
+    this process keeps: commands (send) and events (recv)."""
+    ctx = mp.get_context("spawn")
+    commands_reader, commands = ctx.Pipe(duplex=False)
+    events, events_writer = ctx.Pipe(duplex=False)
+    # Not daemonic: a daemonic process cannot start the tensor-parallel workers. It exits by
+    # itself when this process dies (engine_process.py); stop() / close() end it otherwise.
+    process = ctx.Process(target=engine_main, name="nanoinfer-engine",
+                          args=(model, options, commands_reader, events_writer, log_level))
+    with _environ(env):
+        process.start()
+    commands_reader.close()  # our copies: the engine's end closing is then an EOF here
+    events_writer.close()
+    return process, commands, events
+
+
+def end_engine_process(process, timeout: float = STOP_TIMEOUT_S):
+    """End an engine process if it still runs (EXIT_SIGNAL: it cleans up; then SIGKILL)."""
+    if process.is_alive():
+        os.kill(process.pid, EXIT_SIGNAL)  # it ignores SIGTERM; this one makes it clean up and exit
+        process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+_environ_lock = threading.Lock()
+
+
+@contextmanager
+def _environ(env: dict):
+    """os.environ with `env` on top, while a process starts (a spawned process copies it)."""
+    if not env:
+        yield
+        return
+    with _environ_lock:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _public(reason: str) -> str:

@@ -22,6 +22,7 @@ class Submit:
     prompts: list
     params: SamplingParams
     stream: bool
+    max_tokens_must_fit: bool = True  # False: max_tokens past max_model_len stops there (offline's rule)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,9 @@
 """/metrics: the server's Prometheus metrics (prometheus-client), names prefixed `nanoinfer:` (as
 vLLM's are `vllm:`). Gauges come from the engine's stats in each of its messages; counters and
 latency histograms from each finished request's output, and inter-token latency from stream
-deltas as they reach the HTTP process."""
+deltas as they reach the HTTP process. Every series is labelled with `model_name` and `engine`, the
+data-parallel replica that served it ("0" with one engine; vLLM's labels)."""
+import copy
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,7 +19,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
         self.running = Gauge("nanoinfer:num_requests_running", "Sequences running in the engine", labels, registry=r)
         self.waiting = Gauge("nanoinfer:num_requests_waiting", "Sequences waiting to run", labels, registry=r)
         self.kv_usage = Gauge("nanoinfer:kv_cache_usage_perc", "Share of KV-cache blocks in use (0-1)", labels,
@@ -42,10 +44,17 @@ class ServerMetrics:
         self.e2e = Histogram("nanoinfer:e2e_request_latency_seconds", "Arrival to finish", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.model_name = model_name
+        self.engine = "0"
         self._last_delta: dict[tuple[int, int], float] = {}  # (request, completion) -> its last delta's time
 
+    def for_engine(self, index: int) -> "ServerMetrics":
+        """The same series, fed by data-parallel replica `index` (its request ids are its own)."""
+        view = copy.copy(self)
+        view.engine, view._last_delta = str(index), {}
+        return view
+
     def _m(self, metric, **labels):
-        return metric.labels(model_name=self.model_name, **labels)
+        return metric.labels(model_name=self.model_name, engine=self.engine, **labels)
 
     def engine_stats(self, stats):
         self._m(self.running).set(stats.running)

@@ -1,24 +1,27 @@
-"""A tensor-parallel engine spawns its workers, and a spawned process re-imports the main script:
-made outside an `if __name__ == "__main__":` guard, the engine would be made again in every worker
-(which then dies with an obscure start-up error). Checked before any worker is spawned."""
+"""A tensor-parallel (or data-parallel) engine spawns its workers, and a spawned process re-imports
+the main script: made outside an `if __name__ == "__main__":` guard, the engine would be made again
+in every worker (which then dies with an obscure start-up error). Checked before any worker is
+spawned."""
 import ast
 import multiprocessing
 import sys
 
-HELP = ('tensor_parallel_size > 1 starts worker processes with "spawn", which re-import the main script; '
+HELP = ('{what} starts worker processes with "spawn", which re-import the main script; '
         'make the LLM under an `if __name__ == "__main__":` guard')
 
 
-def check_main_guard():
-    """Raise RuntimeError when a TP engine is being made where spawned workers would make it again."""
+def check_main_guard(what: str = "tensor_parallel_size > 1"):
+    """Raise RuntimeError when an engine with worker processes (`what` has them) is being made
+    where spawned workers would make it again."""
+    help_text = HELP.format(what=what)
     if getattr(multiprocessing.current_process(), "_inheriting", False):  # (multiprocessing's own test)
-        raise RuntimeError(f"a tensor-parallel LLM is being made while a spawned process imports the main "
-                           f"script: {HELP}")
+        raise RuntimeError(f"an LLM with {what} is being made while a spawned process imports the main "
+                           f"script: {help_text}")
     line = _unguarded_main_line()
     if line is not None:
-        raise RuntimeError(f"a tensor-parallel LLM is made at line {line} of the main script "
+        raise RuntimeError(f"an LLM with {what} is made at line {line} of the main script "
                            f"({sys.modules['__main__'].__file__}), outside an `if __name__ == \"__main__\":` "
-                           f"block: {HELP}")
+                           f"block: {help_text}")
 
 
 def _unguarded_main_line() -> int | None:
