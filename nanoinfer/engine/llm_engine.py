@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoinfer.config import Config
-from nanoinfer.engine.input_processor import InputProcessor
+from nanoinfer.engine.input_processor import InputProcessor, check_priorities
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor, Request
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
@@ -88,20 +88,24 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_requests(self, prompts: list, sampling_params: list, *, stream: bool = False,
-                     keep_output: bool = False, max_tokens_must_fit: bool = False) -> list[int]:
+                     keep_output: bool = False, max_tokens_must_fit: bool = False, priority=None) -> list[int]:
         """Validate every request, then queue them all (a bad one queues none; the error names its
         index). Returns the request ids. stream: detokenize every step (for stream_deltas).
         keep_output: the request stays in the engine until pop_output(); step() does not report it.
-        max_tokens_must_fit: see InputProcessor.process (for the server)."""
+        max_tokens_must_fit: see InputProcessor.process (for the server). priority: an int for all
+        or one per prompt (scheduling_policy="priority"; the lower runs first)."""
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
+        priorities = check_priorities(priority, len(prompts), self.config.scheduling_policy)
         prepared = self.input_processor.process_all(prompts, sampling_params, max_tokens_must_fit)
         rids = []
         with self._locked():  # an abort from another thread reads the registry meanwhile
             if self._exited:  # exit() ran on another thread meanwhile
                 raise RuntimeError("this engine has exited; create a new LLM")
-            for i, request in enumerate(prepared):
+            for i, (request, p) in enumerate(zip(prepared, priorities)):
                 seqs = request.seqs
+                for seq in seqs:
+                    seq.priority = p
                 req = self.output_processor.new_request(seqs, request.prompt, keep_output, stream, i)
                 self.requests[req.request_id] = req
                 self.scheduler.add(seqs[0])
@@ -111,11 +115,12 @@ class LLMEngine:
         return rids
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = False,
-                    keep_output: bool = False) -> int:
+                    keep_output: bool = False, priority: int = 0) -> int:
         """Queue a request (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict);
         returns its request id. Raises ValueError/TypeError on bad input. With n > 1, step()
         reports each sample under its own sequence id (the first is the request id)."""
-        return self.add_requests([prompt], [sampling_params], stream=stream, keep_output=keep_output)[0]
+        return self.add_requests([prompt], [sampling_params], stream=stream, keep_output=keep_output,
+                                 priority=[priority])[0]
 
     def abort_request(self, request_id: int):
         """Stop a request (all n samples; or one sample, given its sequence id) wherever it is; its

@@ -192,7 +192,7 @@ def _check_request(body, model_names: tuple[str, ...], limits: ServerLimits):
 async def _submit(engine: EngineClient, prompts: list, body, stream: bool) -> Submission:
     try:
         params = body.to_sampling_params()
-        return await engine.submit(prompts, params, stream)
+        return await engine.submit(prompts, params, stream, body.priority)
     except (ValueError, TypeError) as e:  # SamplingParams' and add_request's: they name the field
         name = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), name if name in type(body).model_fields else None) from e

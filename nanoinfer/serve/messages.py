@@ -22,6 +22,7 @@ class Submit:
     prompts: list
     params: SamplingParams
     stream: bool
+    priority: int = 0
 
 
 @dataclass(slots=True)
