@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.outputs import RequestOutput, StreamDelta
+from nanoinfer.pooling.api import PoolingAPI
 from nanoinfer.utils.chat import render_chat
 
 
@@ -15,7 +16,7 @@ def _is_token_ids(x) -> bool:
         all(isinstance(t, Integral) and not isinstance(t, bool) for t in x)
 
 
-class LLM(LLMEngine):
+class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/api.py
     # ---- public API -----------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm=True, priority=None) -> list[RequestOutput]:
         """prompts: a str, a list of token ids, a {"prompt": str} / {"prompt_token_ids": [...]} dict,

@@ -38,6 +38,9 @@ from nanoinfer.engine.step_encoder import StepEncoder, sampled_rows
 from nanoinfer.engine.step_record import StepRecord
 from nanoinfer.engine.tp_executor import TensorParallelExecutor
 from nanoinfer.outputs import RequestOutput, StreamDelta
+from nanoinfer.pooling.intake import POOLING_SAMPLING, PoolingIntake, runner_mismatch
+from nanoinfer.pooling.outputs import pooling_output
+from nanoinfer.pooling.rows import record_pooled
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
 from nanoinfer.utils.main_guard import check_main_guard
@@ -73,6 +76,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size,
                                               num_blocks * config.kvcache_block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.pooling = PoolingIntake(config.model, config.hf_config.hidden_size) if config.runner == "pooling" else None
         self.requests: dict[int, Request] = {}
         self.overlap = config.async_scheduling
         self.inflight: Launched | None = None
@@ -88,15 +92,22 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_requests(self, prompts: list, sampling_params: list, *, stream: bool = False,
-                     keep_output: bool = False, max_tokens_must_fit: bool = False, priority=None) -> list[int]:
+                     keep_output: bool = False, max_tokens_must_fit: bool = False, priority=None,
+                     pooling_params=None) -> list[int]:
         """Validate every request, then queue them all (a bad one queues none; the error names its
         index). Returns the request ids. stream: detokenize every step (for stream_deltas).
         keep_output: the request stays in the engine until pop_output(); step() does not report it.
         max_tokens_must_fit: see InputProcessor.process (for the server). priority: an int for all
-        or one per prompt (scheduling_policy="priority"; the lower runs first)."""
+        or one per prompt (scheduling_policy="priority"; the lower runs first). pooling_params: the
+        requests are embeddings (runner="pooling"; nanoinfer/pooling), sampling_params unused."""
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
         priorities = check_priorities(priority, len(prompts), self.config.scheduling_policy)
+        if (pooling_params is not None) != (self.pooling is not None):
+            raise runner_mismatch(self.config.runner, pooling_params is not None)
+        if pooling_params is not None:
+            pooling_params = self.pooling.check(pooling_params, len(prompts))
+            sampling_params = [POOLING_SAMPLING] * len(prompts)
         prepared = self.input_processor.process_all(prompts, sampling_params, max_tokens_must_fit)
         rids = []
         with self._locked():  # an abort from another thread reads the registry meanwhile
@@ -106,6 +117,8 @@ class LLMEngine:
                 seqs = request.seqs
                 for seq in seqs:
                     seq.priority = p
+                if pooling_params is not None:
+                    self.pooling.attach(seqs, pooling_params[i])
                 req = self.output_processor.new_request(seqs, request.prompt, keep_output, stream, i)
                 self.requests[req.request_id] = req
                 self.scheduler.add(seqs[0])
@@ -156,7 +169,10 @@ class LLMEngine:
 
     def get_output(self, request_id: int) -> RequestOutput:
         """The request's output so far (text, tokens, logprobs, finish reasons)."""
-        return self.output_processor.request_output(self._request(request_id))
+        return self._output(self._request(request_id))
+
+    def _output(self, req: Request):
+        return pooling_output(req) if self.pooling is not None else self.output_processor.request_output(req)
 
     def pop_output(self, request_id: int) -> RequestOutput:
         """The request's output; the engine then forgets the request (aborting what still runs)."""
@@ -167,7 +183,7 @@ class LLMEngine:
                 self._apply_aborts()
             self.requests.pop(request_id, None)  # (an aborted hand request has already left)
             self.output_processor.forget(req)
-            return self.output_processor.request_output(req)
+            return self._output(req)
 
     def stream_deltas(self, request_id: int, index: int = 0) -> list[StreamDelta]:
         """For a request added with stream=True: what each of its completions produced since the
@@ -284,6 +300,8 @@ class LLMEngine:
         seqs = launched.batch.seqs
         if result.prompt_logprobs:
             self.output_processor.record_prompt_logprobs(seqs, result.prompt_logprobs, self.requests)
+        if result.pooled is not None:  # before update finishes them: their sums are kept while running
+            record_pooled(launched.batch, result.pooled)
         update = self.scheduler.update(launched.batch, result.tokens)
         stops = self.output_processor.record_tokens(seqs, update.appended, update.ending, result.logprobs,
                                                     self.requests, now)

@@ -158,8 +158,10 @@ class Scheduler:
 
     def _allocate(self, seq: Sequence) -> bool:
         """Blocks for a waiting sequence. The sequence that computes a request's prompt_logprobs
-        takes no prefix-cache hit: every prompt position must be computed (as vLLM does)."""
-        return self.block_manager.allocate(seq, use_cache=seq.index or seq.sampling_params.prompt_logprobs is None)
+        takes no prefix-cache hit: every prompt position must be computed (as vLLM does); so does
+        an embedding that pools every position (mean) or the first (CLS)."""
+        uses_cache = seq.sampling_params.prompt_logprobs is None and (seq.pooling is None or seq.pooling.uses_prefix_cache)
+        return self.block_manager.allocate(seq, use_cache=seq.index or uses_cache)
 
     def unschedule(self, batch: ScheduledBatch):
         """Undo a step that could not be launched (an exception, e.g. in a user's logits processor):
