@@ -35,6 +35,7 @@ from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.engine.sigint import sigint_deferred
 from nanoinfer.engine.step_encoder import StepEncoder, sampled_rows
+from nanoinfer.engine.stats import EngineStats
 from nanoinfer.engine.step_record import StepRecord
 from nanoinfer.engine.tp_executor import TensorParallelExecutor
 from nanoinfer.outputs import RequestOutput, StreamDelta
@@ -81,6 +82,7 @@ class LLMEngine:
         self.overlap = config.async_scheduling
         self.inflight: Launched | None = None
         self.step_log: list | None = None   # set to a list to record each step's StepRecord (bench.py)
+        self.stats = None if config.disable_log_stats else EngineStats()  # logged every few seconds
         self._step_lock = threading.Lock()  # held while a step or a registry change runs (_locked)
         self._lock_holder: int | None = None  # the thread holding it
         self._driver: int | None = None  # the thread inside advance / generate / stream (driving)
@@ -272,6 +274,8 @@ class LLMEngine:
         self._drop_wasted_step()
         if self.step_log is not None and batch is not None:
             self.step_log.append(StepRecord.of(batch, t0, t1, t2, time.perf_counter()))
+        if self.stats is not None:
+            self.stats.maybe_log(self.scheduler)
         finished, self._finished_ids = self._finished_ids, []
         return finished, batch.num_tokens if batch is not None else 0
 
@@ -305,7 +309,10 @@ class LLMEngine:
         update = self.scheduler.update(launched.batch, result.tokens)
         stops = self.output_processor.record_tokens(seqs, update.appended, update.ending, result.logprobs,
                                                     self.requests, now)
-        self._finished(self.scheduler.finish_rows(launched.batch, update, stops), now)
+        finished = self.scheduler.finish_rows(launched.batch, update, stops)
+        self._finished(finished, now)
+        if self.stats is not None:
+            self.stats.record(launched.batch, update.appended, finished)
 
     def _finished(self, seqs: list[Sequence], now: float):
         """Record finished sequences; report their requests once every sample is done."""
