@@ -167,6 +167,10 @@ def test_bad_input(tiny_qwen3):
             llm.generate("hi", use_tqdm=False)
         with pytest.raises(ValueError, match="runner='pooling'"):
             gen.embed("hi", use_tqdm=False)
+        with pytest.raises(ValueError, match="does not generate"):
+            llm.add_request("hi", SamplingParams())
+        with pytest.raises(TypeError, match="pooling_params must be PoolingParams"):
+            llm.embed("hi", {"dimensions": 3}, use_tqdm=False)
         with pytest.raises(ValueError, match="dimensions must be at most the model's hidden size 64"):
             llm.embed("hi", PoolingParams(dimensions=65), use_tqdm=False)
         with pytest.raises(ValueError, match="dimensions must be >= 1"):
@@ -193,7 +197,7 @@ def test_abort_frees_the_blocks(tiny_qwen3):
     llm = LLM(tiny_qwen3, runner="pooling", kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=16,
               num_kvcache_blocks=32)
     try:
-        rid = llm.add_requests([PROMPTS[1]], [None], keep_output=True, pooling_params=[None])[0]
+        rid = llm.add_requests([PROMPTS[1]], [PoolingParams()], keep_output=True)[0]
         llm.advance()
         out = llm.pop_output(rid)  # aborts it mid-prompt
         assert not out.finished and out.outputs.data.numel() == 0

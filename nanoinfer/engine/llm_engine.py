@@ -40,6 +40,7 @@ from nanoinfer.engine.step_record import StepRecord
 from nanoinfer.engine.tp_executor import TensorParallelExecutor
 from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.pooling.intake import POOLING_SAMPLING, PoolingIntake, runner_mismatch
+from nanoinfer.pooling.params import PoolingParams
 from nanoinfer.pooling.outputs import pooling_output
 from nanoinfer.pooling.rows import record_pooled
 from nanoinfer.sampling_params import SamplingParams
@@ -94,21 +95,21 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_requests(self, prompts: list, sampling_params: list, *, stream: bool = False,
-                     keep_output: bool = False, max_tokens_must_fit: bool = False, priority=None,
-                     pooling_params=None) -> list[int]:
+                     keep_output: bool = False, max_tokens_must_fit: bool = False, priority=None) -> list[int]:
         """Validate every request, then queue them all (a bad one queues none; the error names its
         index). Returns the request ids. stream: detokenize every step (for stream_deltas).
         keep_output: the request stays in the engine until pop_output(); step() does not report it.
         max_tokens_must_fit: see InputProcessor.process (for the server). priority: an int for all
-        or one per prompt (scheduling_policy="priority"; the lower runs first). pooling_params: the
-        requests are embeddings (runner="pooling"; nanoinfer/pooling), sampling_params unused."""
+        or one per prompt (scheduling_policy="priority"; the lower runs first). An engine made with
+        runner="pooling" takes PoolingParams (or None) instead of SamplingParams: embeddings."""
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
         priorities = check_priorities(priority, len(prompts), self.config.scheduling_policy)
-        if (pooling_params is not None) != (self.pooling is not None):
-            raise runner_mismatch(self.config.runner, pooling_params is not None)
-        if pooling_params is not None:
-            pooling_params = self.pooling.check(pooling_params, len(prompts))
+        pooling_params = None
+        if self.pooling is not None or any(isinstance(p, PoolingParams) for p in sampling_params):
+            if self.pooling is None:
+                raise runner_mismatch(self.config.runner, pooling=True)
+            pooling_params = self.pooling.check(sampling_params)
             sampling_params = [POOLING_SAMPLING] * len(prompts)
         prepared = self.input_processor.process_all(prompts, sampling_params, max_tokens_must_fit)
         rids = []

@@ -4,6 +4,7 @@ from contextlib import suppress
 import torch
 from tqdm.auto import tqdm
 
+from nanoinfer.pooling.intake import per_prompt
 from nanoinfer.pooling.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, ScoringOutput,
                                        ScoringRequestOutput)
 
@@ -17,8 +18,8 @@ class PoolingAPI:
         its pooled vector (a float32 tensor)."""
         prompts, _ = self._normalize(prompts, None)
         with self.driving():  # before queuing, as generate()
-            rids = self.add_requests(prompts, [None] * len(prompts), keep_output=True, priority=priority,
-                                     pooling_params=pooling_params if pooling_params is not None else [None] * len(prompts))
+            rids = self.add_requests(prompts, per_prompt(pooling_params, len(prompts)), keep_output=True,
+                                     priority=priority)
             return self._pool_to_completion(rids, use_tqdm)
 
     def embed(self, prompts, pooling_params=None, use_tqdm=True, priority=None) -> list[EmbeddingRequestOutput]:

@@ -16,19 +16,12 @@ class PoolingIntake:
         self.pooling_type = read_pooling_type(model_dir)
         self.hidden_size = hidden_size
 
-    def check(self, pooling_params, num_prompts: int) -> list[PoolingParams]:
-        """One PoolingParams per prompt (None: the defaults; one for all, or a list of them)."""
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params = [pooling_params or PoolingParams()] * num_prompts
-        elif isinstance(pooling_params, (list, tuple)):
-            if len(pooling_params) != num_prompts:
-                raise ValueError(f"got {len(pooling_params)} pooling_params for {num_prompts} prompts; "
-                                 "pass one PoolingParams or a list of the same length")
-            params = [p or PoolingParams() for p in pooling_params]
-        else:
-            raise TypeError(f"pooling_params must be a PoolingParams or a list of them, "
-                            f"got {type(pooling_params).__name__}")
+    def check(self, params: list) -> list[PoolingParams]:
+        """Each prompt's PoolingParams, checked against the model (SamplingParams or None: a
+        generation request, which a pooling engine refuses)."""
         for p in params:
+            if p is None or isinstance(p, SamplingParams):
+                raise runner_mismatch("pooling", pooling=False)
             if not isinstance(p, PoolingParams):
                 raise TypeError(f"pooling_params must be PoolingParams, got {type(p).__name__}")
             if p.dimensions is not None and p.dimensions > self.hidden_size:
@@ -39,6 +32,16 @@ class PoolingIntake:
     def attach(self, seqs, params: PoolingParams):
         for seq in seqs:
             seq.pooling = PoolingState(self.pooling_type, params, seq.num_prompt_tokens)
+
+
+def per_prompt(pooling_params, num_prompts: int) -> list:
+    """One PoolingParams for every prompt (None: the defaults), or a list of one per prompt."""
+    if not isinstance(pooling_params, (list, tuple)):
+        return [PoolingParams() if pooling_params is None else pooling_params] * num_prompts
+    if len(pooling_params) != num_prompts:
+        raise ValueError(f"got {len(pooling_params)} pooling_params for {num_prompts} prompts; "
+                         "pass one PoolingParams or a list of the same length")
+    return [PoolingParams() if p is None else p for p in pooling_params]
 
 
 def runner_mismatch(runner: str, pooling: bool) -> ValueError:

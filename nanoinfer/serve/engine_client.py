@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
 from nanoinfer.outputs import RequestOutput
+from nanoinfer.pooling.outputs import PoolingRequestOutput
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.serve.engine_process import EXIT_SIGNAL, engine_main
 from nanoinfer.serve.metrics import ServerMetrics
@@ -24,6 +25,9 @@ from nanoinfer.serve.messages import Abort, EngineDead, Ready, StartFailed, Step
 logger = logging.getLogger("nanoinfer.serve")
 
 STOP_TIMEOUT_S = 5.0   # a stopping engine aborts its requests and stops its workers; then SIGTERM, SIGKILL
+
+
+FINAL_OUTPUTS = (RequestOutput, PoolingRequestOutput)  # a request's last event: its output
 
 
 class EngineDeadError(RuntimeError):
@@ -60,7 +64,7 @@ class Submission:
                 if isinstance(item, BaseException):
                     raise item
                 batch.extend(item)
-            left -= sum(isinstance(event, RequestOutput) for _, event in batch)
+            left -= sum(isinstance(event, FINAL_OUTPUTS) for _, event in batch)
             yield batch
 
     async def results(self):
@@ -213,11 +217,12 @@ class EngineClient:
             self.num_requests -= 1
             self.num_finished += 1
             self.prompt_tokens += len(out.prompt_token_ids)
-            self.generation_tokens += sum(len(c.token_ids) for c in out.outputs)
+            if isinstance(out, RequestOutput):  # (an embedding generates nothing)
+                self.generation_tokens += sum(len(c.token_ids) for c in out.outputs)
         for sub_id, items in news.items():
             sub = self._subs[sub_id]
             sub.events.put_nowait(items)
-            sub.unfinished -= sum(isinstance(event, RequestOutput) for _, event in items)
+            sub.unfinished -= sum(isinstance(event, FINAL_OUTPUTS) for _, event in items)
             if sub.unfinished == 0:
                 del self._subs[sub_id]
 

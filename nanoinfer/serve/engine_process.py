@@ -177,7 +177,7 @@ class EngineCore:
 def _summary(llm) -> dict:
     config = llm.config
     blocks = llm.scheduler.block_manager.num_blocks
-    return dict(dtype=str(config.torch_dtype).removeprefix("torch."), kv_blocks=blocks,
+    return dict(dtype=str(config.torch_dtype).removeprefix("torch."), kv_blocks=blocks, runner=config.runner,
                 vocab_size=min(llm.vocab_size, len(llm.tokenizer)),
                 block_size=config.kvcache_block_size, kv_tokens=blocks * config.kvcache_block_size,
                 max_num_seqs=config.max_num_seqs, tensor_parallel_size=config.tensor_parallel_size,
