@@ -42,6 +42,10 @@ class Config:
     # bf16/fp32 checkpoint's linear layers at load time (per output channel)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": K/V stored as e4m3
+    scheduling_policy: str = "fcfs"  # or "priority": the lower `priority` first, ties by arrival (vLLM)
+    runner: str = "auto"  # "generate", or "pooling" (embeddings: LLM.embed / encode / score); auto: generate
+    task: str | None = None  # vLLM's older name: "embed" is runner="pooling", "generate" runner="generate"
+    disable_log_stats: bool = True  # False: log the engine's statistics every few seconds (engine/stats.py)
     # Filled in by __post_init__, not user options.
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
@@ -85,7 +89,9 @@ class Config:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.gpu_memory_utilization = float(self.gpu_memory_utilization)  # numpy floats too
-        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "trust_remote_code"):
+        self._check_runner()
+        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "trust_remote_code",
+                     "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.trust_remote_code:
@@ -144,6 +150,22 @@ class Config:
                 self.torch_dtype = ckpt if ckpt in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
         else:
             self.torch_dtype = _DTYPES[self.dtype]
+
+    def _check_runner(self):
+        """scheduling_policy, and runner with its older alias task."""
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
+        if self.task is not None:
+            aliases = {"embed": "pooling", "encode": "pooling", "generate": "generate"}
+            if self.task not in aliases:
+                raise ValueError(f"task must be one of {sorted(aliases)} (or give runner=), got {self.task!r}")
+            if self.runner not in ("auto", aliases[self.task]):
+                raise ValueError(f"task={self.task!r} contradicts runner={self.runner!r}; give one")
+            self.runner = aliases[self.task]
+        if self.runner == "auto":
+            self.runner = "generate"
 
     def _check_block_size(self, check_int):
         """kvcache_block_size, or its vLLM name block_size: a power of two in [16, 2**16]."""

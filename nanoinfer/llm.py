@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.outputs import RequestOutput, StreamDelta
+from nanoinfer.pooling.api import PoolingAPI
 from nanoinfer.utils.chat import render_chat
 
 
@@ -15,7 +16,7 @@ def _is_token_ids(x) -> bool:
         all(isinstance(t, Integral) and not isinstance(t, bool) for t in x)
 
 
-class LLM(LLMEngine):
+class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/api.py
     def __new__(cls, model=None, data_parallel_size=1, **options):
         """data_parallel_size=N > 1 makes a DataParallelLLM instead (data_parallel/llm.py): generate
         and chat over N engine processes."""
@@ -30,23 +31,24 @@ class LLM(LLMEngine):
         super().__init__(model, **options)
 
     # ---- public API -----------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, priority=None) -> list[RequestOutput]:
         """prompts: a str, a list of token ids, a {"prompt": str} / {"prompt_token_ids": [...]} dict,
         or a list of those. sampling_params: one SamplingParams for all prompts (None: defaults),
         or a list with one per prompt. Every request is validated before any is queued: a bad one
         adds none. Returns one RequestOutput per prompt, in prompt order; `out["text"]` and
         `out["token_ids"]` give its first completion's text and token ids (nano-vllm style).
         use_tqdm: show a progress bar (True), or a tqdm-like factory to make it with.
+        priority: one int per prompt (scheduling_policy="priority": the lower runs first).
         Requests queued by hand with add_request() progress too; step() reports them later."""
         prompts, params = self._normalize(prompts, sampling_params)
         with self.driving():  # before queuing: another thread driving is an error with nothing queued
-            request_ids = self.add_requests(prompts, params, keep_output=True)
+            request_ids = self.add_requests(prompts, params, keep_output=True, priority=priority)
             return self._run_to_completion(request_ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, chat_template: str | None = None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
              use_tqdm=True, tools: list[dict] | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, priority=None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts, content a str or a list
         of OpenAI text parts) or a list of them. Each is rendered with the tokenizer's chat template
         (or `chat_template`), with `tools` and `chat_template_kwargs` passed to it, and generated;
@@ -57,12 +59,12 @@ class LLM(LLMEngine):
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [render_chat(self.tokenizer, conv, chat_template, add_generation_prompt, chat_template_kwargs,
                                tools, continue_final_message) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def get_tokenizer(self):
         return self.tokenizer
 
-    def stream(self, prompts, sampling_params=None) -> Iterator[StreamDelta]:
+    def stream(self, prompts, sampling_params=None, priority=None) -> Iterator[StreamDelta]:
         """Generate like `generate` (same prompts and sampling_params), yielding increments as the
         engine loop produces them: each `StreamDelta` holds, for one completion of one prompt,
         `index` (the prompt's position in `prompts`), `completion_index` (which of its n samples),
@@ -76,7 +78,8 @@ class LLM(LLMEngine):
         iteration; other requests queued on the engine progress too."""
         prompts, params = self._normalize(prompts, sampling_params)
         with self.driving():  # before queuing, as generate(): another thread driving queues nothing
-            request_ids = self.add_requests(prompts, params, stream=True, keep_output=True)  # raises now
+            request_ids = self.add_requests(prompts, params, stream=True, keep_output=True,
+                                            priority=priority)  # raises now
         return self._stream(request_ids, [sp.n if sp is not None else 1 for sp in params])
 
     def _stream(self, request_ids, ns) -> Iterator[StreamDelta]:

@@ -41,6 +41,7 @@ class BlockManager:
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self.num_hits = 0  # blocks served by the prefix cache so far
+        self.num_queried_tokens = 0  # prompt tokens looked up in it so far (engine/stats.py)
 
     @property
     def num_blocks(self) -> int:
@@ -86,6 +87,7 @@ class BlockManager:
         if seq.num_blocks - len(hits) + revived > self.num_free_blocks:
             return False
         self.num_hits += len(hits)
+        self.num_queried_tokens += seq.num_tokens if use_cache and self.prefix_caching else 0
         for block_id, h in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:

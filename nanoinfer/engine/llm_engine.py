@@ -28,16 +28,21 @@ from dataclasses import dataclass
 import torch
 
 from nanoinfer.config import Config
-from nanoinfer.engine.input_processor import InputProcessor
+from nanoinfer.engine.input_processor import InputProcessor, check_priorities
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor, Request
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.engine.sigint import sigint_deferred
 from nanoinfer.engine.step_encoder import StepEncoder, sampled_rows
+from nanoinfer.engine.stats import EngineStats
 from nanoinfer.engine.step_record import StepRecord
 from nanoinfer.engine.tp_executor import TensorParallelExecutor
 from nanoinfer.outputs import RequestOutput, StreamDelta
+from nanoinfer.pooling.intake import POOLING_SAMPLING, PoolingIntake, runner_mismatch
+from nanoinfer.pooling.params import PoolingParams
+from nanoinfer.pooling.outputs import pooling_output
+from nanoinfer.pooling.rows import record_pooled
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
 from nanoinfer.utils.main_guard import check_main_guard
@@ -73,10 +78,12 @@ class LLMEngine:
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size,
                                               num_blocks * config.kvcache_block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.pooling = PoolingIntake(config.model, config.hf_config.hidden_size) if config.runner == "pooling" else None
         self.requests: dict[int, Request] = {}
         self.overlap = config.async_scheduling
         self.inflight: Launched | None = None
         self.step_log: list | None = None   # set to a list to record each step's StepRecord (bench.py)
+        self.stats = None if config.disable_log_stats else EngineStats()  # logged every few seconds
         self._step_lock = threading.Lock()  # held while a step or a registry change runs (_locked)
         self._lock_holder: int | None = None  # the thread holding it
         self._driver: int | None = None  # the thread inside advance / generate / stream (driving)
@@ -88,20 +95,33 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_requests(self, prompts: list, sampling_params: list, *, stream: bool = False,
-                     keep_output: bool = False, max_tokens_must_fit: bool = False) -> list[int]:
+                     keep_output: bool = False, max_tokens_must_fit: bool = False, priority=None) -> list[int]:
         """Validate every request, then queue them all (a bad one queues none; the error names its
         index). Returns the request ids. stream: detokenize every step (for stream_deltas).
         keep_output: the request stays in the engine until pop_output(); step() does not report it.
-        max_tokens_must_fit: see InputProcessor.process (for the server)."""
+        max_tokens_must_fit: see InputProcessor.process (for the server). priority: an int for all
+        or one per prompt (scheduling_policy="priority"; the lower runs first). An engine made with
+        runner="pooling" takes PoolingParams (or None) instead of SamplingParams: embeddings."""
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
+        priorities = check_priorities(priority, len(prompts), self.config.scheduling_policy)
+        pooling_params = None
+        if self.pooling is not None or any(isinstance(p, PoolingParams) for p in sampling_params):
+            if self.pooling is None:
+                raise runner_mismatch(self.config.runner, pooling=True)
+            pooling_params = self.pooling.check(sampling_params)
+            sampling_params = [POOLING_SAMPLING] * len(prompts)
         prepared = self.input_processor.process_all(prompts, sampling_params, max_tokens_must_fit)
         rids = []
         with self._locked():  # an abort from another thread reads the registry meanwhile
             if self._exited:  # exit() ran on another thread meanwhile
                 raise RuntimeError("this engine has exited; create a new LLM")
-            for i, request in enumerate(prepared):
+            for i, (request, p) in enumerate(zip(prepared, priorities)):
                 seqs = request.seqs
+                for seq in seqs:
+                    seq.priority = p
+                if pooling_params is not None:
+                    self.pooling.attach(seqs, pooling_params[i])
                 req = self.output_processor.new_request(seqs, request.prompt, keep_output, stream, i)
                 self.requests[req.request_id] = req
                 self.scheduler.add(seqs[0])
@@ -111,11 +131,12 @@ class LLMEngine:
         return rids
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = False,
-                    keep_output: bool = False) -> int:
+                    keep_output: bool = False, priority: int = 0) -> int:
         """Queue a request (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict);
         returns its request id. Raises ValueError/TypeError on bad input. With n > 1, step()
         reports each sample under its own sequence id (the first is the request id)."""
-        return self.add_requests([prompt], [sampling_params], stream=stream, keep_output=keep_output)[0]
+        return self.add_requests([prompt], [sampling_params], stream=stream, keep_output=keep_output,
+                                 priority=[priority])[0]
 
     def abort_request(self, request_id: int):
         """Stop a request (all n samples; or one sample, given its sequence id) wherever it is; its
@@ -151,7 +172,10 @@ class LLMEngine:
 
     def get_output(self, request_id: int) -> RequestOutput:
         """The request's output so far (text, tokens, logprobs, finish reasons)."""
-        return self.output_processor.request_output(self._request(request_id))
+        return self._output(self._request(request_id))
+
+    def _output(self, req: Request):
+        return pooling_output(req) if self.pooling is not None else self.output_processor.request_output(req)
 
     def pop_output(self, request_id: int) -> RequestOutput:
         """The request's output; the engine then forgets the request (aborting what still runs)."""
@@ -162,7 +186,7 @@ class LLMEngine:
                 self._apply_aborts()
             self.requests.pop(request_id, None)  # (an aborted hand request has already left)
             self.output_processor.forget(req)
-            return self.output_processor.request_output(req)
+            return self._output(req)
 
     def stream_deltas(self, request_id: int, index: int = 0) -> list[StreamDelta]:
         """For a request added with stream=True: what each of its completions produced since the
@@ -251,6 +275,8 @@ class LLMEngine:
         self._drop_wasted_step()
         if self.step_log is not None and batch is not None:
             self.step_log.append(StepRecord.of(batch, t0, t1, t2, time.perf_counter()))
+        if self.stats is not None:
+            self.stats.maybe_log(self.scheduler)
         finished, self._finished_ids = self._finished_ids, []
         return finished, batch.num_tokens if batch is not None else 0
 
@@ -279,10 +305,15 @@ class LLMEngine:
         seqs = launched.batch.seqs
         if result.prompt_logprobs:
             self.output_processor.record_prompt_logprobs(seqs, result.prompt_logprobs, self.requests)
+        if result.pooled is not None:  # before update finishes them: their sums are kept while running
+            record_pooled(launched.batch, result.pooled)
         update = self.scheduler.update(launched.batch, result.tokens)
         stops = self.output_processor.record_tokens(seqs, update.appended, update.ending, result.logprobs,
                                                     self.requests, now)
-        self._finished(self.scheduler.finish_rows(launched.batch, update, stops), now)
+        finished = self.scheduler.finish_rows(launched.batch, update, stops)
+        self._finished(finished, now)
+        if self.stats is not None:
+            self.stats.record(launched.batch, update.appended, finished)
 
     def _finished(self, seqs: list[Sequence], now: float):
         """Record finished sequences; report their requests once every sample is done."""

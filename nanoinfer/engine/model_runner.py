@@ -19,6 +19,7 @@ from nanoinfer.layers.all_reduce import use_symmetric_memory
 from nanoinfer.layers.attention_backend import select_attention_backend
 from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.models import build_model
+from nanoinfer.pooling.rows import pool_hidden
 from nanoinfer.sampling.sampler import Sampled, Sampler
 from nanoinfer.utils.context import reset_context
 from nanoinfer.utils.threads import cpu_threads
@@ -32,6 +33,7 @@ class InFlight:
     tokens: torch.Tensor                  # them as the next step's inputs: NON_FINITE rows read token 0
     host: torch.Tensor | None = None      # [rows] pinned host copy, valid once `event` has completed
     event: "torch.cuda.Event | None" = None
+    pooled: torch.Tensor | None = None    # an embedding step's sums, on the host once `event` has completed
 
 
 class ModelRunner:
@@ -63,8 +65,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int):
         self.kv_cache.allocate(num_blocks)
         self.num_blocks = num_blocks
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            self.graph_runner.capture()
+        if self.device.type == "cuda" and not self.config.enforce_eager and self.config.runner != "pooling":
+            self.graph_runner.capture()  # (embedding steps run eager)
 
     # ---- a step ---------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -76,26 +78,33 @@ class ModelRunner:
         try:
             input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
                                                   self.attention.sorts_decode_rows, prev_tokens)
-            args = self.sampler.prepare(sample, prev_tokens)
-            logits = self.graph_runner.forward(input_ids, positions, step.is_decode_only)  # this rank's shard
-            sampled = self.sampler.sample(step, sample, args, logits)
+            if step.pooling is not None:  # embeddings: final hidden states, eager; no LM head, no sampling
+                pooled = pool_hidden(self.model(input_ids, positions), step.pooling)
+                sampled = Sampled(torch.zeros(step.num_rows, dtype=torch.int64, device=self.device))
+            else:
+                pooled = None
+                args = self.sampler.prepare(sample, prev_tokens)
+                logits = self.graph_runner.forward(input_ids, positions, step.is_decode_only)  # this rank's shard
+                sampled = self.sampler.sample(step, sample, args, logits)
         finally:
             reset_context()
         # (a row marked NON_FINITE is failed by the host; an overlapped next step may still read it)
         inputs = sampled.tokens.clamp_min(0)
         if sample is None:
             return InFlight(sampled, inputs)
-        return self._copy_to_host(sampled, inputs)
+        return self._copy_to_host(sampled, inputs, pooled)
 
-    def _copy_to_host(self, sampled: Sampled, inputs: torch.Tensor) -> InFlight:
+    def _copy_to_host(self, sampled: Sampled, inputs: torch.Tensor, pooled: torch.Tensor | None) -> InFlight:
         tokens = sampled.tokens
         host = torch.empty(tokens.shape[0], dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
         host.copy_(tokens, non_blocking=True)
+        if pooled is not None:
+            pooled = pooled.to("cpu", non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return InFlight(sampled, inputs, host, event)
+        return InFlight(sampled, inputs, host, event, pooled)
 
     def collect(self, inflight: InFlight) -> StepResult:
         """Rank 0: wait for a launched step and bring its results to the host."""
@@ -103,7 +112,7 @@ class ModelRunner:
             inflight.event.synchronize()
         tokens = inflight.host.tolist()
         logprobs, prompt_logprobs = self.sampler.to_host(inflight.sampled, len(tokens))
-        return StepResult(tokens, logprobs, prompt_logprobs)
+        return StepResult(tokens, logprobs, prompt_logprobs, inflight.pooled)
 
     # ---- the rest -------------------------------------------------------------------------------
     def info(self) -> dict:

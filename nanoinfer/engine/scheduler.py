@@ -3,6 +3,11 @@ token first, then prefill chunks (of partly prefilled sequences, then of new one
 `max_num_batched_tokens`. When a decode token finds no free block, the newest running sequences are
 preempted (their KV freed; they recompute later).
 
+With scheduling_policy="priority" (vLLM's rule: the lower value first, ties by arrival) the waiting
+queue is ordered by (priority, arrival) and `running` is kept in that order too, so the sequence
+preempted for memory, `running[-1]`, is the lowest-priority one; a waiting sequence of a strictly
+higher priority that cannot be admitted preempts running ones of lower priority to take their place.
+
 The scheduler also owns the finish decision: `update` appends a finished step's sampled tokens and
 stops sequences on EOS, stop token ids and length limits; the engine then applies the stop strings
 the output processor found in the new text, through `finish`, the one place that records
@@ -16,12 +21,13 @@ ignores. A request whose next step needs all its tokens on the host (`logits_pro
 words of several tokens: SamplingParams.needs_host_tokens) is not scheduled while it has a token in
 flight, so it runs every other step while the rest of the batch overlaps.
 """
+from bisect import insort
 from dataclasses import dataclass
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
-from nanoinfer.engine.wait_queue import WaitQueue
+from nanoinfer.engine.wait_queue import PriorityWaitQueue, WaitQueue, priority_key
 
 
 @dataclass
@@ -62,8 +68,10 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, prefix_caching)
-        self.waiting = WaitQueue()
-        self.running: list[Sequence] = []  # admitted (holding blocks), oldest first; some may be mid-prefill
+        self.by_priority = getattr(config, "scheduling_policy", "fcfs") == "priority"
+        self.waiting = PriorityWaitQueue() if self.by_priority else WaitQueue()
+        # admitted (holding blocks), oldest (by priority: highest) first; some may be mid-prefill
+        self.running: list[Sequence] = []
         # n > 1: a prompt's other samples wait here (keyed by the first sample's seq_id; each group an
         # ordered set) until its prompt K/V are computed, then join waiting and hit the prefix cache
         # for the full blocks. held_under: a held sequence's seq_id -> its group's key.
@@ -96,6 +104,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [], [], [])
         preempted = False
+        if self.by_priority and self.waiting and self.running:
+            self._preempt_for_waiting()
         # 1. one decode token for every running sequence that generates (oldest first)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -127,14 +137,31 @@ class Scheduler:
                 break  # a preempted sequence's last token is still in flight, or the pool is full
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if self.by_priority:
+                insort(self.running, seq, key=priority_key)
+            else:
+                self.running.append(seq)
             budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
         return batch if batch.seqs else None
 
+    def _preempt_for_waiting(self):
+        """Priority policy: while the first waiting sequence ranks strictly above the lowest-priority
+        running one and cannot be admitted now (no sequence slot, or too few free blocks for its
+        prompt and this step's decode tokens), preempt that running one."""
+        head, bm = self.waiting[0], self.block_manager
+        while self.running and not head.num_inflight and head.priority < self.running[-1].priority:
+            growth = sum(1 for s in self.running
+                         if s.num_tokens + s.num_inflight > len(s.block_table) * bm.block_size)
+            if len(self.running) < self.max_num_seqs and bm.num_free_blocks >= head.num_blocks + growth:
+                return
+            self.preempt(self.running[-1])
+
     def _allocate(self, seq: Sequence) -> bool:
         """Blocks for a waiting sequence. The sequence that computes a request's prompt_logprobs
-        takes no prefix-cache hit: every prompt position must be computed (as vLLM does)."""
-        return self.block_manager.allocate(seq, use_cache=seq.index or seq.sampling_params.prompt_logprobs is None)
+        takes no prefix-cache hit: every prompt position must be computed (as vLLM does); so does
+        an embedding that pools every position (mean) or the first (CLS)."""
+        uses_cache = seq.sampling_params.prompt_logprobs is None and (seq.pooling is None or seq.pooling.uses_prefix_cache)
+        return self.block_manager.allocate(seq, use_cache=seq.index or uses_cache)
 
     def unschedule(self, batch: ScheduledBatch):
         """Undo a step that could not be launched (an exception, e.g. in a user's logits processor):

@@ -27,6 +27,8 @@ class Sequence:
         self.seq_id = next(Sequence.counter)
         self.request_id = self.seq_id if request_id is None else request_id
         self.index = index                 # which of the request's n samples
+        self.priority = 0                  # scheduling_policy="priority": the lower value runs first
+        self.pooling = None                # an embedding request's PoolingState (nanoinfer/pooling)
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
         self.num_prompt_tokens = len(token_ids)

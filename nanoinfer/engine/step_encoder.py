@@ -4,7 +4,8 @@ import torch
 
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.step_message import (PlainSample, PromptLogprobsRequest, PromptSegment, SampleInput,
-                                           StepInput)
+                                           SamplingPlan, StepInput)
+from nanoinfer.pooling.rows import pooling_rows
 from nanoinfer.sampling.plan import build_sampling_plan
 
 
@@ -28,6 +29,9 @@ class StepEncoder:
     def encode(self, batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> tuple[StepInput, SampleInput]:
         """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any."""
         step = encode_rows(batch, prev_rows)
+        if batch.seqs[0].pooling is not None:  # an embedding engine's step: every row pools
+            step.pooling = pooling_rows(batch)
+            return step, SampleInput(SamplingPlan([0.0] * len(batch.seqs), True, True))  # (unused)
         plan = build_sampling_plan(batch.seqs, self.vocab_size, self.eos_token_ids, batch.samples, prev_rows,
                                    self.seeds)
         sample = SampleInput(plan, prompt_logprobs_request(batch))

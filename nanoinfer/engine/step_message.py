@@ -21,6 +21,15 @@ class PlainSample:
 
 
 @dataclass(slots=True)
+class PoolingRows:
+    """An embedding step (runner="pooling", nanoinfer/pooling): instead of sampling, the rank sums
+    the final hidden states of flat token rows starts[i] .. starts[i] + counts[i] - 1 for each
+    segment i (a prompt's last token, its first, or a chunk's every token)."""
+    starts: list[int]
+    counts: list[int]
+
+
+@dataclass(slots=True)
 class StepInput:
     """What every rank needs. Decode rows (one query token each) come first, then prompt chunks.
 
@@ -37,6 +46,7 @@ class StepInput:
     inflight_sources: list[int] = field(default_factory=list)
     prompt_logit_rows: list[int] | None = None  # flat token rows whose logits are also computed (prompt_logprobs)
     plain_sample: PlainSample | None = None
+    pooling: PoolingRows | None = None  # an embedding step: no LM head, no sampling
 
     @property
     def num_rows(self) -> int:
@@ -149,3 +159,4 @@ class StepResult:
     tokens: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: list[PromptLogprobs] | None = None
+    pooled: object = None  # an embedding step: its PoolingRows' sums, a float32 CPU tensor [segments, hidden]

@@ -129,6 +129,8 @@ def build_model(config: "Config", rank: int, world_size: int, device: torch.devi
             model = model_class(hf, build)
     finally:
         torch.set_default_dtype(default_dtype)
+    if getattr(config, "runner", "generate") == "pooling" and not getattr(model, "tie_word_embeddings", True):
+        model.lm_head.weight.optional_in_checkpoint = True  # embeddings never use the LM head
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:

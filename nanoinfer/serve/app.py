@@ -17,7 +17,7 @@ from nanoinfer.outputs import RequestOutput
 from nanoinfer.serve import convert
 from nanoinfer.serve.chat_renderer import ChatRenderer, RenderRefused
 from nanoinfer.serve.chat_reply import ReplyFormat
-from nanoinfer.serve.engine_client import EngineClient, EngineDeadError, ShutdownCut, Submission
+from nanoinfer.serve.engine_client import FINAL_OUTPUTS, EngineClient, EngineDeadError, ShutdownCut, Submission
 from nanoinfer.serve.errors import APIError, add_error_handlers, error_body, error_response
 from nanoinfer.serve.http_guards import ApiKeyCheck, BodyLimit, HostCheck
 from nanoinfer.serve.limits import ServerLimits
@@ -59,6 +59,9 @@ def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLim
     add_status_routes(app, engine, served_model_name, model_names, renderer)
     add_generation_routes(app, engine, served_model_name, limits, renderer, model_names, reasoning_parser is not None,
                           tool_call_parser)
+    if engine.summary.get("runner") == "pooling":
+        from nanoinfer.serve.embeddings import add_embedding_routes
+        add_embedding_routes(app, engine, served_model_name, model_names, renderer)
     app.add_middleware(BodyLimit, limit=limits.max_request_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyCheck, key=api_key)
@@ -195,19 +198,20 @@ def _check_request(body, model_names: tuple[str, ...], limits: ServerLimits):
 async def _submit(engine: EngineClient, prompts: list, body, stream: bool) -> Submission:
     try:
         params = body.to_sampling_params()
-        return await engine.submit(prompts, params, stream)
+        return await engine.submit(prompts, params, stream, priority=body.priority)
     except (ValueError, TypeError) as e:  # SamplingParams' and add_request's: they name the field
         name = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), name if name in type(body).model_fields else None) from e
 
 
 async def _outputs(engine: EngineClient, sub: Submission, request: Request) -> list[RequestOutput] | Response:
-    """Every prompt's final output; if the client disconnects first, abort and answer nobody."""
+    """Every prompt's final output (a RequestOutput, or an embedding's PoolingRequestOutput); if the
+    client disconnects first, abort and answer nobody."""
     outputs: list[RequestOutput | None] = [None] * len(sub.prompts)
 
     async def collect():
         async for i, item in sub.results():
-            if isinstance(item, RequestOutput):
+            if isinstance(item, FINAL_OUTPUTS):
                 outputs[i] = item
 
     done = asyncio.ensure_future(collect())
@@ -222,7 +226,7 @@ async def _outputs(engine: EngineClient, sub: Submission, request: Request) -> l
     if not done.done() or done.cancelled():
         return Response(status_code=499)  # the client closed the request: nobody reads this
     done.result()  # the engine's error, if any
-    if any(c.finish_reason == "error" for out in outputs for c in out.outputs):
+    if any(c.finish_reason == "error" for out in outputs if isinstance(out, RequestOutput) for c in out.outputs):
         raise APIError(500, NON_FINITE_MESSAGE)
     return outputs
 

@@ -133,6 +133,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"nanoinfer serve: {e}", file=sys.stderr)
         return 2
     options = {name: getattr(args, name) for name in Config.option_names() if hasattr(args, name)}
+    options.setdefault("disable_log_stats", False)  # the server logs statistics unless told not to (vLLM)
     try:
         engine = _start_engines(args, options)  # builds the LLM in the engine process(es)
     except (ValueError, TypeError) as e:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
 from nanoinfer.outputs import RequestOutput
+from nanoinfer.pooling.outputs import PoolingRequestOutput
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.serve.engine_process import EXIT_SIGNAL, engine_main
 from nanoinfer.serve.metrics import ServerMetrics
@@ -25,6 +26,9 @@ from nanoinfer.serve.messages import Abort, EngineDead, Ready, StartFailed, Step
 logger = logging.getLogger("nanoinfer.serve")
 
 STOP_TIMEOUT_S = 5.0   # a stopping engine aborts its requests and stops its workers; then SIGTERM, SIGKILL
+
+
+FINAL_OUTPUTS = (RequestOutput, PoolingRequestOutput)  # a request's last event: its output
 
 
 class EngineDeadError(RuntimeError):
@@ -62,7 +66,7 @@ class Submission:
                 if isinstance(item, BaseException):
                     raise item
                 batch.extend(item)
-            left -= sum(isinstance(event, RequestOutput) for _, event in batch)
+            left -= sum(isinstance(event, FINAL_OUTPUTS) for _, event in batch)
             yield batch
 
     async def results(self):
@@ -142,7 +146,7 @@ class EngineClient:
         return self.error is None and not self._stopping and self.process.is_alive()
 
     async def submit(self, prompts: list, params: SamplingParams, stream: bool,
-                     max_tokens_must_fit: bool = True) -> Submission:
+                     max_tokens_must_fit: bool = True, priority: int = 0) -> Submission:
         """Queue one engine request per prompt; raises the engine's ValueError / TypeError (and
         queues none) if any is invalid. max_tokens_must_fit=False: max_tokens past max_model_len
         stops at it (as offline) instead of being an error (as vLLM's server)."""
@@ -152,7 +156,7 @@ class EngineClient:
                          costs=[self._cost(p, params) for p in prompts])
         self._subs[sub.id] = sub
         self.outstanding_tokens += sum(sub.costs)
-        self._outbox.put(Submit(sub.id, prompts, params, stream, max_tokens_must_fit))
+        self._outbox.put(Submit(sub.id, prompts, params, stream, max_tokens_must_fit, priority))
         try:
             await asyncio.shield(sub.added)
         except asyncio.CancelledError:  # the client left: the abort follows the add down the pipe
@@ -236,11 +240,12 @@ class EngineClient:
             self.num_requests -= 1
             self.num_finished += 1
             self.prompt_tokens += len(out.prompt_token_ids)
-            self.generation_tokens += sum(len(c.token_ids) for c in out.outputs)
+            if isinstance(out, RequestOutput):  # (an embedding generates nothing)
+                self.generation_tokens += sum(len(c.token_ids) for c in out.outputs)
         for sub_id, items in news.items():
             sub = self._subs[sub_id]
             sub.events.put_nowait(items)
-            sub.unfinished -= sum(isinstance(event, RequestOutput) for _, event in items)
+            sub.unfinished -= sum(isinstance(event, FINAL_OUTPUTS) for _, event in items)
             if sub.unfinished == 0:
                 del self._subs[sub_id]
 

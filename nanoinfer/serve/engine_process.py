@@ -128,7 +128,8 @@ class EngineCore:
     def _add(self, sub: Submit):
         try:  # all or none; as vLLM's server, prompt + max_tokens over max_model_len is an error
             ids = self.llm.add_requests(sub.prompts, [sub.params] * len(sub.prompts), stream=sub.stream,
-                                        keep_output=True, max_tokens_must_fit=sub.max_tokens_must_fit)
+                                        keep_output=True, max_tokens_must_fit=sub.max_tokens_must_fit,
+                                        priority=sub.priority)
         except Exception as e:  # ValueError / TypeError naming the field: the client's 400
             self.news.admissions.append(Admission(sub.sub_id, error=RemoteError.of(e)))
             return
@@ -177,7 +178,7 @@ class EngineCore:
 def _summary(llm) -> dict:
     config = llm.config
     blocks = llm.scheduler.block_manager.num_blocks
-    return dict(dtype=str(config.torch_dtype).removeprefix("torch."), kv_blocks=blocks,
+    return dict(dtype=str(config.torch_dtype).removeprefix("torch."), kv_blocks=blocks, runner=config.runner,
                 vocab_size=min(llm.vocab_size, len(llm.tokenizer)),
                 block_size=config.kvcache_block_size, kv_tokens=blocks * config.kvcache_block_size,
                 max_num_seqs=config.max_num_seqs, tensor_parallel_size=config.tensor_parallel_size,

@@ -23,6 +23,7 @@ class Submit:
     params: SamplingParams
     stream: bool
     max_tokens_must_fit: bool = True  # False: max_tokens past max_model_len stops there (offline's rule)
+    priority: int = 0
 
 
 @dataclass(slots=True)

@@ -77,6 +77,9 @@ class ServerMetrics:
         self._m(self.prompt_tokens).inc(len(out.prompt_token_ids))
         self._m(self.prefix_queries).inc(len(out.prompt_token_ids))
         self._m(self.prefix_hits).inc(out.num_cached_tokens)
+        if not isinstance(out, RequestOutput):  # an embedding (PoolingRequestOutput): no tokens generated
+            self._m(self.success, finished_reason="stop" if out.finished else "abort").inc()
+            return
         generated = sum(len(c.token_ids) for c in out.outputs)
         self._m(self.generation_tokens).inc(generated)
         for c in out.outputs:

@@ -24,4 +24,9 @@ OPTION_HELP = {
     "quantization": "fp8: quantize a bf16 checkpoint's linear layers at load (default: the checkpoint's "
                     "quantization_config, if any)",
     "kv_cache_dtype": "auto (the model's dtype), or fp8 / fp8_e4m3 (default: auto)",
+    "scheduling_policy": "fcfs, or priority: requests with a lower 'priority' run first, ties by arrival "
+                         "(default: fcfs)",
+    "runner": "generate, or pooling: serve /v1/embeddings instead of completions (default: generate)",
+    "task": "vLLM's older name for --runner: embed (pooling) or generate (default: none)",
+    "disable_log_stats": "do not log the engine's statistics every few seconds (default: logged by the server)",
 }

@@ -47,6 +47,7 @@ class _GenerationRequest(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    priority: int = 0  # --scheduling-policy priority: the lower runs first
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True

@@ -60,7 +60,9 @@ def load_model(model: nn.Module, path: str, kv_cache_dtype: str = "auto"):
     sources: dict[int, list[tuple[str, str]]] = {}  # id(param) -> the (checkpoint tensor, file)s loaded into it
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
-            for name in f.keys():
+            prefix = _base_model_prefix(model, f.keys())
+            for stored in f.keys():
+                name = prefix + stored
                 if tied and name == "lm_head.weight":
                     continue  # tied: the embedding is the head
                 kv_scale = _kv_scale_target(name)
@@ -85,14 +87,14 @@ def load_model(model: nn.Module, path: str, kv_cache_dtype: str = "auto"):
                 if (id(param), shard) in loaded:
                     raise ValueError(f"checkpoint tensor {name!r} appears more than once in {path!r}")
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
                 try:
                     check_dtype(tensor, param)
                     loader(param, tensor) if shard is None else loader(param, tensor, shard)
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {name!r} in {file!r}: {e}") from e
                 loaded.add((id(param), shard))
-                sources.setdefault(id(param), []).append((name, file))
+                sources.setdefault(id(param), []).append((stored, file))
     missing = [_checkpoint_name(name, shard, packed)
                for name, param in model.named_parameters()  # tied parameters once, under the embedding's name
                if not getattr(param, "optional_in_checkpoint", False)  # e.g. KV cache scales (default 1.0)
@@ -101,6 +103,16 @@ def load_model(model: nn.Module, path: str, kv_cache_dtype: str = "auto"):
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks tensor(s) {missing[:5]}{'...' if len(missing) > 5 else ''}")
     check_finite(model, sources)
+
+
+def _base_model_prefix(model: nn.Module, names) -> str:
+    """"model." for a file of a base model's weights (saved without the causal-LM wrapper, as
+    embedding checkpoints such as Qwen3-Embedding are: `layers.0...`, `embed_tokens.weight`) read
+    into our `model.`-rooted model; else ""."""
+    names = list(names)
+    if not isinstance(getattr(model, "model", None), nn.Module) or not names:
+        return ""
+    return "" if any(n.startswith(("model.", "lm_head.")) for n in names) else "model."
 
 
 def check_dtype(loaded: torch.Tensor, param: nn.Parameter):

@@ -1,0 +1,81 @@
+"""LLM.embed / encode / score (vLLM's offline pooling API), for an LLM made with runner="pooling"."""
+from contextlib import suppress
+
+import torch
+from tqdm.auto import tqdm
+
+from nanoinfer.pooling.intake import per_prompt
+from nanoinfer.pooling.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, ScoringOutput,
+                                       ScoringRequestOutput)
+
+
+class PoolingAPI:
+    """Mixed into LLM: uses its add_requests / advance / pop_output and prompt normalisation."""
+
+    def encode(self, prompts, pooling_params=None, use_tqdm=True, priority=None) -> list[PoolingRequestOutput]:
+        """prompts as generate() takes them; pooling_params: one PoolingParams for all (None: the
+        defaults) or one per prompt. One PoolingRequestOutput per prompt, in order, `outputs.data`
+        its pooled vector (a float32 tensor)."""
+        prompts, _ = self._normalize(prompts, None)
+        with self.driving():  # before queuing, as generate()
+            rids = self.add_requests(prompts, per_prompt(pooling_params, len(prompts)), keep_output=True,
+                                     priority=priority)
+            return self._pool_to_completion(rids, use_tqdm)
+
+    def embed(self, prompts, pooling_params=None, use_tqdm=True, priority=None) -> list[EmbeddingRequestOutput]:
+        """encode(), each result as `outputs.embedding`: a list of floats."""
+        return [EmbeddingRequestOutput.of(out) for out in self.encode(prompts, pooling_params, use_tqdm, priority)]
+
+    def score(self, text_1, text_2, pooling_params=None, use_tqdm=True) -> list[ScoringRequestOutput]:
+        """The cosine similarity of text_1's and text_2's embeddings: one text against one, one
+        against each of a list, or two lists of the same length pairwise (vLLM's rule)."""
+        firsts, seconds = _texts(text_1), _texts(text_2)
+        if not firsts or not seconds:
+            raise ValueError("score needs at least one text on each side")
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        elif len(firsts) != len(seconds):
+            raise ValueError(f"text_1 has {len(firsts)} texts and text_2 {len(seconds)}: give one text_1, or "
+                             "lists of the same length")
+        outs = self.encode(firsts + seconds, pooling_params, use_tqdm)
+        a, b = outs[:len(firsts)], outs[len(firsts):]
+        results = []
+        for x, y in zip(a, b):
+            cos = torch.nn.functional.cosine_similarity(x.outputs.data, y.outputs.data, dim=0).item()
+            results.append(ScoringRequestOutput(x.request_id, x.prompt_token_ids + y.prompt_token_ids,
+                                                ScoringOutput(cos)))
+        return results
+
+    def _pool_to_completion(self, request_ids: list[int], use_tqdm) -> list[PoolingRequestOutput]:
+        position = {rid: i for i, rid in enumerate(request_ids)}
+        results: list = [None] * len(request_ids)
+        left = len(request_ids)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            while left:
+                if self.is_finished():
+                    raise RuntimeError("the engine has no work left but requests are unfinished")
+                finished, _ = self.advance()
+                for rid in finished:
+                    if rid in position:
+                        results[position[rid]] = self.pop_output(rid)
+                        left -= 1
+                        if use_tqdm:
+                            bar.update(1)
+        except BaseException:
+            for rid, out in zip(request_ids, results):  # leave the engine clean for the next call
+                if out is None:
+                    with suppress(KeyError):
+                        self.pop_output(rid)
+            raise
+        finally:
+            bar.close()
+        return results
+
+
+def _texts(x) -> list:
+    """One prompt (a str, token ids or a prompt dict) as a list of one; a list of prompts as is."""
+    one = not isinstance(x, (list, tuple)) or (len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                   for t in x))
+    return [x] if one else list(x)
