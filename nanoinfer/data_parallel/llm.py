@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from nanoinfer.config import Config
 from nanoinfer.data_parallel.devices import replica_envs
+from nanoinfer.engine.input_processor import check_priorities
 from nanoinfer.llm import LLM
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.serve.engine_client import EngineClient
@@ -58,15 +59,17 @@ class DataParallelLLM:
     chat = LLM.chat
     _normalize = LLM._normalize
 
-    def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
-        """As LLM.generate; request ids are numbered across the engines, in prompt order."""
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, priority=None) -> list[RequestOutput]:
+        """As LLM.generate; request ids are numbered across the engines, in prompt order. Each
+        engine orders its own share of the prompts by `priority`."""
         prompts, params = self._normalize(prompts, sampling_params)
+        priorities = check_priorities(priority, len(prompts), self.config.scheduling_policy)
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
         bar = make_bar(total=len(prompts), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         try:
-            outputs = self._run(self._generate(prompts, params, bar.update if use_tqdm else None))
+            outputs = self._run(self._generate(prompts, params, priorities, bar.update if use_tqdm else None))
         finally:
             bar.close()
         for out in outputs:
@@ -96,14 +99,14 @@ class DataParallelLLM:
         for client in self._clients:
             client.start()
 
-    async def _generate(self, prompts: list, params: list, progress) -> list[RequestOutput]:
+    async def _generate(self, prompts: list, params: list, priorities: list[int], progress) -> list[RequestOutput]:
         parts = _split(len(prompts), len(self._clients))
         subs = []
         try:
             for client, (start, end) in zip(self._clients, parts):
-                for lo, hi in _same_params_runs(params, start, end):  # one submission per SamplingParams
+                for lo, hi in _same_params_runs(params, priorities, start, end):  # one submission per run
                     subs.append((lo, await client.submit(prompts[lo:hi], params[lo], stream=False,
-                                                         max_tokens_must_fit=False)))
+                                                         max_tokens_must_fit=False, priority=priorities[lo])))
             outputs: list[RequestOutput | None] = [None] * len(prompts)
 
             async def collect(lo, sub):
@@ -135,11 +138,11 @@ def _split(count: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-def _same_params_runs(params: list, start: int, end: int) -> list[tuple[int, int]]:
-    """[lo, hi) runs within [start, end) whose prompts share one SamplingParams object."""
+def _same_params_runs(params: list, priorities: list[int], start: int, end: int) -> list[tuple[int, int]]:
+    """[lo, hi) runs within [start, end) whose prompts share one SamplingParams object and priority."""
     runs, lo = [], start
     for i in range(start + 1, end + 1):
-        if i == end or params[i] is not params[lo]:
+        if i == end or params[i] is not params[lo] or priorities[i] != priorities[lo]:
             runs.append((lo, i))
             lo = i
     return runs
