@@ -6,7 +6,8 @@ except PackageNotFoundError:  # run from a checkout that was never installed
     __version__ = "0.1.0"
 
 from nanoinfer.llm import LLM  # noqa: E402
+from nanoinfer.lora import LoRARequest
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["__version__", "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["__version__", "LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -42,6 +42,12 @@ class Config:
     # bf16/fp32 checkpoint's linear layers at load time (per output channel)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": K/V stored as e4m3
+    # LoRA adapters per request (nanoinfer/lora; vLLM's names): max_loras device slots, adapters of
+    # rank <= max_lora_rank, max_cpu_loras adapters cached on the host (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Filled in by __post_init__, not user options.
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
@@ -85,7 +91,8 @@ class Config:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.gpu_memory_utilization = float(self.gpu_memory_utilization)  # numpy floats too
-        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "trust_remote_code"):
+        self._check_lora_options(check_int)
+        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "trust_remote_code", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.trust_remote_code:
@@ -134,6 +141,9 @@ class Config:
         if getattr(hf, "intermediate_size", 0) % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={hf.intermediate_size}")
 
+        if self.enable_lora:
+            from nanoinfer.lora.targets import check_lora_model
+            check_lora_model(hf)
         if self.dtype == "auto":
             if self.device == "cpu":
                 self.torch_dtype = torch.float32
@@ -144,6 +154,13 @@ class Config:
                 self.torch_dtype = ckpt if ckpt in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
         else:
             self.torch_dtype = _DTYPES[self.dtype]
+
+    def _check_lora_options(self, check_int):
+        check_int("max_loras", 1, 1024)
+        check_int("max_lora_rank", 1, 1024)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        check_int("max_cpu_loras", self.max_loras)
 
     def _check_block_size(self, check_int):
         """kvcache_block_size, or its vLLM name block_size: a power of two in [16, 2**16]."""

@@ -1,0 +1,80 @@
+"""The LoRA weight method: wraps a linear layer's own method (dense or quantized) and adds each
+row's adapter, y = base(x) + (x @ A_s^T) @ (scale * B_s)^T for the row's slot s (none: nothing).
+
+Per layer, the slots are stacked in two buffers (not parameters: the checkpoint has none):
+`lora_a` [slots * shards * max_rank, in features] and `lora_b` [out features, slots * shards *
+max_rank], where a fused layer (qkv: 3 shards, gate_up: 2) gives each shard its own rank block and
+its B block sits at that shard's output rows, so one shrink and one expand serve the fused layer.
+Slot s, shard j, rank k is column (s * shards + j) * max_rank + k; unused ranks are zero.
+
+The product runs over every slot and masks the shrink's output by the row's slot: no host sync and
+no data-dependent shape, so CUDA graphs capture it with the slots in a static buffer, and rows of
+the base model get exactly base(x) + 0. Tensor parallelism: A is cut like the layer's input
+features and B like its output features (its ShardSlice), so a row-parallel layer's partial
+product plus its partial LoRA product sum to the whole under the same all-reduce."""
+from collections.abc import Hashable
+
+import torch
+from torch import nn
+
+from nanoinfer.layers.linear_method import LinearMethod
+from nanoinfer.lora.targets import layer_shards
+from nanoinfer.utils.context import get_context
+
+
+class LoRALinearMethod(LinearMethod):
+    accepts_deferred = False  # the shrink needs x itself, not a GEMV-fused norm of it
+
+    def __init__(self, base: LinearMethod, shards: list[tuple[str, Hashable]], num_slots: int, max_rank: int):
+        self.base, self.shards = base, shards
+        self.num_slots, self.max_rank = num_slots, max_rank
+
+    @property
+    def width(self) -> int:
+        """Rank columns per slot."""
+        return len(self.shards) * self.max_rank
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool):
+        self.base.create_weights(layer, input_size, output_size, bias)
+        total = self.num_slots * self.width
+        layer.register_buffer("lora_a", torch.zeros(total, input_size), persistent=False)
+        layer.register_buffer("lora_b", torch.zeros(output_size, total), persistent=False)
+
+    def load_weight(self, layer, param, loaded, where):
+        self.base.load_weight(layer, param, loaded, where)
+
+    def process_weights_after_loading(self, layer):
+        self.base.process_weights_after_loading(layer)
+
+    def apply(self, layer, x, bias=None, out=None):
+        y = self.base.apply(layer, x, bias, out)
+        slots = get_context().lora_slots  # [rows] slot of each row, -1: none
+        if slots is None:
+            return y
+        rows = x.shape[0]
+        shrunk = torch.mm(x, layer.lora_a.t()).view(rows, self.num_slots, self.width)
+        mask = slots[:, None] == torch.arange(self.num_slots, device=slots.device)
+        shrunk = shrunk * mask.unsqueeze(-1).to(shrunk.dtype)
+        return y.addmm_(shrunk.view(rows, -1), layer.lora_b.t())
+
+    # ---- slots ----------------------------------------------------------------------------------
+    def clear_slot(self, layer, slot: int):
+        cols = slice(slot * self.width, (slot + 1) * self.width)
+        layer.lora_a[cols].zero_()
+        layer.lora_b[:, cols].zero_()
+
+    def write_shard(self, layer, slot: int, shard: int, a: torch.Tensor, b: torch.Tensor, scale: float):
+        """This rank's share of one shard's adapter (full a [r, in], b [out, r]) into `slot`."""
+        where = layer.shard_slice(self.shards[shard][1])
+        r, start = a.shape[0], (slot * len(self.shards) + shard) * self.max_rank
+        layer.lora_a[start:start + r].copy_(a[:, where.in_start:where.in_start + where.in_size], non_blocking=True)
+        b = b[where.out_start:where.out_start + where.out_size] * scale
+        layer.lora_b[where.out_offset:where.out_offset + where.out_size, start:start + r].copy_(b, non_blocking=True)
+
+
+def lora_method_chooser(choose, packed: dict, num_slots: int, max_rank: int):
+    """ModelBuild.linear_method with adapters on the seven projections: `choose`'s method, wrapped."""
+    def choose_with_lora(prefix: str) -> LinearMethod:
+        base, shards = choose(prefix), layer_shards(prefix, packed)
+        return base if shards is None else LoRALinearMethod(base, shards, num_slots, max_rank)
+    return choose_with_lora
