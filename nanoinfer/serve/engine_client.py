@@ -129,14 +129,14 @@ class EngineClient:
     def alive(self) -> bool:
         return self.error is None and not self._stopping and self.process.is_alive()
 
-    async def submit(self, prompts: list, params: SamplingParams, stream: bool) -> Submission:
-        """Queue one engine request per prompt; raises the engine's ValueError / TypeError (and
-        queues none) if any is invalid."""
+    async def submit(self, prompts: list, params: SamplingParams, stream: bool, lora_request=None) -> Submission:
+        """Queue one engine request per prompt (under adapter `lora_request`, if given); raises the
+        engine's ValueError / TypeError (and queues none) if any is invalid."""
         if not self.alive:
             raise EngineDeadError("the engine is not running" if self.error is None else _public(self.error))
         sub = Submission(next(self._ids), prompts, params, stream, self._loop.create_future())
         self._subs[sub.id] = sub
-        self._outbox.put(Submit(sub.id, prompts, params, stream))
+        self._outbox.put(Submit(sub.id, prompts, params, stream, lora_request))
         try:
             await asyncio.shield(sub.added)
         except asyncio.CancelledError:  # the client left: the abort follows the add down the pipe

@@ -128,7 +128,8 @@ class EngineCore:
     def _add(self, sub: Submit):
         try:  # all or none; as vLLM's server, prompt + max_tokens over max_model_len is an error
             ids = self.llm.add_requests(sub.prompts, [sub.params] * len(sub.prompts), stream=sub.stream,
-                                        keep_output=True, max_tokens_must_fit=True)
+                                        keep_output=True, max_tokens_must_fit=True,
+                                        lora_requests=[sub.lora_request] * len(sub.prompts))
         except Exception as e:  # ValueError / TypeError naming the field: the client's 400
             self.news.admissions.append(Admission(sub.sub_id, error=RemoteError.of(e)))
             return

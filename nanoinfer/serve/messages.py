@@ -22,6 +22,7 @@ class Submit:
     prompts: list
     params: SamplingParams
     stream: bool
+    lora_request: object = None  # a LoRARequest for every prompt, or None
 
 
 @dataclass(slots=True)

@@ -24,4 +24,8 @@ OPTION_HELP = {
     "quantization": "fp8: quantize a bf16 checkpoint's linear layers at load (default: the checkpoint's "
                     "quantization_config, if any)",
     "kv_cache_dtype": "auto (the model's dtype), or fp8 / fp8_e4m3 (default: auto)",
+    "enable_lora": "serve LoRA adapters per request (--lora-modules) (default: off)",
+    "max_loras": "adapters on the device at once, and most distinct adapters in a batch (default: 1)",
+    "max_lora_rank": "highest adapter rank accepted (default: 16)",
+    "max_cpu_loras": "adapters cached in host memory (default: max_loras)",
 }
