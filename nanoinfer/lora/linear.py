@@ -49,8 +49,10 @@ class LoRALinearMethod(LinearMethod):
     def apply(self, layer, x, bias=None, out=None):
         y = self.base.apply(layer, x, bias, out)
         slots = get_context().lora_slots  # [rows] slot of each row, -1: none
-        if slots is None:
-            return y
+        return y if slots is None else self.add_adapters(layer, x, slots, y)
+
+    def add_adapters(self, layer, x: torch.Tensor, slots: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y += each row's adapter product (shrink, mask by slot, expand), in place."""
         rows = x.shape[0]
         shrunk = torch.mm(x, layer.lora_a.t()).view(rows, self.num_slots, self.width)
         mask = slots[:, None] == torch.arange(self.num_slots, device=slots.device)
