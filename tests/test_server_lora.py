@@ -28,7 +28,7 @@ def adapters(tiny_qwen3, tmp_path_factory):
 def server(tiny_qwen3, adapters, tmp_path_factory):
     modules = [f"{name}={path}" for name, path in adapters.items()]
     srv = Server(tiny_qwen3, tmp_path_factory.mktemp("lora_server") / "server.log",
-                 extra_args=("--lora-modules", *modules), **LORA)
+                 extra_args=("--lora-modules", *modules), allow_runtime_lora_updating=True, **LORA)
     yield srv
     srv.stop()
 
@@ -72,6 +72,35 @@ def test_unknown_model_is_404_and_a_bad_adapter_400(server):
     assert out.usage.completion_tokens == 2, "the server keeps serving"
 
 
+def test_adapters_load_and_unload_at_runtime(server, adapters):
+    post = lambda route, body: httpx.post(server.url + route, json=body, timeout=60)  # noqa: E731
+    r = post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": adapters["ad2"]})
+    assert r.status_code == 200 and "added successfully" in r.text
+    assert "late" in {m.id for m in server.client().models.list().data}
+    late = server.client().completions.create(model="late", prompt="Hello", max_tokens=6, temperature=0)
+    ad2 = server.client().completions.create(model="ad2", prompt="Hello", max_tokens=6, temperature=0)
+    assert late.choices[0].text == ad2.choices[0].text, "the same adapter under another name"
+    r = post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": adapters["ad1"]})
+    assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+    r = post("/v1/load_lora_adapter", {"lora_name": "nowhere", "lora_path": "/no/such/dir"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    assert post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
+    r = post("/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
+    r = post("/v1/completions", {"model": "late", "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 404
+
+
+def test_runtime_updating_routes_exist_only_when_allowed():
+    from types import SimpleNamespace
+    from nanoinfer.serve.app import build_app
+    engine = SimpleNamespace(tokenizer=None)
+    routes = lambda app: {r.path for r in app.routes}  # noqa: E731
+    assert "/v1/load_lora_adapter" not in routes(build_app(engine, "m", renderer=object()))
+    assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= \
+        routes(build_app(engine, "m", renderer=object(), allow_lora_updating=True))
+
+
 def test_lora_modules_flag_forms():
     a, b = parse_lora_modules(["x=/p/x", '{"name": "y", "path": "/p/y", "base_model_name": "base"}'])
     assert (a.lora_name, a.lora_int_id, a.lora_path) == ("x", 1, "/p/x")
@@ -84,4 +113,4 @@ def test_lora_modules_flag_forms():
 def test_lora_modules_need_enable_lora(tiny_qwen3, capsys):
     from nanoinfer.serve.cli import main
     assert main(["serve", tiny_qwen3, "--port", "0", "--lora-modules", "x=/p/x"]) == 2
-    assert "--lora-modules needs --enable-lora" in capsys.readouterr().err
+    assert "--lora-modules and --allow-runtime-lora-updating need --enable-lora" in capsys.readouterr().err

@@ -5,11 +5,11 @@ streaming or not.
 """
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Container
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 
@@ -24,8 +24,10 @@ from nanoinfer.serve.limits import ServerLimits
 from nanoinfer import __version__
 from nanoinfer.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from nanoinfer.serve.metrics import ServerMetrics
-from nanoinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
-                                      ModelList, TokenizeRequest)
+from nanoinfer.serve.lora_modules import ServedModels
+from nanoinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest,
+                                      UnloadLoRAAdapterRequest)
 
 logger = logging.getLogger("nanoinfer.serve")
 
@@ -36,11 +38,12 @@ def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLim
               renderer: ChatRenderer | None = None, allowed_hosts: list[str] | None = None,
               enable_docs: bool = False, model_aliases: tuple[str, ...] = (), api_key: str | None = None,
               reasoning_parser: str | None = None, tool_call_parser: str = "hermes",
-              lora_modules: list = ()) -> FastAPI:
+              lora_modules: list = (), allow_lora_updating: bool = False) -> FastAPI:
     """The app; the engine process starts serving with the app's lifespan and stops after it.
     allowed_hosts: the Host names answered (None: any); model_aliases: other names a request's
     `model` may use (e.g. the path given on the command line); /v1/models lists the served name
-    and the adapters. lora_modules: LoRARequests a request selects by naming them in `model`."""
+    and the adapters. lora_modules: LoRARequests a request selects by naming them in `model`;
+    allow_lora_updating: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter."""
     renderer = renderer or ChatRenderer(engine.tokenizer)
     engine.metrics = ServerMetrics(served_model_name)
 
@@ -57,11 +60,13 @@ def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLim
     app = FastAPI(title="nanoinfer", lifespan=lifespan, **docs)
     app.state.engine = engine
     add_error_handlers(app)
-    adapters = {lora.lora_name: lora for lora in lora_modules}
-    model_names = (served_model_name, *model_aliases, *adapters)
+    model_names = ServedModels((served_model_name, *model_aliases), list(lora_modules))
+    adapters = model_names.adapters  # (live: runtime updating changes it)
     add_status_routes(app, engine, served_model_name, model_names, renderer, adapters)
     add_generation_routes(app, engine, served_model_name, limits, renderer, model_names, reasoning_parser is not None,
                           tool_call_parser, adapters)
+    if allow_lora_updating:
+        add_lora_updating_routes(app, model_names)
     app.add_middleware(BodyLimit, limit=limits.max_request_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyCheck, key=api_key)
@@ -70,7 +75,7 @@ def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLim
     return app
 
 
-def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str, model_names: tuple[str, ...],
+def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str, model_names: Container[str],
                       renderer: ChatRenderer, adapters: dict | None = None):
     @app.get("/health")
     async def health():
@@ -140,7 +145,7 @@ def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str
 
 
 def add_generation_routes(app: FastAPI, engine: EngineClient, served_model_name: str, limits: ServerLimits,
-                          renderer: ChatRenderer, model_names: tuple[str, ...], reasoning: bool = False,
+                          renderer: ChatRenderer, model_names: Container[str], reasoning: bool = False,
                           tool_call_parser: str = "hermes", adapters: dict | None = None):
     """Prompts are rendered and tokenized here, off the event loop, with the engine's tokenizer (a
     copy it sent at start); the engine process gets token ids, and the adapter `model` names."""
@@ -184,12 +189,31 @@ def add_generation_routes(app: FastAPI, engine: EngineClient, served_model_name:
         return outputs if isinstance(outputs, Response) else convert.chat_response(outputs[0], name, top, reply)
 
 
-def _check_model(model: str | None, model_names: tuple[str, ...]):
+def add_lora_updating_routes(app: FastAPI, models: ServedModels):
+    """vLLM's runtime LoRA updating: add or remove an adapter name while serving."""
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        try:
+            models.load(body.lora_name, body.lora_path)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), "lora_path" if "already" not in str(e) else "lora_name") from e
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        try:
+            models.unload(body.lora_name)
+        except KeyError as e:
+            raise APIError(404, e.args[0], "lora_name") from e
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _check_model(model: str | None, model_names: Container[str]):
     if model is not None and model not in model_names:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
 
 
-def _check_request(body, model_names: tuple[str, ...], limits: ServerLimits):
+def _check_request(body, model_names: Container[str], limits: ServerLimits):
     _check_model(body.model, model_names)
     if body.model_extra:
         logger.warning("fields the server does not use were ignored: %s", ", ".join(sorted(body.model_extra))[:500])

@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                        help="LoRA adapters (PEFT directories) served under their own model names; needs "
                             "--enable-lora (also vLLM's JSON form '{\"name\": ..., \"path\": ...}')")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; also "
+                            "$VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); needs --enable-lora")
     add_server_limit_args(serve)
     add_engine_args(serve)
     return parser
@@ -119,8 +123,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         limits = ServerLimits(max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes)
         lora_modules = parse_lora_modules(args.lora_modules)
-        if lora_modules and not getattr(args, "enable_lora", False):
-            raise ValueError("--lora-modules needs --enable-lora")
+        if (lora_modules or args.allow_runtime_lora_updating) and not getattr(args, "enable_lora", False):
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
         _check_port_free(args.host, args.port)  # before minutes of model loading
     except (ValueError, OSError) as e:
         print(f"nanoinfer serve: {e}", file=sys.stderr)
@@ -143,7 +147,7 @@ def serve(args: argparse.Namespace) -> int:
                         allowed_hosts=allowed, enable_docs=args.enable_docs, model_aliases=(args.model,),
                         api_key=getattr(args, "api_key", None) or os.environ.get("NANOINFER_API_KEY"),
                         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                        lora_modules=lora_modules)
+                        lora_modules=lora_modules, allow_lora_updating=args.allow_runtime_lora_updating)
         _log_start(engine, args)
         # uvicorn shuts down gracefully on SIGINT / SIGTERM (the app's lifespan stops the engine),
         # then re-raises the signal to the handler found at start: this one, status 0.
