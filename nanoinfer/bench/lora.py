@@ -75,19 +75,19 @@ def decode_run(llm: LLM, batch: int, input_len: int, output_len: int, loras) -> 
 def adapter_time(llm: LLM, batch: int, num_adapters: int, reps: int = 20) -> float | None:
     """Seconds the shrink + expand of every LoRA layer take for one decode step of `batch` rows
     (rows in the adapters' slots in turn), timed alone (tp=1 only: the layers live in this process)."""
-    from nanoinfer.lora.linear import LoRALinearMethod
+    from nanoinfer.lora.linear import LoRALinearMethod, slot_mask
     runner = llm.model_runner
     if not hasattr(runner, "model"):
         return None
     device, dtype = runner.device, llm.config.torch_dtype
     layers = [m for m in runner.model.modules() if isinstance(getattr(m, "method", None), LoRALinearMethod)]
-    slots = torch.arange(batch, device=device) % num_adapters
+    mask = slot_mask(torch.arange(batch, device=device) % num_adapters, llm.config.max_loras, dtype)
     inputs = [(layer, torch.randn(batch, layer.in_features, device=device, dtype=dtype),
                torch.zeros(batch, layer.out_features, device=device, dtype=dtype)) for layer in layers]
 
     def once():
         for layer, x, y in inputs:
-            layer.method.add_adapters(layer, x, slots, y)
+            layer.method.add_adapters(layer, x, mask, y)
     once()
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -48,15 +48,19 @@ class LoRALinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias=None, out=None):
         y = self.base.apply(layer, x, bias, out)
-        slots = get_context().lora_slots  # [rows] slot of each row, -1: none
-        return y if slots is None else self.add_adapters(layer, x, slots, y)
+        ctx = get_context()
+        if ctx.lora_slots is None:
+            return y
+        if ctx.lora_mask is None:  # the forward's first LoRA layer (inside a CUDA graph: captured too)
+            ctx.lora_mask = slot_mask(ctx.lora_slots, self.num_slots, x.dtype)
+        return self.add_adapters(layer, x, ctx.lora_mask, y)
 
-    def add_adapters(self, layer, x: torch.Tensor, slots: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y += each row's adapter product (shrink, mask by slot, expand), in place."""
+    def add_adapters(self, layer, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y += each row's adapter product, in place: shrink over every slot, keep the row's slot
+        (`mask`: slot_mask), expand."""
         rows = x.shape[0]
         shrunk = torch.mm(x, layer.lora_a.t()).view(rows, self.num_slots, self.width)
-        mask = slots[:, None] == torch.arange(self.num_slots, device=slots.device)
-        shrunk = shrunk * mask.unsqueeze(-1).to(shrunk.dtype)
+        shrunk.mul_(mask.unsqueeze(-1))
         return y.addmm_(shrunk.view(rows, -1), layer.lora_b.t())
 
     # ---- slots ----------------------------------------------------------------------------------
@@ -72,6 +76,11 @@ class LoRALinearMethod(LinearMethod):
         layer.lora_a[start:start + r].copy_(a[:, where.in_start:where.in_start + where.in_size], non_blocking=True)
         b = b[where.out_start:where.out_start + where.out_size] * scale
         layer.lora_b[where.out_offset:where.out_offset + where.out_size, start:start + r].copy_(b, non_blocking=True)
+
+
+def slot_mask(slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, num_slots] in `dtype`: 1 at each row's slot, 0 elsewhere (all 0 for slot -1)."""
+    return (slots[:, None] == torch.arange(num_slots, device=slots.device)).to(dtype)
 
 
 def lora_method_chooser(choose, packed: dict, num_slots: int, max_rank: int):
