@@ -131,6 +131,10 @@ def test_add_request_chat_and_stream_take_an_adapter(base, adapters):
         check_outputs(base, [by_hand], [adapters[1]])
         streamed = [d.token_ids for d in llm.stream(PROMPTS[0], greedy(), lora_request=adapters[1])]
         assert sum(streamed, []) == by_hand.outputs[0].token_ids
+        two = llm.generate(" ".join(PROMPTS), SamplingParams(n=2, temperature=0, ignore_eos=True, max_tokens=6),
+                           use_tqdm=False, lora_request=adapters[2])[0]  # the samples share the prompt's blocks
+        for completion in two.outputs:
+            assert_greedy_matches(base, adapters[2].lora_path, two.prompt_token_ids, completion.token_ids)
         conversation = [{"role": "user", "content": "Hello"}]
         chat = llm.chat(conversation, greedy(), use_tqdm=False, lora_request=adapters[0])[0]
         check_outputs(base, [chat], [adapters[0]])
@@ -145,6 +149,26 @@ def test_tensor_parallel_adapters_match_peft(base, adapters):
         loras = [adapters[0], None, adapters[1], adapters[2], adapters[0]]
         outs = llm.generate(PROMPTS[:5], greedy(), use_tqdm=False, lora_request=loras)
         check_outputs(base, outs, loras)
+        assert_clean(llm)
+    finally:
+        llm.exit()
+
+
+# ---- on a CUDA GPU: the adapters' slots in the graphs' static buffers ---------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("max_loras", [4, 2], ids=["all-in-slots", "slots-reused"])
+def test_cuda_graphs_mix_adapters_like_peft(base, adapters, max_loras):
+    llm = LLM(base, enable_lora=True, max_loras=max_loras, max_lora_rank=8, dtype="float32",
+              kvcache_block_size=BS, max_model_len=256, num_kvcache_blocks=256, max_num_seqs=16)
+    try:
+        info = llm.model_runner.info()
+        assert info["cuda_graphs"], "decode steps replay CUDA graphs"
+        loras = [None, *adapters, adapters[0], None, adapters[2]]
+        prompts = (PROMPTS * 2)[:len(loras)]
+        outs = llm.generate(prompts, greedy(24), use_tqdm=False, lora_request=loras)
+        for out, lora in zip(outs, loras):
+            assert_greedy_matches(base, None if lora is None else lora.lora_path, out.prompt_token_ids,
+                                  out.outputs[0].token_ids, tol=1e-3)  # fp32 on the GPU: its reduction order
         assert_clean(llm)
     finally:
         llm.exit()
