@@ -10,4 +10,5 @@ from nanoinfer.lora import LoRARequest
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["__version__", "LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["__version__", "LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "Logprob"]

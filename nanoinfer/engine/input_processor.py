@@ -4,10 +4,10 @@ A prompt (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict) 
 checked against the model's vocabulary, its sampling params against the vocabulary and the engine's
 limits; the prompt is truncated as asked, must leave room for one output token within max_model_len,
 and prompt + max_tokens must fit the whole KV cache (else it could never run). Bad words are
-encoded here, once; a LoRA adapter is checked against the model (lora/intake.py); a structured-outputs grammar is compiled here (cached per spec,
-structured/compiler.py), and each sample gets its own matcher. The request's n samples become n
-sequences. Every error is a ValueError or
-TypeError raised before anything is queued.
+encoded here, once; a structured-outputs grammar is compiled here (cached per spec,
+structured/compiler.py), and each sample gets its own matcher; a LoRA adapter is checked against
+the model (lora/intake.py). The request's n samples become n sequences. Every error is a
+ValueError or TypeError raised before anything is queued.
 """
 import pickle
 from copy import copy

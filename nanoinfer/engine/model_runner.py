@@ -1,7 +1,8 @@
 """One tensor-parallel rank: its shard of the model, its KV cache, and a step's launch, which reads
 
-    [adapters into their slots: lora/] -> prepare (engine/forward_inputs.py)
-    -> forward (engine/graph_runner.py: eager or a CUDA graph) -> sample (sampling/sampler.py) -> copy (the tokens start for the host)
+    [LoRA adapters into their slots] -> prepare (engine/forward_inputs.py)
+    -> forward (engine/graph_runner.py: eager or a CUDA graph) -> sample (sampling/sampler.py)
+    -> copy (the tokens start for the host)
 
 A step is launched without waiting for the device; `collect` waits for it and brings its results
 to the host. Runners never see a Sequence: they take the step message (engine/step_message.py)."""
@@ -78,7 +79,7 @@ class ModelRunner:
         samples and starts a copy of the tokens to the host. On every rank, the step's in-flight
         rows read their input token from `prev` (the step launched before this one) on the device."""
         prev_tokens = prev.tokens if prev is not None else None
-        if step.lora is not None:  # first: nothing that fails later leaves a slot half-loaded unknown
+        if step.lora is not None:  # (first: a later failure leaves the slots as the message says)
             self.adapters.ensure(step.lora.adapters)
         try:
             input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,

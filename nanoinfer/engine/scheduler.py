@@ -12,10 +12,11 @@ Steps may overlap: step N+1 is scheduled before step N's tokens reach the host. 
 (`num_computed_tokens`, `num_inflight`) is therefore advanced when a step is scheduled, and tokens
 are appended when it is processed. A sequence whose in-flight token reaches a length limit is not
 scheduled again; one that stops on EOS or a stop string meanwhile wastes one row, which `update`
-ignores. With adapters (nanoinfer/lora), the running sequences use at most max_loras distinct ones,
-so no step needs more than the device has slots. A request whose next step needs all its tokens on the host (`logits_processors`, bad
+ignores. A request whose next step needs all its tokens on the host (`logits_processors`, bad
 words of several tokens: SamplingParams.needs_host_tokens) is not scheduled while it has a token in
-flight, so it runs every other step while the rest of the batch overlaps.
+flight, so it runs every other step while the rest of the batch overlaps. With LoRA, the running
+sequences use at most max_loras distinct adapters (lora/admission.py), so no step needs more
+adapters than the device has slots.
 """
 from dataclasses import dataclass
 

@@ -105,8 +105,9 @@ def build_model(config: "Config", rank: int, world_size: int, device: torch.devi
     """The model of `config` for tensor-parallel rank `rank` of `world_size`: built on `device` in
     config.torch_dtype (seeded: the same random values wherever nothing is loaded), each linear layer
     with the weight method of the checkpoint's quantization_config or of config.quantization
-    (nanoinfer/quant), wrapped by the LoRA method with enable_lora (nanoinfer/lora), then its weights loaded, or drawn at random for load_format="dummy", then each
-    weight method (and each module that has one, as FP8 experts) told the weights are in."""
+    (nanoinfer/quant; with enable_lora, wrapped by the LoRA method of nanoinfer/lora), then its
+    weights loaded, or drawn at random for load_format="dummy", then each weight method (and each
+    module that has one, as FP8 experts) told the weights are in."""
     # (the layers are imported here: config.py runs this module's checks without them)
     from nanoinfer.layers.linear import LinearBase
     from nanoinfer.layers.model_build import ModelBuild, TensorParallel
