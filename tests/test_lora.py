@@ -143,12 +143,40 @@ def test_add_request_chat_and_stream_take_an_adapter(base, adapters):
         llm.exit()
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_other_architectures(make_checkpoint, tmp_path, arch):
+    """Qwen2 (q/k/v biases: the adapter adds to the biased product) and Llama."""
+    path = make_checkpoint(arch=arch)
+    loras = [LoRARequest("a", 1, make_adapter(path, str(tmp_path / "a"), r=4, seed=7)), None,
+             LoRARequest("b", 2, make_adapter(path, str(tmp_path / "b"), ["v_proj", "up_proj"], r=8, seed=8))]
+    llm = LLM(path, enable_lora=True, max_loras=2, max_lora_rank=8, **OPTIONS)
+    try:
+        check_outputs(path, llm.generate(PROMPTS[:3], greedy(), use_tqdm=False, lora_request=loras), loras)
+    finally:
+        llm.exit()
+
+
 def test_tensor_parallel_adapters_match_peft(base, adapters):
+    """A cut like the input features, B like the output features, on each of two ranks."""
     llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, tensor_parallel_size=2, **OPTIONS)
     try:
         loras = [adapters[0], None, adapters[1], adapters[2], adapters[0]]
         outs = llm.generate(PROMPTS[:5], greedy(), use_tqdm=False, lora_request=loras)
         check_outputs(base, outs, loras)
+        assert_clean(llm)
+    finally:
+        llm.exit()
+
+
+def test_tensor_parallel_with_replicated_kv_heads(make_checkpoint, tmp_path):
+    """One KV head, two ranks: each rank keeps the whole k/v projection, and its adapter's B."""
+    path = make_checkpoint(num_kv_heads=1)
+    loras = [LoRARequest("kv", 1, make_adapter(path, str(tmp_path / "kv"), ["k_proj", "v_proj", "o_proj"], r=8)),
+             None]
+    llm = LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, tensor_parallel_size=2, **OPTIONS)
+    try:
+        outs = llm.generate(PROMPTS[:2], greedy(), use_tqdm=False, lora_request=loras)
+        check_outputs(path, outs, loras)
         assert_clean(llm)
     finally:
         llm.exit()
