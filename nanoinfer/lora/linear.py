@@ -5,11 +5,15 @@ Per layer, the slots are stacked in two buffers (not parameters: the checkpoint 
 `lora_a` [slots * shards * max_rank, in features] and `lora_b` [out features, slots * shards *
 max_rank], where a fused layer (qkv: 3 shards, gate_up: 2) gives each shard its own rank block and
 its B block sits at that shard's output rows, so one shrink and one expand serve the fused layer.
-Slot s, shard j, rank k is column (s * shards + j) * max_rank + k; unused ranks are zero.
+Slot s, shard j, rank k is row (s * shards + j) * max_rank + k of lora_a and that column of
+lora_b; unused ranks are zero.
 
-The product runs over every slot and masks the shrink's output by the row's slot: no host sync and
-no data-dependent shape, so CUDA graphs capture it with the slots in a static buffer, and rows of
-the base model get exactly base(x) + 0. Tensor parallelism: A is cut like the layer's input
+The shrink runs over every slot and its output is masked by each row's slot (a one-hot mask made
+once per forward), then one expand: no host sync and no data-dependent shape, so CUDA graphs
+capture it with the slots in a static buffer, each slot's weights are read once per step, and rows
+of the base model get exactly base(x) + 0. The cost is the adapters' FLOPs times the number of
+slots, small against the base product at decode; grouping rows by slot (Triton shrink/expand
+kernels) is what would remove it for long prefills. Tensor parallelism: A is cut like the layer's input
 features and B like its output features (its ShardSlice), so a row-parallel layer's partial
 product plus its partial LoRA product sum to the whole under the same all-reduce."""
 from collections.abc import Hashable
