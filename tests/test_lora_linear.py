@@ -83,3 +83,18 @@ def test_each_token_of_a_mixed_step_gets_its_rows_slot():
         assert get_context().lora_slots.tolist() == [-1, 1]
     finally:
         reset_context()
+
+
+def test_graph_buffers_hold_each_tokens_slot_and_pad_with_the_base():
+    """What a CUDA-graph replay reads (engine/graph_runner.py): the step's slots, then -1 for the
+    padded tokens; a step without adapters leaves no slot of an earlier step behind."""
+    from nanoinfer.engine.graph_runner import GraphRunner
+    from nanoinfer.utils.context import Context
+    runner = GraphRunner(None, 8, 64, 4, 16, torch.float32, torch.device("cpu"), mixed_steps=False,
+                         sorts_decode_rows=False, lora=True)
+    g = runner._allocate_buffers(8)
+    ids, pos = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    runner._fill_tokens(g, ids, pos, Context(slot_mapping=torch.arange(3), lora_slots=torch.tensor([1, -1, 0])))
+    assert g["lora_slots"].tolist() == [1, -1, 0, -1, -1, -1, -1, -1]
+    runner._fill_tokens(g, ids, pos, Context(slot_mapping=torch.arange(3)))
+    assert g["lora_slots"].tolist() == [-1] * 8
