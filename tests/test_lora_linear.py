@@ -53,6 +53,20 @@ def test_rows_get_their_slots_adapter_and_base_rows_the_exact_base_product():
     assert torch.equal(run(layer, x, [1, 1, 1, 1]), base), "a cleared slot holds nothing"
 
 
+def test_the_expand_kernel_path_gives_the_torch_paths_result(monkeypatch):
+    """The layer with its expand in the Triton kernel (CUDA's path; here the interpreter)."""
+    layer = build(QKVParallelLinear, 16, 4, 2, 1, prefix="model.layers.0.self_attn.qkv_proj")
+    for slot, shard in ((0, 0), (1, 2), (2, 1), (2, 0)):
+        layer.method.write_shard(layer, slot, shard, torch.randn(4, 16), torch.randn(8 if shard == 0 else 4, 4), 0.7)
+    x = torch.randn(6, 16)
+    slots = [-1, 0, 2, 1, 2, -1]
+    expected = run(layer, x, slots)
+    monkeypatch.setattr("nanoinfer.lora.linear.expand_kernel_for", lambda y: True)
+    got = run(layer, x, slots)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[[0, 5]], (x @ layer.weight.t())[[0, 5]])
+
+
 def test_a_row_parallel_layer_adds_its_adapter_into_the_given_output():
     layer = build(RowParallelLinear, 8, 6, prefix="model.layers.1.mlp.down_proj")
     a, b = torch.randn(4, 8), torch.randn(6, 4)

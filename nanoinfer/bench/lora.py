@@ -3,7 +3,8 @@ seven projections of each decoder layer (written as PEFT directories for the mod
 using the adapters in turn, decode at each batch size (128-token prompts, 512 output tokens), then
 the same workload on the base model alone. Prints tok/s of both, their ratio, and the adapters'
 shrink + expand share of a decode step (the LoRA products of every layer at that batch, timed on
-their own, over the measured decode step).
+their own, over the measured decode step). NANOINFER_LORA_TRITON=0 runs the torch expand on
+CUDA instead of the Triton kernel.
 
     python3 bench.py --lora 4 --lora-rank 16 --config 8b        (issue 30's run, on the H200)
     python3 -m nanoinfer.bench.lora --model TINY_CKPT --batches 2 --output-len 4    (a CPU check)
@@ -75,19 +76,20 @@ def decode_run(llm: LLM, batch: int, input_len: int, output_len: int, loras) -> 
 def adapter_time(llm: LLM, batch: int, num_adapters: int, reps: int = 20) -> float | None:
     """Seconds the shrink + expand of every LoRA layer take for one decode step of `batch` rows
     (rows in the adapters' slots in turn), timed alone (tp=1 only: the layers live in this process)."""
-    from nanoinfer.lora.linear import LoRALinearMethod, slot_mask
+    from nanoinfer.lora.linear import LoRALinearMethod
+    from nanoinfer.utils.context import Context
     runner = llm.model_runner
     if not hasattr(runner, "model"):
         return None
     device, dtype = runner.device, llm.config.torch_dtype
     layers = [m for m in runner.model.modules() if isinstance(getattr(m, "method", None), LoRALinearMethod)]
-    mask = slot_mask(torch.arange(batch, device=device) % num_adapters, llm.config.max_loras, dtype)
+    ctx = Context(lora_slots=torch.arange(batch, device=device) % num_adapters)
     inputs = [(layer, torch.randn(batch, layer.in_features, device=device, dtype=dtype),
                torch.zeros(batch, layer.out_features, device=device, dtype=dtype)) for layer in layers]
 
     def once():
         for layer, x, y in inputs:
-            layer.method.add_adapters(layer, x, mask, y)
+            layer.method.add_adapters(layer, x, y, ctx)
     once()
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

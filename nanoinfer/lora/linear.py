@@ -12,10 +12,12 @@ The shrink runs over every slot and its output is masked by each row's slot (a o
 once per forward), then one expand: no host sync and no data-dependent shape, so CUDA graphs
 capture it with the slots in a static buffer, each slot's weights are read once per step, and rows
 of the base model get exactly base(x) + 0. The cost is the adapters' FLOPs times the number of
-slots, small against the base product at decode; grouping rows by slot (Triton shrink/expand
-kernels) is what would remove it for long prefills. Tensor parallelism: A is cut like the layer's input
+slots, small against the base product at decode. On CUDA the expand is one Triton kernel
+(kernels/lora_expand.py) that multiplies only the slots a block of rows uses; the shrink stays one
+GEMM over every slot. Tensor parallelism: A is cut like the layer's input
 features and B like its output features (its ShardSlice), so a row-parallel layer's partial
 product plus its partial LoRA product sum to the whole under the same all-reduce."""
+import os
 from collections.abc import Hashable
 
 import torch
@@ -23,7 +25,10 @@ from torch import nn
 
 from nanoinfer.layers.linear_method import LinearMethod
 from nanoinfer.lora.targets import layer_shards
-from nanoinfer.utils.context import get_context
+from nanoinfer.utils.context import Context, get_context
+
+# the expand as one Triton kernel on CUDA (kernels/lora_expand.py); NANOINFER_LORA_TRITON=0: torch's
+TRITON_EXPAND = os.environ.get("NANOINFER_LORA_TRITON", "1") != "0"
 
 
 class LoRALinearMethod(LinearMethod):
@@ -53,19 +58,19 @@ class LoRALinearMethod(LinearMethod):
     def apply(self, layer, x, bias=None, out=None):
         y = self.base.apply(layer, x, bias, out)
         ctx = get_context()
-        if ctx.lora_slots is None:
-            return y
+        return y if ctx.lora_slots is None else self.add_adapters(layer, x, y, ctx)
+
+    def add_adapters(self, layer, x: torch.Tensor, y: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """y += each row's adapter product, in place: the shrink over every slot, then the expand of
+        each row's slot (ctx.lora_slots): the Triton kernel on CUDA, else a mask and an addmm."""
+        shrunk = torch.mm(x, layer.lora_a.t())
+        if expand_kernel_for(y):
+            from nanoinfer.kernels.lora_expand import lora_expand
+            return lora_expand(shrunk, layer.lora_b, ctx.lora_slots, y, self.num_slots)
         if ctx.lora_mask is None:  # the forward's first LoRA layer (inside a CUDA graph: captured too)
             ctx.lora_mask = slot_mask(ctx.lora_slots, self.num_slots, x.dtype)
-        return self.add_adapters(layer, x, ctx.lora_mask, y)
-
-    def add_adapters(self, layer, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y += each row's adapter product, in place: shrink over every slot, keep the row's slot
-        (`mask`: slot_mask), expand."""
-        rows = x.shape[0]
-        shrunk = torch.mm(x, layer.lora_a.t()).view(rows, self.num_slots, self.width)
-        shrunk.mul_(mask.unsqueeze(-1))
-        return y.addmm_(shrunk.view(rows, -1), layer.lora_b.t())
+        shrunk.view(x.shape[0], self.num_slots, self.width).mul_(ctx.lora_mask.unsqueeze(-1))
+        return y.addmm_(shrunk, layer.lora_b.t())
 
     # ---- slots ----------------------------------------------------------------------------------
     def clear_slot(self, layer, slot: int):
@@ -80,6 +85,11 @@ class LoRALinearMethod(LinearMethod):
         layer.lora_a[start:start + r].copy_(a[:, where.in_start:where.in_start + where.in_size], non_blocking=True)
         b = b[where.out_start:where.out_start + where.out_size] * scale
         layer.lora_b[where.out_offset:where.out_offset + where.out_size, start:start + r].copy_(b, non_blocking=True)
+
+
+def expand_kernel_for(y: torch.Tensor) -> bool:
+    """Whether the expand into `y` runs as the Triton kernel: on CUDA, unless turned off."""
+    return TRITON_EXPAND and y.is_cuda and y.stride(1) == 1
 
 
 def slot_mask(slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
