@@ -179,7 +179,18 @@ def main():
     p.add_argument("--plot", metavar="FILE.png", help="draw tok/s and batch size over the run (needs matplotlib)")
     p.add_argument("--profile", type=int, nargs=2, metavar=("FIRST", "LAST"), action="append", default=[],
                    help="profile steps FIRST..LAST with torch.profiler (perturbs the timing); repeatable")
+    p.add_argument("--lora", type=int, metavar="N", default=0,
+                   help="instead: N random LoRA adapters on all seven projections, rows using them in turn, "
+                        "decode at batch 1 and 64 (128-token prompts, --sweep-output-len tokens) against the "
+                        "base model (nanoinfer/bench/lora.py)")
+    p.add_argument("--lora-rank", type=int, default=16, help="the --lora adapters' rank")
     args = p.parse_args()
+    if args.lora:
+        from nanoinfer.bench.lora import compare
+        model = args.model or make_random_model_dir(args.config)
+        compare(model, args.lora, args.lora_rank, [1, 64], 128, args.sweep_output_len, dummy=args.model is None,
+                enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
+        return
 
     seed(args.seed)
     model = args.model or make_random_model_dir(args.config)

@@ -6,9 +6,10 @@ except PackageNotFoundError:  # run from a checkout that was never installed
     __version__ = "0.1.0"
 
 from nanoinfer.llm import LLM  # noqa: E402
+from nanoinfer.lora import LoRARequest
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoinfer.pooling import PoolingParams
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["__version__", "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "PoolingParams"]
+__all__ = ["__version__", "LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "PoolingParams"]

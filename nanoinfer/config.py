@@ -46,6 +46,12 @@ class Config:
     runner: str = "auto"  # "generate", or "pooling" (embeddings: LLM.embed / encode / score); auto: generate
     task: str | None = None  # vLLM's older name: "embed" is runner="pooling", "generate" runner="generate"
     disable_log_stats: bool = True  # False: log the engine's statistics every few seconds (engine/stats.py)
+    # LoRA adapters per request (nanoinfer/lora; vLLM's names): max_loras device slots, adapters of
+    # rank <= max_lora_rank, max_cpu_loras adapters cached on the host (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Filled in by __post_init__, not user options.
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
@@ -90,8 +96,9 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.gpu_memory_utilization = float(self.gpu_memory_utilization)  # numpy floats too
         self._check_runner()
+        self._check_lora_options(check_int)
         for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "trust_remote_code",
-                     "disable_log_stats"):
+                     "disable_log_stats", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.trust_remote_code:
@@ -140,6 +147,9 @@ class Config:
         if getattr(hf, "intermediate_size", 0) % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={hf.intermediate_size}")
 
+        if self.enable_lora:
+            from nanoinfer.lora.targets import check_lora_model
+            check_lora_model(hf)
         if self.dtype == "auto":
             if self.device == "cpu":
                 self.torch_dtype = torch.float32
@@ -166,6 +176,12 @@ class Config:
             self.runner = aliases[self.task]
         if self.runner == "auto":
             self.runner = "generate"
+    def _check_lora_options(self, check_int):
+        check_int("max_loras", 1, 1024)
+        check_int("max_lora_rank", 1, 1024)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        check_int("max_cpu_loras", self.max_loras)
 
     def _check_block_size(self, check_int):
         """kvcache_block_size, or its vLLM name block_size: a power of two in [16, 2**16]."""

@@ -31,41 +31,47 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
         super().__init__(model, **options)
 
     # ---- public API -----------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params=None, use_tqdm=True, priority=None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None,
+                 priority=None) -> list[RequestOutput]:
         """prompts: a str, a list of token ids, a {"prompt": str} / {"prompt_token_ids": [...]} dict,
         or a list of those. sampling_params: one SamplingParams for all prompts (None: defaults),
         or a list with one per prompt. Every request is validated before any is queued: a bad one
         adds none. Returns one RequestOutput per prompt, in prompt order; `out["text"]` and
         `out["token_ids"]` give its first completion's text and token ids (nano-vllm style).
         use_tqdm: show a progress bar (True), or a tqdm-like factory to make it with.
-        priority: one int per prompt (scheduling_policy="priority": the lower runs first).
-        Requests queued by hand with add_request() progress too; step() reports them later."""
+        lora_request: a LoRARequest for every prompt, or a list with one (or None) per prompt
+        (needs enable_lora=True). priority: one int per prompt (scheduling_policy="priority": the
+        lower runs first). Requests queued by hand with add_request() progress too; step() reports
+        them later."""
         prompts, params = self._normalize(prompts, sampling_params)
+        loras = self._lora_requests(lora_request, len(prompts))
         with self.driving():  # before queuing: another thread driving is an error with nothing queued
-            request_ids = self.add_requests(prompts, params, keep_output=True, priority=priority)
+            request_ids = self.add_requests(prompts, params, keep_output=True, lora_requests=loras,
+                                            priority=priority)
             return self._run_to_completion(request_ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, chat_template: str | None = None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
              use_tqdm=True, tools: list[dict] | None = None,
-             continue_final_message: bool = False, priority=None) -> list[RequestOutput]:
+             continue_final_message: bool = False, lora_request=None, priority=None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts, content a str or a list
         of OpenAI text parts) or a list of them. Each is rendered with the tokenizer's chat template
-        (or `chat_template`), with `tools` and `chat_template_kwargs` passed to it, and generated;
-        returns one RequestOutput per conversation."""
+        (or `chat_template`), with `tools` and `chat_template_kwargs` passed to it, and generated
+        (under `lora_request`, as in generate); returns one RequestOutput per conversation."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a non-empty list of {'role', 'content'} dicts) "
                             "or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [render_chat(self.tokenizer, conv, chat_template, add_generation_prompt, chat_template_kwargs,
                                tools, continue_final_message) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                             priority=priority)
 
     def get_tokenizer(self):
         return self.tokenizer
 
-    def stream(self, prompts, sampling_params=None, priority=None) -> Iterator[StreamDelta]:
-        """Generate like `generate` (same prompts and sampling_params), yielding increments as the
+    def stream(self, prompts, sampling_params=None, lora_request=None, priority=None) -> Iterator[StreamDelta]:
+        """Generate like `generate` (same prompts, sampling_params, lora_request and priority), yielding increments as the
         engine loop produces them: each `StreamDelta` holds, for one completion of one prompt,
         `index` (the prompt's position in `prompts`), `completion_index` (which of its n samples),
         `request_id`, the new `text` and `token_ids` since its previous delta, their `logprobs`
@@ -77,9 +83,10 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
         aborts the requests still running. Runs on the calling thread, one engine step per
         iteration; other requests queued on the engine progress too."""
         prompts, params = self._normalize(prompts, sampling_params)
+        loras = self._lora_requests(lora_request, len(prompts))
         with self.driving():  # before queuing, as generate(): another thread driving queues nothing
             request_ids = self.add_requests(prompts, params, stream=True, keep_output=True,
-                                            priority=priority)  # raises now
+                                            lora_requests=loras, priority=priority)  # raises now
         return self._stream(request_ids, [sp.n if sp is not None else 1 for sp in params])
 
     def _stream(self, request_ids, ns) -> Iterator[StreamDelta]:
@@ -125,6 +132,18 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
         else:
             params = [sampling_params] * len(prompts)
         return list(prompts), params
+
+    @staticmethod
+    def _lora_requests(lora_request, num_prompts: int) -> list | None:
+        """One adapter (or None) per prompt; each is checked at intake."""
+        if lora_request is None:
+            return None
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != num_prompts:
+                raise ValueError(f"got {len(lora_request)} lora_request entries for {num_prompts} prompts; "
+                                 "pass one LoRARequest or a list of the same length")
+            return list(lora_request)
+        return [lora_request] * num_prompts
 
     def _run_to_completion(self, request_ids: list[int], use_tqdm) -> list[RequestOutput]:
         position = {rid: i for i, rid in enumerate(request_ids)}

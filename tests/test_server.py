@@ -33,7 +33,7 @@ PROMPTS = ["Hello, my name is", "The quick brown fox", "A paged KV cache stores"
 class Server:
     """`python -m nanoinfer serve MODEL` on a free port, its output in a log file."""
 
-    def __init__(self, model: str, log_path, new_session: bool = False, **options):
+    def __init__(self, model: str, log_path, new_session: bool = False, extra_args: tuple = (), **options):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -45,7 +45,7 @@ class Server:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "nanoinfer", "serve", model, "--port", str(self.port),
-                 "--served-model-name", NAME, "--log-level", "warning", *flags],
+                 "--served-model-name", NAME, "--log-level", "warning", *flags, *extra_args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=new_session)
         self.wait_healthy()
 

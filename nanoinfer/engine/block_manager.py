@@ -1,7 +1,8 @@
 """Fixed-size KV blocks with reference counts and an xxhash prefix cache.
 
 A full block's hash chains the previous block's hash with its token ids, so a hash names the whole
-prefix up to and including that block. Hashes are registered only once a block's K/V are computed
+prefix up to and including that block (the first block chains from the sequence's adapter id, if
+any: `chain_start`). Hashes are registered only once a block's K/V are computed
 (`commit`), so a cache hit never reads K/V that a chunked prefill has not written yet. Freed blocks
 keep their hash and can be hit again until they are evicted, least recently freed first.
 Every hot-path operation is O(1) per block.
@@ -20,6 +21,13 @@ def hash_block(token_ids: list[int], prev_hash: int | None) -> int:
         h.update(prev_hash.to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
     return h.intdigest()
+
+
+def chain_start(seq: Sequence) -> int | None:
+    """The hash the first block chains from: none for the base model, the adapter's id otherwise,
+    so K/V computed under one adapter is never served to another (or to the base)."""
+    lora_id = seq.lora_int_id
+    return None if not lora_id else xxhash.xxh64_intdigest(b"lora" + lora_id.to_bytes(8, "little"))
 
 
 class Block:
@@ -66,7 +74,7 @@ class BlockManager:
     def _prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
         """(block_id, hash) of the leading blocks served by the cache. The block holding the last
         token is never served: a prefill must compute at least one token to produce logits."""
-        hits, prev = [], None
+        hits, prev = [], chain_start(seq)
         for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)
             h = hash_block(token_ids, prev)
@@ -131,7 +139,7 @@ class BlockManager:
             return
         for i in range(len(seq.block_hashes), num_computed // self.block_size):
             token_ids = seq.block(i)
-            h = hash_block(token_ids, seq.block_hashes[-1] if seq.block_hashes else None)
+            h = hash_block(token_ids, seq.block_hashes[-1] if seq.block_hashes else chain_start(seq))
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self.hash_to_block and block.hash is None:

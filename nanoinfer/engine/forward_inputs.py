@@ -39,6 +39,11 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
     if step.prompt_logit_rows:  # those prompt positions' logits too, after each row's last token
         last = [end - 1 for end in accumulate(step.query_lens)]
         get_context().logits_indices = to_device(last + step.prompt_logit_rows, torch.int64, device)
+    if step.lora is not None:  # each token's adapter slot: its row's
+        slots = step.lora.row_slots
+        if not step.is_decode_only:
+            slots = [s for s, q in zip(slots, step.query_lens) for _ in range(q)]
+        get_context().lora_slots = to_device(slots, torch.int64, device)
     if step.inflight_rows:
         tokens = prev_tokens.index_select(0, to_device(step.inflight_sources, torch.int64, device))
         if len(step.inflight_rows) == input_ids.shape[0]:  # every row: one gather

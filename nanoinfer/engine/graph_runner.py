@@ -38,13 +38,14 @@ class GraphRunner:
 
     def __init__(self, model, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, mixed_steps: bool,
-                 sorts_decode_rows: bool):
+                 sorts_decode_rows: bool, lora: bool = False):
         self.model = model
         self.max_num_seqs, self.max_blocks_per_seq = max_num_seqs, max_blocks_per_seq
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.batch_sizes: list[int] = []
         self.mixed_sizes = mixed_graph_sizes(max_num_batched_tokens) if mixed_steps else []
         self.sorts_decode_rows = sorts_decode_rows
+        self.lora = lora  # the model has LoRA layers: each token's adapter slot is a static buffer too
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_replays = 0
@@ -64,7 +65,7 @@ class GraphRunner:
         n = input_ids.shape[0]
         bucket = next(b for b in self.batch_sizes if b >= n)
         ctx, g = get_context(), self.buffers
-        self._fill_tokens(g, input_ids, positions, ctx.slot_mapping)
+        self._fill_tokens(g, input_ids, positions, ctx)
         g["context_lens"].zero_()
         g["context_lens"][:n] = ctx.context_lens
         g["block_tables"][:n, :ctx.block_tables.shape[1]] = ctx.block_tables
@@ -83,7 +84,7 @@ class GraphRunner:
         bucket = next(b for b in self.mixed_sizes if b >= n)
         ctx, g = get_context(), self.buffers
         rows = ctx.context_lens.shape[0]
-        self._fill_tokens(g, input_ids, positions, ctx.slot_mapping)
+        self._fill_tokens(g, input_ids, positions, ctx)
         g["cu_seqlens_q"].fill_(n)
         g["cu_seqlens_q"][:rows + 1] = ctx.cu_seqlens_q
         g["context_lens"].zero_()
@@ -93,13 +94,16 @@ class GraphRunner:
         self.mixed_replays += 1
         return self.model.compute_logits(g["outputs"][:n])
 
-    @staticmethod
-    def _fill_tokens(g, input_ids, positions, slot_mapping):
+    def _fill_tokens(self, g, input_ids, positions, ctx):
         n = input_ids.shape[0]
         g["input_ids"][:n] = input_ids
         g["positions"][:n] = positions
         g["slot_mapping"].fill_(-1)
-        g["slot_mapping"][:n] = slot_mapping
+        g["slot_mapping"][:n] = ctx.slot_mapping
+        if self.lora:  # padded tokens, and every token of a step without adapters: the base model
+            g["lora_slots"].fill_(-1)
+            if ctx.lora_slots is not None:
+                g["lora_slots"][:n] = ctx.lora_slots
 
     # ---- capture --------------------------------------------------------------------------------
     def _allocate_buffers(self, tokens: int) -> dict[str, torch.Tensor]:
@@ -113,6 +117,7 @@ class GraphRunner:
             block_tables=torch.full((max_bs, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
             outputs=torch.zeros(tokens, self.hidden_size, dtype=self.dtype, device=dev),
             rows=torch.arange(max_bs, dtype=torch.int32, device=dev),
+            lora_slots=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
         )
         g["decode_order"] = g["rows"].clone()
         return g
@@ -138,15 +143,17 @@ class GraphRunner:
         g = self.buffers = self._allocate_buffers(max([self.max_num_seqs, *self.mixed_sizes]))
         order = g["decode_order"] if self.sorts_decode_rows else None
         pool = None
+        lora = (lambda n: g["lora_slots"][:n]) if self.lora else (lambda n: None)
         for bs in reversed(self.batch_sizes):
             set_context(is_prefill=False, slot_mapping=g["slot_mapping"][:bs], context_lens=g["context_lens"][:bs],
-                        block_tables=g["block_tables"][:bs], decode_order=None if order is None else order[:bs])
+                        block_tables=g["block_tables"][:bs], decode_order=None if order is None else order[:bs],
+                        lora_slots=lora(bs))
             self.graphs[bs] = self._capture_one(bs, pool)
             if pool is None:
                 pool = self.graphs[bs].pool()
         for t in reversed(self.mixed_sizes):
             set_context(is_prefill=True, cu_seqlens_q=g["cu_seqlens_q"], max_seqlen_q=t, context_lens=g["context_lens"],
-                        block_tables=g["block_tables"], slot_mapping=g["slot_mapping"][:t])
+                        block_tables=g["block_tables"], slot_mapping=g["slot_mapping"][:t], lora_slots=lora(t))
             self.mixed_graphs[t] = self._capture_one(t, pool)
         logger.info("captured %d CUDA graphs for decode batch sizes up to %d and %d for steps with prompt chunks "
                     "up to %d tokens", len(self.graphs), self.max_num_seqs, len(self.mixed_graphs),

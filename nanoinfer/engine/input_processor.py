@@ -5,9 +5,9 @@ checked against the model's vocabulary, its sampling params against the vocabula
 limits; the prompt is truncated as asked, must leave room for one output token within max_model_len,
 and prompt + max_tokens must fit the whole KV cache (else it could never run). Bad words are
 encoded here, once; a structured-outputs grammar is compiled here (cached per spec,
-structured/compiler.py), and each sample gets its own matcher. The request's n samples become n
-sequences. Every error is a ValueError or
-TypeError raised before anything is queued.
+structured/compiler.py), and each sample gets its own matcher; a LoRA adapter is checked against
+the model (lora/intake.py). The request's n samples become n sequences. Every error is a
+ValueError or TypeError raised before anything is queued.
 """
 import pickle
 from copy import copy
@@ -17,6 +17,7 @@ from numbers import Integral
 from nanoinfer.config import Config
 from nanoinfer.engine.detokenizer import encode
 from nanoinfer.engine.sequence import Sequence
+from nanoinfer.lora.intake import LoRAIntake
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured.grammar_state import GrammarState
 from nanoinfer.utils.hf_files import load_eos_token_ids
@@ -60,27 +61,29 @@ class InputProcessor:
         self.kv_capacity_tokens = kv_capacity_tokens  # every block of the pool
         self.model_path = config.model
         self._grammar_compiler = None  # made for the first structured request (xgrammar is optional)
+        self.lora = LoRAIntake(config)
 
-    def process_all(self, prompts: list, sampling_params: list,
-                    max_tokens_must_fit: bool = False) -> list[PreparedRequest]:
-        """`process` each prompt with its params; an error names the prompt's index (when there are
-        several), so a caller can reject the whole batch before queueing any."""
+    def process_all(self, prompts: list, sampling_params: list, max_tokens_must_fit: bool = False,
+                    lora_requests: list | None = None) -> list[PreparedRequest]:
+        """`process` each prompt with its params (and adapter); an error names the prompt's index
+        (when there are several), so a caller can reject the whole batch before queueing any."""
         prepared = []
-        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params, strict=True)):
+        lora_requests = lora_requests if lora_requests is not None else [None] * len(prompts)
+        for i, (prompt, sp, lora) in enumerate(zip(prompts, sampling_params, lora_requests, strict=True)):
             try:
-                prepared.append(self.process(prompt, sp, max_tokens_must_fit))
+                prepared.append(self.process(prompt, sp, max_tokens_must_fit, lora))
             except (ValueError, TypeError) as e:
                 if len(prompts) == 1:
                     raise
                 raise type(e)(f"prompts[{i}]: {e}") from e
         return prepared
 
-    def process(self, prompt, sampling_params: SamplingParams | None,
-                max_tokens_must_fit: bool = False) -> PreparedRequest:
+    def process(self, prompt, sampling_params: SamplingParams | None, max_tokens_must_fit: bool = False,
+                lora_request=None) -> PreparedRequest:
         """Validate one request and build its n sequences. With a seed, sample i uses seed + i (as
         vLLM does), so the samples differ. max_tokens_must_fit: prompt + max_tokens over
         max_model_len is an error (vLLM's OpenAI server) instead of stopping at max_model_len (its
-        offline LLM)."""
+        offline LLM). lora_request: the adapter (a LoRARequest) its samples run under, or None."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
@@ -95,7 +98,10 @@ class InputProcessor:
             if bad:
                 raise ValueError(f"bad_words encode to token ids outside [0, {self.vocab_size}): {bad[:5]}")
         grammar = None if sp.structured_outputs is None else self._compile_grammar(sp)
+        lora_request = self.lora.check(lora_request)
         seqs = self._sequences(token_ids, sp)
+        for seq in seqs:
+            seq.lora_request = lora_request
         if grammar is not None:
             for seq in seqs:  # one matcher per sample; it lives and dies with its sequence
                 seq.grammar = GrammarState(grammar, self._grammar_compiler.stop_token_ids)

@@ -38,6 +38,7 @@ from nanoinfer.engine.step_encoder import StepEncoder, sampled_rows
 from nanoinfer.engine.stats import EngineStats
 from nanoinfer.engine.step_record import StepRecord
 from nanoinfer.engine.tp_executor import TensorParallelExecutor
+from nanoinfer.lora.slot_table import AdapterSlotTable
 from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.pooling.intake import POOLING_SAMPLING, PoolingIntake, runner_mismatch
 from nanoinfer.pooling.params import PoolingParams
@@ -74,7 +75,8 @@ class LLMEngine:
         self.model_runner.allocate_kv_cache(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids, config.enable_prefix_caching)
         self.step_encoder = StepEncoder(self.vocab_size, eos_token_ids, self._seeds,
-                                        config.tensor_parallel_size > 1 and config.device == "cuda")
+                                        config.tensor_parallel_size > 1 and config.device == "cuda",
+                                        AdapterSlotTable(config.max_loras) if config.enable_lora else None)
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size,
                                               num_blocks * config.kvcache_block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -95,12 +97,14 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_requests(self, prompts: list, sampling_params: list, *, stream: bool = False,
-                     keep_output: bool = False, max_tokens_must_fit: bool = False, priority=None) -> list[int]:
+                     keep_output: bool = False, max_tokens_must_fit: bool = False,
+                     lora_requests: list | None = None, priority=None) -> list[int]:
         """Validate every request, then queue them all (a bad one queues none; the error names its
         index). Returns the request ids. stream: detokenize every step (for stream_deltas).
         keep_output: the request stays in the engine until pop_output(); step() does not report it.
-        max_tokens_must_fit: see InputProcessor.process (for the server). priority: an int for all
-        or one per prompt (scheduling_policy="priority"; the lower runs first). An engine made with
+        max_tokens_must_fit: see InputProcessor.process (for the server). lora_requests: each
+        prompt's LoRARequest or None (None: none for any). priority: an int for all or one per
+        prompt (scheduling_policy="priority"; the lower runs first). An engine made with
         runner="pooling" takes PoolingParams (or None) instead of SamplingParams: embeddings."""
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
@@ -111,7 +115,7 @@ class LLMEngine:
                 raise runner_mismatch(self.config.runner, pooling=True)
             pooling_params = self.pooling.check(sampling_params)
             sampling_params = [POOLING_SAMPLING] * len(prompts)
-        prepared = self.input_processor.process_all(prompts, sampling_params, max_tokens_must_fit)
+        prepared = self.input_processor.process_all(prompts, sampling_params, max_tokens_must_fit, lora_requests)
         rids = []
         with self._locked():  # an abort from another thread reads the registry meanwhile
             if self._exited:  # exit() ran on another thread meanwhile
@@ -131,12 +135,13 @@ class LLMEngine:
         return rids
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = False,
-                    keep_output: bool = False, priority: int = 0) -> int:
-        """Queue a request (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict);
-        returns its request id. Raises ValueError/TypeError on bad input. With n > 1, step()
-        reports each sample under its own sequence id (the first is the request id)."""
+                    keep_output: bool = False, lora_request=None, priority: int = 0) -> int:
+        """Queue a request (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict),
+        under adapter `lora_request` (a LoRARequest) or the base model; returns its request id.
+        Raises ValueError/TypeError on bad input. With n > 1, step() reports each sample under its
+        own sequence id (the first is the request id)."""
         return self.add_requests([prompt], [sampling_params], stream=stream, keep_output=keep_output,
-                                 priority=[priority])[0]
+                                 lora_requests=[lora_request], priority=[priority])[0]
 
     def abort_request(self, request_id: int):
         """Stop a request (all n samples; or one sample, given its sequence id) wherever it is; its

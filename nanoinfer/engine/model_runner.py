@@ -1,7 +1,8 @@
 """One tensor-parallel rank: its shard of the model, its KV cache, and a step's launch, which reads
 
-    prepare (engine/forward_inputs.py) -> forward (engine/graph_runner.py: eager or a CUDA graph)
-    -> sample (sampling/sampler.py) -> copy (the tokens start for the host)
+    [LoRA adapters into their slots] -> prepare (engine/forward_inputs.py)
+    -> forward (engine/graph_runner.py: eager or a CUDA graph) -> sample (sampling/sampler.py)
+    -> copy (the tokens start for the host)
 
 A step is launched without waiting for the device; `collect` waits for it and brings its results
 to the host. Runners never see a Sequence: they take the step message (engine/step_message.py)."""
@@ -59,7 +60,12 @@ class ModelRunner:
         self.graph_runner = GraphRunner(
             self.model, config.max_num_seqs, config.max_num_batched_tokens, self.kv_cache.max_blocks_per_seq,
             config.hf_config.hidden_size, config.torch_dtype, self.device,
-            mixed_steps=self.attention.mixed_step_graphs and dense, sorts_decode_rows=self.attention.sorts_decode_rows)
+            mixed_steps=self.attention.mixed_step_graphs and dense, sorts_decode_rows=self.attention.sorts_decode_rows,
+            lora=config.enable_lora)
+        self.adapters = None  # the LoRA slots and host cache of adapters (nanoinfer/lora)
+        if config.enable_lora:
+            from nanoinfer.lora.device_adapters import DeviceAdapters
+            self.adapters = DeviceAdapters(self.model, config, self.device)
         self.num_blocks = self.kv_cache.measure_capacity()
 
     def allocate_kv_cache(self, num_blocks: int):
@@ -75,6 +81,8 @@ class ModelRunner:
         samples and starts a copy of the tokens to the host. On every rank, the step's in-flight
         rows read their input token from `prev` (the step launched before this one) on the device."""
         prev_tokens = prev.tokens if prev is not None else None
+        if step.lora is not None:  # (first: a later failure leaves the slots as the message says)
+            self.adapters.ensure(step.lora.adapters)
         try:
             input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
                                                   self.attention.sorts_decode_rows, prev_tokens)

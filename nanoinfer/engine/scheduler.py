@@ -19,7 +19,9 @@ are appended when it is processed. A sequence whose in-flight token reaches a le
 scheduled again; one that stops on EOS or a stop string meanwhile wastes one row, which `update`
 ignores. A request whose next step needs all its tokens on the host (`logits_processors`, bad
 words of several tokens: SamplingParams.needs_host_tokens) is not scheduled while it has a token in
-flight, so it runs every other step while the rest of the batch overlaps.
+flight, so it runs every other step while the rest of the batch overlaps. With LoRA, the running
+sequences use at most max_loras distinct adapters (lora/admission.py), so no step needs more
+adapters than the device has slots.
 """
 from bisect import insort
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
 from nanoinfer.engine.wait_queue import PriorityWaitQueue, WaitQueue, priority_key
+from nanoinfer.lora.admission import admits, running_adapters
 
 
 @dataclass
@@ -78,6 +81,8 @@ class Scheduler:
         self.held: dict[int, dict[Sequence, None]] = {}
         self.held_under: dict[int, int] = {}
         self.num_preemptions = 0
+        # distinct adapters running at most (0: LoRA off)
+        self.max_loras = config.max_loras if getattr(config, "enable_lora", False) else 0
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running and not self.held
@@ -131,10 +136,15 @@ class Scheduler:
                 break
             if seq.num_computed_tokens < seq.num_tokens - 1:  # (from num_tokens - 1 on, a sequence decodes: step 1)
                 budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+        adapters = running_adapters(self.running) if self.max_loras else None
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if adapters is not None and not admits(adapters, seq, self.max_loras):
+                break  # its adapter would be one more than the device slots: it waits its turn
             if seq.num_inflight or not self._allocate(seq):
                 break  # a preempted sequence's last token is still in flight, or the pool is full
+            if adapters is not None and seq.lora_int_id:
+                adapters.add(seq.lora_int_id)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if self.by_priority:

@@ -17,14 +17,16 @@ def sampled_rows(batch: ScheduledBatch) -> dict[int, int]:
 class StepEncoder:
     """vocab_size and eos_token_ids: what the sampling plan checks against. seeds: the generator
     plain steps draw their noise seed from (seeded from the config). sample_on_shards: the ranks
-    can sample their vocabulary shards (tensor parallelism on CUDA)."""
+    can sample their vocabulary shards (tensor parallelism on CUDA). adapter_slots: places the
+    step's LoRA adapters in device slots (None: LoRA off)."""
 
     def __init__(self, vocab_size: int, eos_token_ids, seeds: torch.Generator | None = None,
-                 sample_on_shards: bool = False):
+                 sample_on_shards: bool = False, adapter_slots=None):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.seeds = seeds
         self.sample_on_shards = sample_on_shards
+        self.adapter_slots = adapter_slots  # a lora.slot_table.AdapterSlotTable with enable_lora
 
     def encode(self, batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> tuple[StepInput, SampleInput]:
         """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any."""
@@ -32,6 +34,8 @@ class StepEncoder:
         if batch.seqs[0].pooling is not None:  # an embedding engine's step: every row pools
             step.pooling = pooling_rows(batch)
             return step, SampleInput(SamplingPlan([0.0] * len(batch.seqs), True, True))  # (unused)
+        if self.adapter_slots is not None:
+            step.lora = self.adapter_slots.assign(batch.seqs)
         plan = build_sampling_plan(batch.seqs, self.vocab_size, self.eos_token_ids, batch.samples, prev_rows,
                                    self.seeds)
         sample = SampleInput(plan, prompt_logprobs_request(batch))

@@ -30,6 +30,14 @@ class PoolingRows:
 
 
 @dataclass(slots=True)
+class LoRAStep:
+    """A step's adapters (nanoinfer/lora): each row's device slot (-1: the base model), and every
+    adapter the step uses as (slot, lora_int_id, path), which a rank loads if its slot holds another."""
+    row_slots: list[int]
+    adapters: list[tuple[int, int, str]]
+
+
+@dataclass(slots=True)
 class StepInput:
     """What every rank needs. Decode rows (one query token each) come first, then prompt chunks.
 
@@ -47,6 +55,7 @@ class StepInput:
     prompt_logit_rows: list[int] | None = None  # flat token rows whose logits are also computed (prompt_logprobs)
     plain_sample: PlainSample | None = None
     pooling: PoolingRows | None = None  # an embedding step: no LM head, no sampling
+    lora: LoRAStep | None = None  # None: no row uses an adapter
 
     @property
     def num_rows(self) -> int:

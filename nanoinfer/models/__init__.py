@@ -105,8 +105,9 @@ def build_model(config: "Config", rank: int, world_size: int, device: torch.devi
     """The model of `config` for tensor-parallel rank `rank` of `world_size`: built on `device` in
     config.torch_dtype (seeded: the same random values wherever nothing is loaded), each linear layer
     with the weight method of the checkpoint's quantization_config or of config.quantization
-    (nanoinfer/quant), then its weights loaded, or drawn at random for load_format="dummy", then each
-    weight method (and each module that has one, as FP8 experts) told the weights are in."""
+    (nanoinfer/quant; with enable_lora, wrapped by the LoRA method of nanoinfer/lora), then its
+    weights loaded, or drawn at random for load_format="dummy", then each weight method (and each
+    module that has one, as FP8 experts) told the weights are in."""
     # (the layers are imported here: config.py runs this module's checks without them)
     from nanoinfer.layers.linear import LinearBase
     from nanoinfer.layers.model_build import ModelBuild, TensorParallel
@@ -118,8 +119,12 @@ def build_model(config: "Config", rank: int, world_size: int, device: torch.devi
     fp8 = scheme is not None and torch.device(device).type == "cuda"  # (CPU dequantizes at load)
     check_fits_memory(hf, check_architecture(hf), config.torch_dtype, device, world_size, config.max_model_len,
                       fp8=fp8, fp8_experts=fp8)
-    build = ModelBuild(TensorParallel(rank, world_size), attention_backend,
-                       linear_method=linear_method_chooser(scheme, getattr(model_class, "packed_modules_mapping", {})),
+    packed = getattr(model_class, "packed_modules_mapping", {})
+    choose = linear_method_chooser(scheme, packed)
+    if config.enable_lora:  # adapters wrap each projection's method (nanoinfer/lora)
+        from nanoinfer.lora.linear import lora_method_chooser
+        choose = lora_method_chooser(choose, packed, config.max_loras, config.max_lora_rank)
+    build = ModelBuild(TensorParallel(rank, world_size), attention_backend, linear_method=choose,
                        max_model_len=config.max_model_len)  # sizes the RoPE cache
     torch.manual_seed(config.seed)
     default_dtype = torch.get_default_dtype()

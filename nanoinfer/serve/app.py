@@ -5,11 +5,11 @@ streaming or not.
 """
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Container
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 
@@ -24,8 +24,10 @@ from nanoinfer.serve.limits import ServerLimits
 from nanoinfer import __version__
 from nanoinfer.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from nanoinfer.serve.metrics import ServerMetrics
-from nanoinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
-                                      ModelList, TokenizeRequest)
+from nanoinfer.serve.lora_modules import ServedModels
+from nanoinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest,
+                                      UnloadLoRAAdapterRequest)
 
 logger = logging.getLogger("nanoinfer.serve")
 
@@ -35,10 +37,13 @@ NON_FINITE_MESSAGE = "the model produced non-finite logits (NaN or inf) for this
 def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLimits = ServerLimits(),
               renderer: ChatRenderer | None = None, allowed_hosts: list[str] | None = None,
               enable_docs: bool = False, model_aliases: tuple[str, ...] = (), api_key: str | None = None,
-              reasoning_parser: str | None = None, tool_call_parser: str = "hermes") -> FastAPI:
+              reasoning_parser: str | None = None, tool_call_parser: str = "hermes",
+              lora_modules: list = (), allow_lora_updating: bool = False) -> FastAPI:
     """The app; the engine process starts serving with the app's lifespan and stops after it.
     allowed_hosts: the Host names answered (None: any); model_aliases: other names a request's
-    `model` may use (e.g. the path given on the command line); /v1/models lists the served name."""
+    `model` may use (e.g. the path given on the command line); /v1/models lists the served name
+    and the adapters. lora_modules: LoRARequests a request selects by naming them in `model`;
+    allow_lora_updating: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter."""
     renderer = renderer or ChatRenderer(engine.tokenizer)
     engine.metrics = ServerMetrics(served_model_name)
 
@@ -55,10 +60,13 @@ def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLim
     app = FastAPI(title="nanoinfer", lifespan=lifespan, **docs)
     app.state.engine = engine
     add_error_handlers(app)
-    model_names = (served_model_name, *model_aliases)
-    add_status_routes(app, engine, served_model_name, model_names, renderer)
+    model_names = ServedModels((served_model_name, *model_aliases), list(lora_modules))
+    adapters = model_names.adapters  # (live: runtime updating changes it)
+    add_status_routes(app, engine, served_model_name, model_names, renderer, adapters)
     add_generation_routes(app, engine, served_model_name, limits, renderer, model_names, reasoning_parser is not None,
-                          tool_call_parser)
+                          tool_call_parser, adapters)
+    if allow_lora_updating:
+        add_lora_updating_routes(app, model_names)
     if engine.summary.get("runner") == "pooling":
         from nanoinfer.serve.embeddings import add_embedding_routes
         add_embedding_routes(app, engine, served_model_name, model_names, renderer)
@@ -70,8 +78,8 @@ def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLim
     return app
 
 
-def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str, model_names: tuple[str, ...],
-                      renderer: ChatRenderer):
+def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str, model_names: Container[str],
+                      renderer: ChatRenderer, adapters: dict | None = None):
     @app.get("/health")
     async def health():
         """200 while the engine (every tensor-parallel rank of it) runs, else 503."""
@@ -89,19 +97,25 @@ def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str
             stats["replicas"] = engine.replica_stats()
         return stats
 
-    def card() -> ModelCard:
+    adapters = adapters or {}
+
+    def card(name: str | None = None) -> ModelCard:
+        lora = adapters.get(name)
+        if lora is not None:  # (vLLM's: an adapter's root is its path, its parent the base model)
+            return ModelCard(id=lora.lora_name, root=lora.lora_path, parent=served_model_name,
+                             max_model_len=engine.max_model_len, vocab_size=engine.summary.get("vocab_size"))
         return ModelCard(id=served_model_name, root=served_model_name, max_model_len=engine.max_model_len,
                          vocab_size=engine.summary.get("vocab_size"))
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(), *(card(name) for name in adapters)])
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
         if model_id not in model_names:
             raise APIError(404, f"The model `{model_id}` does not exist.", "model")
-        return card()
+        return card(model_id)
 
     @app.get("/version")
     async def version():
@@ -137,10 +151,11 @@ def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str
 
 
 def add_generation_routes(app: FastAPI, engine: EngineClient, served_model_name: str, limits: ServerLimits,
-                          renderer: ChatRenderer, model_names: tuple[str, ...], reasoning: bool = False,
-                          tool_call_parser: str = "hermes"):
+                          renderer: ChatRenderer, model_names: Container[str], reasoning: bool = False,
+                          tool_call_parser: str = "hermes", adapters: dict | None = None):
     """Prompts are rendered and tokenized here, off the event loop, with the engine's tokenizer (a
-    copy it sent at start); the engine process gets token ids."""
+    copy it sent at start); the engine process gets token ids, and the adapter `model` names."""
+    adapters = adapters or {}
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_request(body, model_names, limits)
@@ -150,12 +165,13 @@ def add_generation_routes(app: FastAPI, engine: EngineClient, served_model_name:
             prompts = await renderer.tokenize(body.prompts())
         except (ValueError, TypeError) as e:  # e.g. a lone surrogate
             raise APIError(400, str(e), "prompt") from e
-        sub = await _submit(engine, prompts, body, body.stream)
+        sub = await _submit(engine, prompts, body, body.stream, adapters.get(body.model))
+        name = body.model if body.model in adapters else served_model_name  # (vLLM answers with the adapter's)
         if body.stream:
-            return _event_stream(engine, convert.completion_chunks(sub, served_model_name, body.include_usage), sub)
+            return _event_stream(engine, convert.completion_chunks(sub, name, body.include_usage), sub)
         outputs = await _outputs(engine, sub, request)
         return outputs if isinstance(outputs, Response) else \
-            convert.completion_response(outputs, served_model_name, body.echo, engine.tokenizer)
+            convert.completion_response(outputs, name, body.echo, engine.tokenizer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -171,21 +187,39 @@ def add_generation_routes(app: FastAPI, engine: EngineClient, served_model_name:
             raise APIError(400, str(e), "messages") from e
         top = (body.top_logprobs or 0) if body.logprobs else None
         reply = ReplyFormat.of(body, reasoning, tool_call_parser)
-        sub = await _submit(engine, [prompt], body, body.stream)
+        sub = await _submit(engine, [prompt], body, body.stream, adapters.get(body.model))
+        name = body.model if body.model in adapters else served_model_name
         if body.stream:
-            return _event_stream(engine, convert.chat_chunks(sub, served_model_name, body.include_usage, top,
-                                                             reply), sub)
+            return _event_stream(engine, convert.chat_chunks(sub, name, body.include_usage, top, reply), sub)
         outputs = await _outputs(engine, sub, request)
-        return outputs if isinstance(outputs, Response) else \
-            convert.chat_response(outputs[0], served_model_name, top, reply)
+        return outputs if isinstance(outputs, Response) else convert.chat_response(outputs[0], name, top, reply)
 
 
-def _check_model(model: str | None, model_names: tuple[str, ...]):
+def add_lora_updating_routes(app: FastAPI, models: ServedModels):
+    """vLLM's runtime LoRA updating: add or remove an adapter name while serving."""
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        try:
+            models.load(body.lora_name, body.lora_path)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), "lora_path" if "already" not in str(e) else "lora_name") from e
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        try:
+            models.unload(body.lora_name)
+        except KeyError as e:
+            raise APIError(404, e.args[0], "lora_name") from e
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _check_model(model: str | None, model_names: Container[str]):
     if model is not None and model not in model_names:
         raise APIError(404, f"The model `{model}` does not exist.", "model")
 
 
-def _check_request(body, model_names: tuple[str, ...], limits: ServerLimits):
+def _check_request(body, model_names: Container[str], limits: ServerLimits):
     _check_model(body.model, model_names)
     if body.model_extra:
         logger.warning("fields the server does not use were ignored: %s", ", ".join(sorted(body.model_extra))[:500])
@@ -195,10 +229,10 @@ def _check_request(body, model_names: tuple[str, ...], limits: ServerLimits):
         raise APIError(400, str(e), str(e).split(" ", 1)[0]) from e
 
 
-async def _submit(engine: EngineClient, prompts: list, body, stream: bool) -> Submission:
+async def _submit(engine: EngineClient, prompts: list, body, stream: bool, lora_request=None) -> Submission:
     try:
         params = body.to_sampling_params()
-        return await engine.submit(prompts, params, stream, priority=body.priority)
+        return await engine.submit(prompts, params, stream, priority=body.priority, lora_request=lora_request)
     except (ValueError, TypeError) as e:  # SamplingParams' and add_request's: they name the field
         name = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), name if name in type(body).model_fields else None) from e

@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGINT/SIGTERM, seconds to let in-flight requests finish; then they are cut "
                             "(a stream gets an error event and [DONE]) and the server exits within a few seconds")
+    serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) served under their own model names; needs "
+                            "--enable-lora (also vLLM's JSON form '{\"name\": ..., \"path\": ...}')")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; also "
+                            "$VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); needs --enable-lora")
     add_server_limit_args(serve)
     add_data_parallel_args(serve)
     add_engine_args(serve)
@@ -123,11 +130,15 @@ def serve(args: argparse.Namespace) -> int:
     from nanoinfer.serve.app import build_app
     from nanoinfer.serve.chat_renderer import ChatRenderer
     from nanoinfer.serve.http_guards import default_allowed_hosts
+    from nanoinfer.serve.lora_modules import parse_lora_modules
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         limits = ServerLimits(max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes,
                               max_logprobs=args.max_logprobs)
+        lora_modules = parse_lora_modules(args.lora_modules)
+        if (lora_modules or args.allow_runtime_lora_updating) and not getattr(args, "enable_lora", False):
+            raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
         _check_port_free(args.host, args.port)  # before minutes of model loading
     except (ValueError, OSError) as e:
         print(f"nanoinfer serve: {e}", file=sys.stderr)
@@ -150,7 +161,8 @@ def serve(args: argparse.Namespace) -> int:
         app = build_app(engine, getattr(args, "served_model_name", default_name), limits=limits, renderer=renderer,
                         allowed_hosts=allowed, enable_docs=args.enable_docs, model_aliases=(args.model,),
                         api_key=getattr(args, "api_key", None) or os.environ.get("NANOINFER_API_KEY"),
-                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser)
+                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                        lora_modules=lora_modules, allow_lora_updating=args.allow_runtime_lora_updating)
         _log_start(engine, args)
         # uvicorn shuts down gracefully on SIGINT / SIGTERM (the app's lifespan stops the engine),
         # then re-raises the signal to the handler found at start: this one, status 0.

@@ -146,17 +146,18 @@ class EngineClient:
         return self.error is None and not self._stopping and self.process.is_alive()
 
     async def submit(self, prompts: list, params: SamplingParams, stream: bool,
-                     max_tokens_must_fit: bool = True, priority: int = 0) -> Submission:
-        """Queue one engine request per prompt; raises the engine's ValueError / TypeError (and
-        queues none) if any is invalid. max_tokens_must_fit=False: max_tokens past max_model_len
-        stops at it (as offline) instead of being an error (as vLLM's server)."""
+                     max_tokens_must_fit: bool = True, priority: int = 0, lora_request=None) -> Submission:
+        """Queue one engine request per prompt (under adapter `lora_request`, if given); raises the
+        engine's ValueError / TypeError (and queues none) if any is invalid. max_tokens_must_fit=False:
+        max_tokens past max_model_len stops at it (as offline) instead of being an error (as vLLM's
+        server)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running" if self.error is None else _public(self.error))
         sub = Submission(next(self._ids), prompts, params, stream, self._loop.create_future(),
                          costs=[self._cost(p, params) for p in prompts])
         self._subs[sub.id] = sub
         self.outstanding_tokens += sum(sub.costs)
-        self._outbox.put(Submit(sub.id, prompts, params, stream, max_tokens_must_fit, priority))
+        self._outbox.put(Submit(sub.id, prompts, params, stream, max_tokens_must_fit, priority, lora_request))
         try:
             await asyncio.shield(sub.added)
         except asyncio.CancelledError:  # the client left: the abort follows the add down the pipe

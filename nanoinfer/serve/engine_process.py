@@ -129,7 +129,7 @@ class EngineCore:
         try:  # all or none; as vLLM's server, prompt + max_tokens over max_model_len is an error
             ids = self.llm.add_requests(sub.prompts, [sub.params] * len(sub.prompts), stream=sub.stream,
                                         keep_output=True, max_tokens_must_fit=sub.max_tokens_must_fit,
-                                        priority=sub.priority)
+                                        priority=sub.priority, lora_requests=[sub.lora_request] * len(sub.prompts))
         except Exception as e:  # ValueError / TypeError naming the field: the client's 400
             self.news.admissions.append(Admission(sub.sub_id, error=RemoteError.of(e)))
             return

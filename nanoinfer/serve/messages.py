@@ -24,6 +24,7 @@ class Submit:
     stream: bool
     max_tokens_must_fit: bool = True  # False: max_tokens past max_model_len stops there (offline's rule)
     priority: int = 0
+    lora_request: object = None  # a LoRARequest for every prompt, or None
 
 
 @dataclass(slots=True)

@@ -29,4 +29,8 @@ OPTION_HELP = {
     "runner": "generate, or pooling: serve /v1/embeddings instead of completions (default: generate)",
     "task": "vLLM's older name for --runner: embed (pooling) or generate (default: none)",
     "disable_log_stats": "do not log the engine's statistics every few seconds (default: logged by the server)",
+    "enable_lora": "serve LoRA adapters per request (--lora-modules) (default: off)",
+    "max_loras": "adapters on the device at once, and most distinct adapters in a batch (default: 1)",
+    "max_lora_rank": "highest adapter rank accepted (default: 16)",
+    "max_cpu_loras": "adapters cached in host memory (default: max_loras)",
 }

@@ -324,3 +324,16 @@ class DetokenizeRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter (with runtime LoRA updating allowed)."""
+    model_config = _STRICT
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = _STRICT
+    lora_name: str
+    lora_int_id: int | None = None

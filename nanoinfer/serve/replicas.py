@@ -113,14 +113,16 @@ class ReplicaSet:
         """Some replica serves."""
         return not self._stopping and any(r.serving for r in self.replicas)
 
-    async def submit(self, prompts: list, params: SamplingParams, stream: bool, priority: int = 0) -> Submission:
+    async def submit(self, prompts: list, params: SamplingParams, stream: bool, priority: int = 0,
+                     lora_request=None) -> Submission:
         keys = self.router.prefix_keys(prefix_token_ids(prompts[0])) if prompts else []
         loads = [r.client.outstanding_tokens if r.serving else None for r in self.replicas]
         index = self.router.choose(keys, loads)
         if index is None or self._stopping:
             raise EngineDeadError("no engine replica is running")
         self.router.record(keys, index)  # before the await: the next request with this prefix follows it
-        return await self.replicas[index].client.submit(prompts, params, stream, priority=priority)
+        return await self.replicas[index].client.submit(prompts, params, stream, priority=priority,
+                                                             lora_request=lora_request)
 
     def abort(self, sub: Submission):
         for r in self.replicas:  # (only the client that owns it acts)

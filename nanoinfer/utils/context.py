@@ -19,6 +19,9 @@ class Context:
     # rows of the hidden states the LM head computes logits for; None: each sequence's last token
     # (prefill) or every row (decode). Set only for steps with prompt_logprobs rows.
     logits_indices: torch.Tensor | None = None
+    # [num_tokens] LoRA slot of each token's row, -1 = the base model; None: no adapter this step
+    lora_slots: torch.Tensor | None = None
+    lora_mask: torch.Tensor | None = None  # [num_tokens, max_loras] one-hot of lora_slots, made once per forward
     # host copies of the lengths, for the CPU reference path (no device sync)
     query_lens_cpu: list[int] | None = None
     context_lens_cpu: list[int] | None = None
