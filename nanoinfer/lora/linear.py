@@ -13,10 +13,12 @@ once per forward), then one expand: no host sync and no data-dependent shape, so
 capture it with the slots in a static buffer, each slot's weights are read once per step, and rows
 of the base model get exactly base(x) + 0. The cost is the adapters' FLOPs times the number of
 slots, small against the base product at decode. On CUDA the expand is one Triton kernel
-(kernels/lora_expand.py) that multiplies only the slots a block of rows uses; the shrink stays one
-GEMM over every slot. Tensor parallelism: A is cut like the layer's input
-features and B like its output features (its ShardSlice), so a row-parallel layer's partial
-product plus its partial LoRA product sum to the whole under the same all-reduce."""
+(kernels/lora_expand.py) that multiplies only the slots a block of rows uses, and a one-row
+shrink is a GEMV that applies a Deferred input's pending RMSNorm or SiLU * mul, as the base's does.
+
+Tensor parallelism: A is cut like the layer's input features and B like its output features (its
+ShardSlice), so a row-parallel layer's partial product plus its partial LoRA product sum to the
+whole under the same all-reduce."""
 import os
 from collections.abc import Hashable
 
