@@ -67,6 +67,29 @@ def test_the_expand_kernel_path_gives_the_torch_paths_result(monkeypatch):
     assert torch.equal(got[[0, 5]], (x @ layer.weight.t())[[0, 5]])
 
 
+def test_a_deferred_row_reaches_the_shrink_normalised():
+    """One row on CUDA arrives as a Deferred (its RMSNorm or SiLU * mul left to the GEMV): the LoRA
+    layer's base GEMV and its shrink GEMV both apply it (here under the interpreter)."""
+    from nanoinfer.layers.layernorm import add_rms_norm
+    from nanoinfer.layers.linear_method import Deferred
+    layer = build(QKVParallelLinear, 16, 4, 2, 1, prefix="model.layers.0.self_attn.qkv_proj")
+    assert layer.accepts_deferred, "as its dense base"
+    layer.method.write_shard(layer, 1, 0, torch.randn(4, 16), torch.randn(8, 4), 1.5)
+    x, res, w = torch.randn(1, 16), torch.randn(1, 16), torch.rand(16) + 0.5
+    normed, new_res = add_rms_norm(x, res, w, 1e-6)
+    expected = run(layer, normed, [1])
+    residual_out = torch.empty_like(res)
+    got = run(layer, Deferred(x, w, 1e-6, res, residual_out), [1])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual_out, new_res)
+    down = build(RowParallelLinear, 8, 6, prefix="model.layers.0.mlp.down_proj")
+    down.method.write_shard(down, 0, 0, torch.randn(4, 8), torch.randn(6, 4), 0.5)
+    gate_up = torch.randn(1, 16)
+    from nanoinfer.layers.activation import silu_and_mul
+    torch.testing.assert_close(run(down, Deferred(gate_up, silu_mul=True), [0]), run(down, silu_and_mul(gate_up), [0]),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_a_row_parallel_layer_adds_its_adapter_into_the_given_output():
     layer = build(RowParallelLinear, 8, 6, prefix="model.layers.1.mlp.down_proj")
     a, b = torch.randn(4, 8), torch.randn(6, 4)

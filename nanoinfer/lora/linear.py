@@ -13,17 +13,19 @@ once per forward), then one expand: no host sync and no data-dependent shape, so
 capture it with the slots in a static buffer, each slot's weights are read once per step, and rows
 of the base model get exactly base(x) + 0. The cost is the adapters' FLOPs times the number of
 slots, small against the base product at decode. On CUDA the expand is one Triton kernel
-(kernels/lora_expand.py) that multiplies only the slots a block of rows uses; the shrink stays one
-GEMM over every slot. Tensor parallelism: A is cut like the layer's input
-features and B like its output features (its ShardSlice), so a row-parallel layer's partial
-product plus its partial LoRA product sum to the whole under the same all-reduce."""
+(kernels/lora_expand.py) that multiplies only the slots a block of rows uses, and a one-row
+shrink is a GEMV that applies a Deferred input's pending RMSNorm or SiLU * mul, as the base's does.
+
+Tensor parallelism: A is cut like the layer's input features and B like its output features (its
+ShardSlice), so a row-parallel layer's partial product plus its partial LoRA product sum to the
+whole under the same all-reduce."""
 import os
 from collections.abc import Hashable
 
 import torch
 from torch import nn
 
-from nanoinfer.layers.linear_method import LinearMethod
+from nanoinfer.layers.linear_method import Deferred, LinearMethod, linear
 from nanoinfer.lora.targets import layer_shards
 from nanoinfer.utils.context import Context, get_context
 
@@ -32,11 +34,15 @@ TRITON_EXPAND = os.environ.get("NANOINFER_LORA_TRITON", "1") != "0"
 
 
 class LoRALinearMethod(LinearMethod):
-    accepts_deferred = False  # the shrink needs x itself, not a GEMV-fused norm of it
-
     def __init__(self, base: LinearMethod, shards: list[tuple[str, Hashable]], num_slots: int, max_rank: int):
         self.base, self.shards = base, shards
         self.num_slots, self.max_rank = num_slots, max_rank
+
+    @property
+    def accepts_deferred(self) -> bool:
+        """As the base method: a Deferred input (one row on CUDA) reaches the shrink's GEMV too,
+        which applies the pending RMSNorm or SiLU * mul itself."""
+        return self.base.accepts_deferred
 
     @property
     def width(self) -> int:
@@ -60,16 +66,16 @@ class LoRALinearMethod(LinearMethod):
         ctx = get_context()
         return y if ctx.lora_slots is None else self.add_adapters(layer, x, y, ctx)
 
-    def add_adapters(self, layer, x: torch.Tensor, y: torch.Tensor, ctx: Context) -> torch.Tensor:
+    def add_adapters(self, layer, x: "torch.Tensor | Deferred", y: torch.Tensor, ctx: Context) -> torch.Tensor:
         """y += each row's adapter product, in place: the shrink over every slot, then the expand of
         each row's slot (ctx.lora_slots): the Triton kernel on CUDA, else a mask and an addmm."""
-        shrunk = torch.mm(x, layer.lora_a.t())
+        shrunk = linear(x, layer.lora_a)  # (one row on CUDA: the GEMV; it rewrites a Deferred's residual alike)
         if expand_kernel_for(y):
             from nanoinfer.kernels.lora_expand import lora_expand
             return lora_expand(shrunk, layer.lora_b, ctx.lora_slots, y, self.num_slots)
         if ctx.lora_mask is None:  # the forward's first LoRA layer (inside a CUDA graph: captured too)
-            ctx.lora_mask = slot_mask(ctx.lora_slots, self.num_slots, x.dtype)
-        shrunk.view(x.shape[0], self.num_slots, self.width).mul_(ctx.lora_mask.unsqueeze(-1))
+            ctx.lora_mask = slot_mask(ctx.lora_slots, self.num_slots, shrunk.dtype)
+        shrunk.view(-1, self.num_slots, self.width).mul_(ctx.lora_mask.unsqueeze(-1))
         return y.addmm_(shrunk, layer.lora_b.t())
 
     # ---- slots ----------------------------------------------------------------------------------
