@@ -205,3 +205,22 @@ def test_abort_frees_the_blocks(tiny_qwen3):
         check_clean(llm)
     finally:
         llm.exit()
+
+
+def test_tensor_parallel_embeddings_equal_one_rank(tiny_qwen3):
+    """tp=2 (CPU, gloo): the ranks' forward all-reduces; rank 0's sums come back through the
+    worker RPC, equal to one rank's."""
+    options = dict(runner="pooling", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=32,
+                   max_num_batched_tokens=16)
+    one = LLM(tiny_qwen3, **options)
+    try:
+        want = [o.outputs.embedding for o in one.embed(PROMPTS, use_tqdm=False)]
+    finally:
+        one.exit()
+    two = LLM(tiny_qwen3, tensor_parallel_size=2, **options)
+    try:
+        got = [o.outputs.embedding for o in two.embed(PROMPTS, use_tqdm=False)]
+    finally:
+        two.exit()
+    for g, w in zip(got, want):
+        assert torch.allclose(torch.tensor(g), torch.tensor(w), atol=1e-5)
