@@ -7,8 +7,8 @@ except PackageNotFoundError:  # run from a checkout that was never installed
 
 from nanoinfer.llm import LLM  # noqa: E402
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
-from nanoinfer.pooling import PoolingParams
+from nanoinfer.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput, ScoringRequestOutput
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["__version__", "LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "PoolingParams"]
+           "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput"]
