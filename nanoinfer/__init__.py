@@ -8,8 +8,9 @@ except PackageNotFoundError:  # run from a checkout that was never installed
 from nanoinfer.llm import LLM  # noqa: E402
 from nanoinfer.lora import LoRARequest
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
-from nanoinfer.pooling import PoolingParams
+from nanoinfer.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput, ScoringRequestOutput
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["__version__", "LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "Logprob", "PoolingParams"]
+           "CompletionOutput", "Logprob", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput",
+           "ScoringRequestOutput"]

@@ -205,3 +205,43 @@ def test_abort_frees_the_blocks(tiny_qwen3):
         check_clean(llm)
     finally:
         llm.exit()
+
+
+def test_tensor_parallel_embeddings_equal_one_rank(tiny_qwen3):
+    """tp=2 (CPU, gloo): the ranks' forward all-reduces; rank 0's sums come back through the
+    worker RPC, equal to one rank's."""
+    options = dict(runner="pooling", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=32,
+                   max_num_batched_tokens=16)
+    one = LLM(tiny_qwen3, **options)
+    try:
+        want = [o.outputs.embedding for o in one.embed(PROMPTS, use_tqdm=False)]
+    finally:
+        one.exit()
+    two = LLM(tiny_qwen3, tensor_parallel_size=2, **options)
+    try:
+        got = [o.outputs.embedding for o in two.embed(PROMPTS, use_tqdm=False)]
+    finally:
+        two.exit()
+    for g, w in zip(got, want):
+        assert torch.allclose(torch.tensor(g), torch.tensor(w), atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode,pooling", [("pooling_mode_lasttoken", "LAST"), ("pooling_mode_mean_tokens", "MEAN")])
+def test_cuda_embeddings_match_hf(make_checkpoint, make_llm, tmp_path, mode, pooling):
+    """On the GPU (Triton attention, eager embedding steps, float32): batched and chunked prompts
+    against HF on the CPU; bf16 within bf16's reach."""
+    path = with_pooling(make_checkpoint(num_heads=8, num_kv_heads=2, head_dim=32, hidden_size=128), tmp_path / "st",
+                        mode)
+    prompts = [[(13 * i + 7 * j) % 300 + 3 for j in range(5 + 37 * i)] for i in range(6)]
+    for dtype, cosine in (("float32", 0.9999), ("bfloat16", 0.99)):
+        llm = make_llm(path, runner="pooling", dtype=dtype, kvcache_block_size=16, max_model_len=512,
+                       max_num_batched_tokens=128)
+        try:
+            outs = llm.embed(prompts, use_tqdm=False)
+            for p, out in zip(prompts, outs):
+                ref = reference(path, p, pooling)
+                assert torch.nn.functional.cosine_similarity(torch.tensor(out.outputs.embedding), ref, dim=0) > cosine
+            check_clean(llm)
+        finally:
+            llm.exit()

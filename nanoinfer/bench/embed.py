@@ -18,20 +18,21 @@ from nanoinfer.bench.random_model import SHAPES, make_random_model_dir
 
 
 def prefill_bound(steps, hf, weight_bytes: int, dtype_bytes: int, bandwidth: float, flops_rate: float) -> float:
-    """Seconds: Σ steps (weight bytes + K/V bytes written) / bandwidth + FLOPs / flops_rate, for
-    steps of prompt rows only (StepRecord rows: (query_len, context_len)). A token's matmul FLOPs
-    are 2 x the parameters it multiplies (all but the embedding, which is a gather, and the unused
-    LM head); attention 4 x layers x heads x head_dim per causal query-key pair."""
+    """Seconds: Σ steps (weight bytes read + K/V bytes written) / bandwidth + FLOPs / flops_rate,
+    for steps of prompt rows only (StepRecord rows: (query_len, context_len)). Every weight but the
+    embedding (a gather of a few rows) and the unused LM head is read once a step; a token's matmul
+    FLOPs are 2 x those parameters; attention 4 x layers x heads x head_dim per causal query-key pair."""
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     kv_per_token = hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 2 * dtype_bytes
     embed = hf.vocab_size * hf.hidden_size
     matmul_params = weight_bytes / dtype_bytes - embed * (1 if hf.tie_word_embeddings else 2)
+    read_bytes = matmul_params * dtype_bytes
     total = 0.0
     for step in steps:
         tokens = sum(q for q, _ in step.rows)
         pairs = sum(q * (ctx - q) + q * (q + 1) / 2 for q, ctx in step.rows)
         flops = 2 * matmul_params * tokens + 4 * hf.num_hidden_layers * hf.num_attention_heads * head_dim * pairs
-        total += (weight_bytes + tokens * kv_per_token) / bandwidth + flops / flops_rate
+        total += (read_bytes + tokens * kv_per_token) / bandwidth + flops / flops_rate
     return total
 
 

@@ -35,7 +35,7 @@ from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.engine.sigint import sigint_deferred
 from nanoinfer.engine.step_encoder import StepEncoder, sampled_rows
-from nanoinfer.engine.stats import EngineStats
+from nanoinfer.engine.stats import StatLogger
 from nanoinfer.engine.step_record import StepRecord
 from nanoinfer.engine.tp_executor import TensorParallelExecutor
 from nanoinfer.lora.slot_table import AdapterSlotTable
@@ -85,7 +85,7 @@ class LLMEngine:
         self.overlap = config.async_scheduling
         self.inflight: Launched | None = None
         self.step_log: list | None = None   # set to a list to record each step's StepRecord (bench.py)
-        self.stats = None if config.disable_log_stats else EngineStats()  # logged every few seconds
+        self.stats = None if config.disable_log_stats else StatLogger()  # logged every few seconds
         self._step_lock = threading.Lock()  # held while a step or a registry change runs (_locked)
         self._lock_holder: int | None = None  # the thread holding it
         self._driver: int | None = None  # the thread inside advance / generate / stream (driving)

@@ -159,12 +159,17 @@ class Scheduler:
         running one and cannot be admitted now (no sequence slot, or too few free blocks for its
         prompt and this step's decode tokens), preempt that running one."""
         head, bm = self.waiting[0], self.block_manager
+
+        def needs_block(s: Sequence) -> bool:  # its next decode token starts a block
+            return s.num_tokens + s.num_inflight > len(s.block_table) * bm.block_size
+
+        growth = sum(map(needs_block, self.running))
         while self.running and not head.num_inflight and head.priority < self.running[-1].priority:
-            growth = sum(1 for s in self.running
-                         if s.num_tokens + s.num_inflight > len(s.block_table) * bm.block_size)
             if len(self.running) < self.max_num_seqs and bm.num_free_blocks >= head.num_blocks + growth:
                 return
-            self.preempt(self.running[-1])
+            victim = self.running[-1]
+            growth -= needs_block(victim)
+            self.preempt(victim)
 
     def _allocate(self, seq: Sequence) -> bool:
         """Blocks for a waiting sequence. The sequence that computes a request's prompt_logprobs

@@ -20,7 +20,7 @@ def log_interval_s() -> float:
     return float(os.environ.get("NANOINFER_LOG_STATS_INTERVAL", "5"))
 
 
-class EngineStats:
+class StatLogger:
     def __init__(self, interval_s: float | None = None):
         self.interval_s = log_interval_s() if interval_s is None else interval_s
         self.prompt_tokens = self.generation_tokens = self.requests_finished = 0  # totals since start

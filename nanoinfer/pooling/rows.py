@@ -43,8 +43,9 @@ def pool_hidden(hidden: torch.Tensor, rows: PoolingRows) -> torch.Tensor:
     if all(c == 1 for c in rows.counts):  # last token or CLS: a gather
         return hidden[to_device(rows.starts, torch.int64, device)].float()
     counts = to_device(rows.counts, torch.int64, device)
-    seg = torch.repeat_interleave(torch.arange(len(rows.counts), device=device), counts)
+    total = sum(rows.counts)  # (given, so that the device is not asked for it)
+    seg = torch.repeat_interleave(torch.arange(len(rows.counts), device=device), counts, output_size=total)
     first = torch.cumsum(counts, 0) - counts  # each segment's first index in the flat gather
-    index = to_device(rows.starts, torch.int64, device)[seg] + torch.arange(seg.shape[0], device=device) - first[seg]
+    index = to_device(rows.starts, torch.int64, device)[seg] + torch.arange(total, device=device) - first[seg]
     out = torch.zeros(len(rows.counts), hidden.shape[1], dtype=torch.float32, device=device)
     return out.index_add_(0, seg, hidden[index].float())
