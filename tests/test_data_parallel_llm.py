@@ -90,3 +90,29 @@ def test_exit_ends_every_engine_process(tiny_qwen3):
     with pytest.raises(RuntimeError, match="exited"):
         llm.generate(PROMPTS[:1])
     llm.exit()  # twice: a no-op
+
+
+def test_adapters_and_priorities_reach_each_engine(tiny_qwen3, tmp_path):
+    """lora_request (one per prompt) and priority travel with each engine's share of the prompts:
+    the results equal one engine's with the same arguments."""
+    from lora_reference import make_adapter
+
+    from nanoinfer import LoRARequest
+    adapter = LoRARequest("a", 1, make_adapter(tiny_qwen3, str(tmp_path / "a")))
+    options = dict(OPTIONS, enable_lora=True, scheduling_policy="priority")
+    prompts = PROMPTS[:4]
+    loras, priorities = [adapter, None, adapter, None], [3, 1, 0, 2]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    single = LLM(tiny_qwen3, **options)
+    try:
+        want = results(single.generate(prompts, greedy, use_tqdm=False, lora_request=loras, priority=priorities))
+        assert want != results(single.generate(prompts, greedy, use_tqdm=False))  # the adapter changes tokens
+    finally:
+        single.exit()
+    dp = LLM(tiny_qwen3, data_parallel_size=2, **options)
+    try:
+        assert results(dp.generate(prompts, greedy, use_tqdm=False, lora_request=loras, priority=priorities)) == want
+        with pytest.raises(ValueError, match="priority"):
+            dp.generate(prompts, greedy, use_tqdm=False, priority=[1, 2])
+    finally:
+        dp.exit()

@@ -58,18 +58,21 @@ class DataParallelLLM:
     get_tokenizer = LLM.get_tokenizer
     chat = LLM.chat
     _normalize = LLM._normalize
+    _lora_requests = staticmethod(LLM._lora_requests)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm=True, priority=None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None,
+                 priority=None) -> list[RequestOutput]:
         """As LLM.generate; request ids are numbered across the engines, in prompt order. Each
         engine orders its own share of the prompts by `priority`."""
         prompts, params = self._normalize(prompts, sampling_params)
         priorities = check_priorities(priority, len(prompts), self.config.scheduling_policy)
+        loras = self._lora_requests(lora_request, len(prompts)) or [None] * len(prompts)
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
         bar = make_bar(total=len(prompts), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         try:
-            outputs = self._run(self._generate(prompts, params, priorities, bar.update if use_tqdm else None))
+            outputs = self._run(self._generate(prompts, params, priorities, loras, bar.update if use_tqdm else None))
         finally:
             bar.close()
         for out in outputs:
@@ -99,14 +102,16 @@ class DataParallelLLM:
         for client in self._clients:
             client.start()
 
-    async def _generate(self, prompts: list, params: list, priorities: list[int], progress) -> list[RequestOutput]:
+    async def _generate(self, prompts: list, params: list, priorities: list[int], loras: list,
+                        progress) -> list[RequestOutput]:
         parts = _split(len(prompts), len(self._clients))
         subs = []
         try:
             for client, (start, end) in zip(self._clients, parts):
-                for lo, hi in _same_params_runs(params, priorities, start, end):  # one submission per run
+                for lo, hi in _same_request_runs(params, priorities, loras, start, end):  # one submission a run
                     subs.append((lo, await client.submit(prompts[lo:hi], params[lo], stream=False,
-                                                         max_tokens_must_fit=False, priority=priorities[lo])))
+                                                         max_tokens_must_fit=False, priority=priorities[lo],
+                                                         lora_request=loras[lo])))
             outputs: list[RequestOutput | None] = [None] * len(prompts)
 
             async def collect(lo, sub):
@@ -138,11 +143,12 @@ def _split(count: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-def _same_params_runs(params: list, priorities: list[int], start: int, end: int) -> list[tuple[int, int]]:
-    """[lo, hi) runs within [start, end) whose prompts share one SamplingParams object and priority."""
+def _same_request_runs(params: list, priorities: list[int], loras: list, start: int, end: int) -> list[tuple[int, int]]:
+    """[lo, hi) runs within [start, end) whose prompts share one SamplingParams object, priority and
+    adapter (one engine submission each)."""
     runs, lo = [], start
     for i in range(start + 1, end + 1):
-        if i == end or params[i] is not params[lo] or priorities[i] != priorities[lo]:
+        if i == end or params[i] is not params[lo] or priorities[i] != priorities[lo] or loras[i] != loras[lo]:
             runs.append((lo, i))
             lo = i
     return runs
