@@ -95,7 +95,7 @@ def test_adapters_load_and_unload_at_runtime(server, adapters):
 def test_runtime_updating_routes_exist_only_when_allowed():
     from types import SimpleNamespace
     from nanoinfer.serve.app import build_app
-    engine = SimpleNamespace(tokenizer=None)
+    engine = SimpleNamespace(tokenizer=None, summary={})
     routes = lambda app: {r.path for r in app.routes}  # noqa: E731
     assert "/v1/load_lora_adapter" not in routes(build_app(engine, "m", renderer=object()))
     assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= \
