@@ -164,7 +164,7 @@ def test_shutdown_cuts_streams_with_an_error_event_and_done(tiny_qwen3, tmp_path
             srv.proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line.startswith("data:")]
         assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2] and "shutting down" in rest[-2], rest[-3:]
-        assert srv.proc.wait(timeout=60) == 0
+        assert srv.proc.wait(timeout=60) == 0, srv.log()[-3000:]
         assert time.monotonic() - t0 < 20
     finally:
         srv.stop()
