@@ -8,7 +8,10 @@ ids and length; the output processor records logprobs, detokenizes and returns t
 new text completed; the engine finishes those sequences through the scheduler. Without overlap
 (`async_scheduling=False`) the same path processes the step it just launched. The runner is a
 ModelRunner in this process (one rank) or a TensorParallelExecutor driving worker processes; both
-take the step as encoded by engine/step_encoder.py.
+take the step as encoded by engine/step_encoder.py. Embeddings (runner="pooling", nanoinfer/pooling)
+take the same path: their steps return hidden-state sums instead of tokens, recorded before the
+scheduler finishes the request. With disable_log_stats=False, processing also counts the engine's
+statistics (engine/stats.py), logged between steps.
 
 Requests enter through the InputProcessor (engine/input_processor.py) and live in one registry,
 `requests` (request id -> Request). One thread drives the engine (advance, step, generate,

@@ -87,7 +87,8 @@ class ModelRunner:
             input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
                                                   self.attention.sorts_decode_rows, prev_tokens)
             if step.pooling is not None:  # embeddings: final hidden states, eager; no LM head, no sampling
-                pooled = pool_hidden(self.model(input_ids, positions), step.pooling)
+                hidden = self.model(input_ids, positions)  # (every rank: the forward's all-reduces)
+                pooled = pool_hidden(hidden, step.pooling) if sample is not None else None
                 sampled = Sampled(torch.zeros(step.num_rows, dtype=torch.int64, device=self.device))
             else:
                 pooled = None
