@@ -6,6 +6,8 @@ from numbers import Integral, Real
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanoinfer.multimodal.config import language_model_config
+
 # vLLM's dtype names, "half" and "float" included
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -110,7 +112,7 @@ class Config:
 
         if self.hf_config is None:
             self.model = resolve_model_path(self.model)
-            self.hf_config = load_hf_config(self.model)
+            self.hf_config = language_model_config(load_hf_config(self.model))
         self.tokenizer = self.model if self.tokenizer is None else resolve_model_path(self.tokenizer, "tokenizer")
         hf = self.hf_config
         from nanoinfer.models import check_architecture

@@ -20,7 +20,8 @@ from nanoinfer.layers.attention_backend import select_attention_backend
 from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.models import build_model
 from nanoinfer.sampling.sampler import Sampled, Sampler
-from nanoinfer.utils.context import reset_context
+from nanoinfer.multimodal.encoder_cache import EncoderCache
+from nanoinfer.utils.context import get_context, reset_context
 from nanoinfer.utils.threads import cpu_threads
 
 
@@ -59,6 +60,7 @@ class ModelRunner:
             config.hf_config.hidden_size, config.torch_dtype, self.device,
             mixed_steps=self.attention.mixed_step_graphs and dense, sorts_decode_rows=self.attention.sorts_decode_rows)
         self.num_blocks = self.kv_cache.measure_capacity()
+        self.encoder_cache = EncoderCache(self.model, self.device)  # images' embeddings (vision-language models)
 
     def allocate_kv_cache(self, num_blocks: int):
         self.kv_cache.allocate(num_blocks)
@@ -74,8 +76,10 @@ class ModelRunner:
         rows read their input token from `prev` (the step launched before this one) on the device."""
         prev_tokens = prev.tokens if prev is not None else None
         try:
+            mm_embeds = self.encoder_cache.step_embeds(step.multi_modal) if step.multi_modal is not None else None
             input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
                                                   self.attention.sorts_decode_rows, prev_tokens)
+            get_context().mm_embeds = mm_embeds
             args = self.sampler.prepare(sample, prev_tokens)
             logits = self.graph_runner.forward(input_ids, positions, step.is_decode_only)  # this rank's shard
             sampled = self.sampler.sample(step, sample, args, logits)

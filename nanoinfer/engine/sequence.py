@@ -39,6 +39,7 @@ class Sequence:
         self.num_inflight = 0              # tokens sampled by launched steps, not yet appended
         self.finish_reason: str | None = None   # "stop" | "length" | "abort", set by the scheduler only
         self.stop_reason: int | str | None = None
+        self.multi_modal = None            # the prompt's images (multimodal/inputs.py MultiModalInputs), or None
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +64,10 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def block_keys(self, i: int) -> tuple[int, ...]:
+        """What changes block i's K/V besides its tokens (the content hashes of the images it covers)."""
+        return self.multi_modal.block_keys(i, self.block_size) if self.multi_modal is not None else ()
 
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)

@@ -5,6 +5,7 @@ import torch
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.step_message import (PlainSample, PromptLogprobsRequest, PromptSegment, SampleInput,
                                            StepInput)
+from nanoinfer.multimodal.step_planner import MultiModalStepPlanner
 from nanoinfer.sampling.plan import build_sampling_plan
 
 
@@ -24,10 +25,12 @@ class StepEncoder:
         self.eos_token_ids = eos_token_ids
         self.seeds = seeds
         self.sample_on_shards = sample_on_shards
+        self.multimodal = MultiModalStepPlanner()  # requests with images: their rows' positions and images
 
     def encode(self, batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> tuple[StepInput, SampleInput]:
         """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any."""
         step = encode_rows(batch, prev_rows)
+        step.rope_positions, step.multi_modal = self.multimodal.plan(batch)
         plan = build_sampling_plan(batch.seqs, self.vocab_size, self.eos_token_ids, batch.samples, prev_rows,
                                    self.seeds)
         sample = SampleInput(plan, prompt_logprobs_request(batch))

@@ -21,6 +21,24 @@ class PlainSample:
 
 
 @dataclass(slots=True)
+class ImageToEncode:
+    """An image the runner encodes this step (its embeddings are then kept under `key`)."""
+    key: int
+    pixel_values: object             # numpy float32 [patches, C * T * P * P], as the image processor made them
+    grid_thw: tuple[int, int, int]
+
+
+@dataclass(slots=True)
+class MultiModalStep:
+    """A step's images (multimodal/step_planner.py): those to encode first; `placements`, per image
+    slice the step's rows cover, (key, first embedding row, count, first flat token row); and the
+    keys whose embeddings no running prefill needs any more (dropped once the step's are taken)."""
+    encode: list[ImageToEncode]
+    placements: list[tuple[int, int, int, int]]
+    free: list[int]
+
+
+@dataclass(slots=True)
 class StepInput:
     """What every rank needs. Decode rows (one query token each) come first, then prompt chunks.
 
@@ -37,6 +55,10 @@ class StepInput:
     inflight_sources: list[int] = field(default_factory=list)
     prompt_logit_rows: list[int] | None = None  # flat token rows whose logits are also computed (prompt_logprobs)
     plain_sample: PlainSample | None = None
+    # rotary positions when they are not each row's starts..: [positions] (one per token, flat), or
+    # [t, h, w] positions (M-RoPE, a step whose rows cover image tokens)
+    rope_positions: list[list[int]] | None = None
+    multi_modal: MultiModalStep | None = None
 
     @property
     def num_rows(self) -> int:

@@ -20,6 +20,7 @@ MODELS = {
     "MistralForCausalLM": ("nanoinfer.models.mixtral", "MistralForCausalLM"),
     "Qwen3MoeForCausalLM": ("nanoinfer.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("nanoinfer.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ("nanoinfer.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 

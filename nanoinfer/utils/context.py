@@ -19,6 +19,9 @@ class Context:
     # rows of the hidden states the LM head computes logits for; None: each sequence's last token
     # (prefill) or every row (decode). Set only for steps with prompt_logprobs rows.
     logits_indices: torch.Tensor | None = None
+    # multimodal steps: (flat rows [K] int64, their embeddings [K, hidden]) replacing those rows'
+    # token embeddings (images), set by the model runner; None: every row is a token embedding
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # host copies of the lengths, for the CPU reference path (no device sync)
     query_lens_cpu: list[int] | None = None
     context_lens_cpu: list[int] | None = None

@@ -54,13 +54,15 @@ def load_model(model: nn.Module, path: str, kv_cache_dtype: str = "auto"):
     if not files:
         raise ValueError(f"no *.safetensors files in {path!r}")
     packed = getattr(model, "packed_modules_mapping", {})
+    prefixes = getattr(model, "checkpoint_prefixes", {})  # another layout's name prefix -> ours
     tied = getattr(model, "tie_word_embeddings", False)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[int, Hashable]] = set()  # (id(param), shard id or None); tied names share one param
     sources: dict[int, list[tuple[str, str]]] = {}  # id(param) -> the (checkpoint tensor, file)s loaded into it
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = _renamed_prefix(stored, prefixes)
                 if tied and name == "lm_head.weight":
                     continue  # tied: the embedding is the head
                 kv_scale = _kv_scale_target(name)
@@ -85,14 +87,14 @@ def load_model(model: nn.Module, path: str, kv_cache_dtype: str = "auto"):
                 if (id(param), shard) in loaded:
                     raise ValueError(f"checkpoint tensor {name!r} appears more than once in {path!r}")
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
                 try:
                     check_dtype(tensor, param)
                     loader(param, tensor) if shard is None else loader(param, tensor, shard)
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {name!r} in {file!r}: {e}") from e
                 loaded.add((id(param), shard))
-                sources.setdefault(id(param), []).append((name, file))
+                sources.setdefault(id(param), []).append((stored, file))
     missing = [_checkpoint_name(name, shard, packed)
                for name, param in model.named_parameters()  # tied parameters once, under the embedding's name
                if not getattr(param, "optional_in_checkpoint", False)  # e.g. KV cache scales (default 1.0)
@@ -162,6 +164,13 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.float8_e5m2:
         return ((t.view(torch.uint8) & 0x7C) != 0x7C).all()
     return torch.isfinite(t).all()
+
+
+def _renamed_prefix(name: str, prefixes: dict[str, str]) -> str:
+    for old, new in prefixes.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 def _checkpoint_name(name: str, shard: Hashable, packed: dict) -> str:
