@@ -44,6 +44,10 @@ class Config:
     # bf16/fp32 checkpoint's linear layers at load time (per output channel)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": K/V stored as e4m3
+    # images in chat content parts (multimodal/media.py): file:// URLs under this directory ("" refuses
+    # them), http(s):// URLs of these hosts (None refuses them); data: URLs always
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list[str] | None = None
     # Filled in by __post_init__, not user options.
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
@@ -96,6 +100,8 @@ class Config:
             raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, _DTYPES))}; got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        from nanoinfer.multimodal.media import MediaLoader
+        MediaLoader(self.allowed_local_media_path, self.allowed_media_domains)  # raises on a bad path or host list
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):

@@ -35,15 +35,17 @@ class LLM(LLMEngine):
              use_tqdm=True, tools: list[dict] | None = None,
              continue_final_message: bool = False) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts, content a str or a list
-        of OpenAI text parts) or a list of them. Each is rendered with the tokenizer's chat template
+        of OpenAI content parts: text, image_url, image_pil) or a list of them. Each is rendered with the tokenizer's chat template
         (or `chat_template`), with `tools` and `chat_template_kwargs` passed to it, and generated;
         returns one RequestOutput per conversation."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a non-empty list of {'role', 'content'} dicts) "
                             "or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        from nanoinfer.multimodal.media import MediaLoader
+        media = MediaLoader(self.config.allowed_local_media_path, self.config.allowed_media_domains)
         prompts = [render_chat(self.tokenizer, conv, chat_template, add_generation_prompt, chat_template_kwargs,
-                               tools, continue_final_message) for conv in conversations]
+                               tools, continue_final_message, media=media) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def get_tokenizer(self):
