@@ -40,6 +40,12 @@ class MultiModalInputs:
         head = self.positions[:, start:prompt] if start < prompt else np.empty((3, 0), dtype=np.int64)
         return np.concatenate([head, np.broadcast_to(tail, (3, tail.shape[0]))], axis=1)
 
+    def text_positions(self, start: int, end: int) -> list[int]:
+        """The positions of tokens start..end-1, which cover no image token (their three agree)."""
+        prompt = self.positions.shape[1]
+        head = self.positions[0, start:min(end, prompt)].tolist() if start < prompt else []
+        return head + list(range(max(start, prompt) + self.rope_delta, end + self.rope_delta))
+
     def covers_image(self, start: int, end: int) -> bool:
         return any(im.offset < end and im.end > start for im in self.images)
 

@@ -56,15 +56,15 @@ class MultiModalStepPlanner:
 def rope_positions(batch) -> list[list[int]] | None:
     """The rows' rotary positions: None when every row's are its start.. (no request with images);
     one flat list when every token's three M-RoPE positions agree; else three lists."""
-    if all(seq.multi_modal is None for seq in batch.seqs):
+    rows = list(zip(batch.seqs, batch.starts, batch.query_lens))
+    if all(seq.multi_modal is None for seq, _, _ in rows):
         return None
-    parts, three = [], False
-    for seq, start, q in zip(batch.seqs, batch.starts, batch.query_lens):
-        mm = seq.multi_modal
-        if mm is None:
-            parts.append(np.broadcast_to(np.arange(start, start + q), (3, q)))
-            continue
-        parts.append(mm.rope_positions(start, start + q))
-        three = three or mm.covers_image(start, start + q)
-    positions = np.concatenate(parts, axis=1)
-    return positions.tolist() if three else [positions[0].tolist()]
+    if not any(seq.multi_modal is not None and seq.multi_modal.covers_image(start, start + q) for seq, start, q in rows):
+        flat = []  # (decode steps: a few list operations a row)
+        for seq, start, q in rows:
+            mm = seq.multi_modal
+            flat.extend(range(start, start + q) if mm is None else mm.text_positions(start, start + q))
+        return [flat]
+    parts = [np.broadcast_to(np.arange(start, start + q), (3, q)) if seq.multi_modal is None
+             else seq.multi_modal.rope_positions(start, start + q) for seq, start, q in rows]
+    return np.concatenate(parts, axis=1).tolist()
