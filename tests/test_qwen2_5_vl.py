@@ -156,3 +156,20 @@ def test_tp2_matches_tp1(vl):
         assert [o.outputs[0].token_ids for o in run(llm, requests)] == expected
     finally:
         llm.exit()
+
+
+def test_abort_mid_image_drops_its_embeddings(vl):
+    """An aborted request whose prefill stopped inside its image: the runner drops the embeddings at
+    the next step, and every block is free."""
+    llm = engine(vl, max_num_batched_tokens=16)
+    try:
+        rid = llm.add_request(request(f"Describe {P}.", [random_image(280, 224, seed=6)]), GREEDY)
+        llm.step()  # the first chunk reaches into the image: it is encoded
+        assert len(llm.model_runner.encoder_cache.embeddings) == 1
+        llm.abort_request(rid)
+        llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+        assert not llm.model_runner.encoder_cache.embeddings and not llm.step_encoder.multimodal.resident
+        bm = llm.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.exit()
