@@ -173,3 +173,35 @@ def test_abort_mid_image_drops_its_embeddings(vl):
         assert bm.num_free_blocks == bm.num_blocks
     finally:
         llm.exit()
+
+
+@pytest.mark.cuda
+def test_cuda_float32_graphs_match_hf(vl, make_llm):
+    """On the GPU: the Triton (or flash-attn) backend, decode CUDA graphs, mixed-step graphs for text
+    chunks, eager steps with image tokens (their [3, N] positions through the fused qkv epilogue),
+    chunked prefill through images; float32, against HF on the CPU."""
+    llm = make_llm(vl, dtype="float32", kvcache_block_size=16, max_model_len=512, max_num_batched_tokens=64,
+                   max_num_seqs=8)
+    try:
+        assert llm.model_runner.info()["cuda_graphs"]
+        requests = [request(p, case_images(i, s)) for i, (p, s) in enumerate(CASES)]
+        sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        for i, ((prompt, sizes), out) in enumerate(zip(CASES, run(llm, requests, sp))):
+            assert_vl_greedy_matches_hf(vl, prompt, case_images(i, sizes), out.prompt_token_ids,
+                                        out.outputs[0].token_ids, tol=1e-3)
+    finally:
+        llm.exit()
+
+
+@pytest.mark.cuda
+def test_cuda_bfloat16_runs(vl, make_llm):
+    """bf16 (the model's dtype on GPUs): the vision tower and the language model run, and the image's
+    tokens change the output."""
+    llm = make_llm(vl, dtype="bfloat16", kvcache_block_size=16, max_model_len=512)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+        a, b = (run(llm, request(f"{P} what?", [random_image(112, 112, seed=s)]), sp)[0] for s in (1, 2))
+        assert len(a.outputs[0].token_ids) == 8
+        assert a.outputs[0].cumulative_logprob != b.outputs[0].cumulative_logprob
+    finally:
+        llm.exit()
