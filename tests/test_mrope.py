@@ -39,6 +39,15 @@ def test_positions_match_hf(layout):
     assert delta == int(their_delta)
 
 
+def test_interleaved_sections():
+    """Qwen3-VL: t, h, w, t, h, w, ... over the first 3 * sections, then temporal (as HF's
+    Qwen3VLTextRotaryEmbedding recomposes them)."""
+    from nanoinfer.multimodal.mrope import section_of_frequencies
+    assert section_of_frequencies([4, 2, 2], True).tolist() == [0, 1, 2, 0, 1, 2, 0, 0]
+    assert section_of_frequencies([24, 20, 20], True).tolist()[57:64] == [0, 1, 2, 0, 0, 0, 0]
+    assert section_of_frequencies([2, 3, 3], False).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+
+
 def test_per_token_table_matches_sections():
     rotary = MRotaryEmbedding(16, 64, 10000.0, [2, 3, 3])
     positions = torch.tensor([[0, 3, 5], [1, 4, 9], [2, 7, 11]])

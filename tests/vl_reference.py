@@ -1,4 +1,4 @@
-"""Teacher-forced Qwen2.5-VL reference: HF's model, fed HF's image processor's pixel_values and
+"""Teacher-forced Qwen2.5-VL / Qwen3-VL reference: HF's model, fed HF's image processor's pixel_values and
 image_grid_thw, and a prompt whose image placeholders are expanded here (independently of nanoinfer)."""
 import numpy as np
 import torch
@@ -14,8 +14,8 @@ def random_image(width: int, height: int, seed: int = 0):
 
 def hf_vl_model(path: str):
     if path not in _MODELS:
-        from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+        from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
         _MODELS[path] = (model, AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path))
     return _MODELS[path]
 

@@ -21,6 +21,7 @@ MODELS = {
     "Qwen3MoeForCausalLM": ("nanoinfer.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("nanoinfer.models.mixtral", "MixtralForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("nanoinfer.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("nanoinfer.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
 }
 
 

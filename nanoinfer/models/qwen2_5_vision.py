@@ -25,18 +25,20 @@ from nanoinfer.utils.loader import check_shape
 class PatchEmbed(nn.Module):
     """The checkpoint's Conv3d (kernel = stride = one patch), computed as the matmul it is."""
 
-    def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int):
+    def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int,
+                 bias: bool = False):
         super().__init__()
         self.shape = (embed_dim, in_channels, temporal_patch_size, patch_size, patch_size)
         self.weight = nn.Parameter(torch.empty(embed_dim, in_channels * temporal_patch_size * patch_size ** 2))
         self.weight.weight_loader = self._load
+        self.bias = nn.Parameter(torch.empty(embed_dim)) if bias else None
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor):
         check_shape(loaded, self.shape)
         param.data.copy_(loaded.reshape(param.shape))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return F.linear(pixels.to(self.weight.dtype), self.weight)
+        return F.linear(pixels.to(self.weight.dtype), self.weight, self.bias)
 
 
 class VisionAttention(nn.Module):

@@ -100,12 +100,16 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, inputs_embeds=None):
-        """inputs_embeds: the step's input embeddings when some rows are not token embeddings (images)."""
+    def forward(self, input_ids, positions, inputs_embeds=None, after_layer=None):
+        """inputs_embeds: the step's input embeddings when some rows are not token embeddings (images);
+        after_layer(i, hidden, residual) -> (hidden, residual): what a model adds to the residual
+        stream after layer i (Qwen3-VL's DeepStack features)."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual)
+            if after_layer is not None:
+                hidden, residual = after_layer(i, hidden, residual)
         return add_norm_for(self.norm, hidden, residual)[0]
 
 

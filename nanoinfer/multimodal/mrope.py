@@ -37,15 +37,30 @@ def mrope_positions(num_tokens: int, images: list[tuple[int, int, int, int]],
     return positions, delta
 
 
+def section_of_frequencies(mrope_section: list[int], interleaved: bool) -> torch.Tensor:
+    """Which position component (0: temporal, 1: height, 2: width) turns each rotary frequency:
+    contiguous sections (Qwen2-VL, Qwen2.5-VL), or interleaved t, h, w, t, h, w, ... with the rest
+    temporal (Qwen3-VL: frequency j is h's when j % 3 == 1 and j < 3 * sections[1], w's likewise)."""
+    half = sum(mrope_section)
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+    out = torch.zeros(half, dtype=torch.long)
+    for component in (1, 2):
+        out[component:3 * mrope_section[component]:3] = component
+    return out
+
+
 class MRotaryEmbedding(RotaryEmbedding):
     """The neox-style rotary of layers/rotary_embedding.py, whose frequency j turns with position
-    component `section_of[j]` (0: temporal, 1: height, 2: width)."""
+    component `section_of[j]` (section_of_frequencies)."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, mrope_section: list[int]):
+    def __init__(self, head_dim: int, max_position: int, base: float, mrope_section: list[int],
+                 interleaved: bool = False):
         super().__init__(head_dim, max_position, base)
-        if sum(mrope_section) != head_dim // 2:
-            raise ValueError(f"model config: mrope_section {mrope_section} must sum to head_dim / 2 = {head_dim // 2}")
-        section_of = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"model config: mrope_section {mrope_section} must be 3 sections summing to "
+                             f"head_dim / 2 = {head_dim // 2}")
+        section_of = section_of_frequencies(list(mrope_section), interleaved)
         self.register_buffer("section_of", section_of, persistent=False)
         self.base_cache = self.cos_sin_cache
 
