@@ -199,3 +199,21 @@ def test_chat_refused_url_names_the_part(llm):
         llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                {"type": "image_url", "image_url": {"url": "http://x.org/a.png"}}]}],
                  use_tqdm=False)
+
+
+def test_media_options_checked(make_vl_checkpoint, tmp_path):
+    from nanoinfer.config import Config
+    path = make_vl_checkpoint()
+    with pytest.raises(TypeError, match="allowed_media_domains"):
+        Config.from_options(path, allowed_media_domains=[3])
+    with pytest.raises(ValueError, match="not a directory"):
+        Config.from_options(path, allowed_local_media_path=str(tmp_path / "nowhere"))
+    config = Config.from_options(path, allowed_media_domains=["a.org"], allowed_local_media_path=str(tmp_path))
+    assert config.hf_config.vision_config is not None and config.hf_config.vocab_size > 0
+
+
+def test_decompression_bomb_refused(monkeypatch):
+    from nanoinfer.multimodal import media
+    monkeypatch.setattr(media, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(ValueError, match="more than 100"):
+        MediaLoader().load_image(data_url(random_image(20, 20)))

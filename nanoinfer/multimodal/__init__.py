@@ -1,4 +1,5 @@
-"""Images in prompts (vLLM's multimodal input API), for vision-language models (Qwen2.5-VL).
+"""Images in prompts (vLLM's multimodal input API), for vision-language models (Qwen2.5-VL,
+Qwen3-VL: models/qwen2_5_vl.py, models/qwen3_vl.py).
 
 How an image travels:
 - intake (`processor.py`, called by engine/input_processor.py): the checkpoint's Hugging Face image

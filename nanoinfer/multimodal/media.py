@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlparse
 
 MAX_IMAGE_BYTES = 20 << 20   # an encoded image, from any source
 FETCH_TIMEOUT_S = 10.0
-MAX_IMAGE_PIXELS = 1 << 28   # decoded size: a decompression bomb is refused before it is decoded
+MAX_IMAGE_PIXELS = 1 << 26   # decoded size (8192 x 8192): a decompression bomb is refused before it is decoded
 
 
 class MediaLoader:
