@@ -35,9 +35,10 @@ class LLM(LLMEngine):
              use_tqdm=True, tools: list[dict] | None = None,
              continue_final_message: bool = False) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts, content a str or a list
-        of OpenAI content parts: text, image_url, image_pil) or a list of them. Each is rendered with the tokenizer's chat template
-        (or `chat_template`), with `tools` and `chat_template_kwargs` passed to it, and generated;
-        returns one RequestOutput per conversation."""
+        of OpenAI content parts: text, image_url, image_pil) or a list of them. Each is rendered with
+        the tokenizer's chat template (or `chat_template`), with `tools` and `chat_template_kwargs`
+        passed to it, and generated; returns one RequestOutput per conversation. Image URLs follow
+        the allowed_local_media_path / allowed_media_domains rules (multimodal/media.py)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a non-empty list of {'role', 'content'} dicts) "
                             "or a list of conversations")

@@ -205,3 +205,34 @@ def test_cuda_bfloat16_runs(vl, make_llm):
         assert a.outputs[0].cumulative_logprob != b.outputs[0].cumulative_logprob
     finally:
         llm.exit()
+
+
+def test_failed_launch_forgets_its_images(vl):
+    """A step that asked the runner to encode an image fails to launch (its prefill chunk ends
+    inside the image, so the image stays needed): the image is sent again with the retried step,
+    and the output equals a clean run's."""
+    req = request(f"Describe {P} please.", [random_image(280, 224, seed=11)])
+    clean = engine(vl)
+    want = run(clean, req)[0].outputs[0].token_ids
+    clean.exit()
+    llm = engine(vl, max_num_batched_tokens=16)
+    try:
+        real, failed = llm.model_runner.launch, []
+
+        def failing_once(step, sample, prev):
+            if step.multi_modal is not None and step.multi_modal.encode and not failed:
+                failed.append(True)
+                raise RuntimeError("injected launch failure")
+            return real(step, sample, prev)
+        llm.model_runner.launch = failing_once
+        llm.add_request(req, GREEDY)
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.step()
+        pairs = []
+        while not llm.is_finished():
+            pairs += llm.step()[0]
+        assert [tokens for _, tokens in pairs] == [want]
+        llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+        assert not llm.model_runner.encoder_cache.embeddings and not llm.step_encoder.multimodal.resident
+    finally:
+        llm.exit()

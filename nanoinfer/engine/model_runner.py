@@ -130,6 +130,8 @@ class ModelRunner:
         self.graph_runner.release()
         self.kv_cache.release()
         self.graph_runner.model = self.sampler.lm_head = self.model = None
+        self.encoder_cache.embeddings.clear()
+        self.encoder_cache.model = None
         if self.device.type == "cuda" and self.world_size == 1:
             # (with tensor parallel a dead peer can leave a collective hanging: don't wait on it)
             torch.cuda.synchronize(self.device)

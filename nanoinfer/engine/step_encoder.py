@@ -27,6 +27,10 @@ class StepEncoder:
         self.sample_on_shards = sample_on_shards
         self.multimodal = MultiModalStepPlanner()  # requests with images: their rows' positions and images
 
+    def unschedule(self):
+        """The step last encoded was not launched."""
+        self.multimodal.unschedule()
+
     def encode(self, batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> tuple[StepInput, SampleInput]:
         """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any."""
         step = encode_rows(batch, prev_rows)
