@@ -51,3 +51,19 @@ def test_tp2_matches_tp1(q3vl):
         assert [o.outputs[0].token_ids for o in llm.generate(requests(), sp, use_tqdm=False)] == expected
     finally:
         llm.exit()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_profile_encoder_covers_a_step(make_vl_checkpoint, arch):
+    """The memory-profiling pass (CUDA) runs the tower on images making a step's tokens."""
+    llm = LLM(make_vl_checkpoint(**({"arch": arch} if arch == "qwen3_vl" else {})), device="cpu",
+              kvcache_block_size=16, max_model_len=512)
+    try:
+        model, seen = llm.model_runner.model, []
+        real = model.encode_images
+        model.encode_images = lambda pixels, grids: seen.append(grids) or real(pixels, grids)
+        model.profile_encoder(600)
+        (grids,) = seen
+        assert sum(t * h * w for t, h, w in grids) // 4 == 600 and max(h for _, h, _ in grids) <= 32
+    finally:
+        llm.exit()

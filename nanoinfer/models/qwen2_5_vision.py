@@ -115,6 +115,20 @@ class PatchMerger(nn.Module):
         return x
 
 
+def dummy_images(vision, num_tokens: int, device, dtype) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Patches of images of 32 x 32 patches (the last one smaller) making `num_tokens` language-model
+    tokens or more: what memory profiling feeds a vision tower."""
+    merge = vision.spatial_merge_size
+    side = 32 // merge * merge
+    per_image = (side // merge) ** 2
+    grids = [(1, side, side)] * (num_tokens // per_image)
+    if num_tokens % per_image:
+        grids.append((1, merge, merge * (num_tokens % per_image)))
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    patches = sum(t * h * w for t, h, w in grids)
+    return torch.zeros(patches, width, device=device, dtype=dtype), grids
+
+
 def patch_positions(grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
     """(row, column) of every patch, in the processor's order (2x2 merge groups, row-major). [N, 2]"""
     out = []

@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 
 from nanoinfer.layers.model_build import ModelBuild, TensorParallel
 from nanoinfer.models.config_limits import head_dim, rope_theta
-from nanoinfer.models.qwen2_5_vision import Qwen2_5_VisionTransformer
+from nanoinfer.models.qwen2_5_vision import Qwen2_5_VisionTransformer, dummy_images
 from nanoinfer.models.qwen3 import Qwen2ForCausalLM
 from nanoinfer.multimodal.mrope import MRotaryEmbedding
 from nanoinfer.utils.context import get_context
@@ -24,6 +24,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         super().__init__(config, build)
         # replicated on every rank, dense whatever the language model's quantization
         self.visual = Qwen2_5_VisionTransformer(config.vision_config, ModelBuild(TensorParallel(0, 1)))
+        self.vision_config = config.vision_config
 
     def make_rotary(self, config: PretrainedConfig, build: ModelBuild) -> MRotaryEmbedding:
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -39,6 +40,12 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         merge = self.visual.merge ** 2
         out = self.visual(pixels, grids)
         return list(out.split([t * h * w // merge for t, h, w in grids]))
+
+    @torch.inference_mode()
+    def profile_encoder(self, num_tokens: int):
+        """Run the tower on images making num_tokens tokens (the engine's memory profiling)."""
+        weight = self.lm_head.weight
+        self.encode_images(*dummy_images(self.vision_config, num_tokens, weight.device, weight.dtype))
 
     def forward(self, input_ids, positions):
         mm = get_context().mm_embeds

@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.model_build import ModelBuild, TensorParallel
 from nanoinfer.models.config_limits import head_dim, rope_theta
 from nanoinfer.models.qwen3 import Qwen3ForCausalLM
+from nanoinfer.models.qwen2_5_vision import dummy_images
 from nanoinfer.models.qwen3_vl_vision import Qwen3VLVisionTransformer
 from nanoinfer.multimodal.mrope import MRotaryEmbedding
 from nanoinfer.utils.context import get_context
@@ -22,6 +23,7 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     def __init__(self, config: PretrainedConfig, build: ModelBuild):
         super().__init__(config, build)
         self.visual = Qwen3VLVisionTransformer(config.vision_config, ModelBuild(TensorParallel(0, 1)))
+        self.vision_config = config.vision_config
 
     def make_rotary(self, config: PretrainedConfig, build: ModelBuild) -> MRotaryEmbedding:
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -36,6 +38,12 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         """Every image's [its tokens, 1 + DeepStack layers, hidden]."""
         merge = self.visual.merge ** 2
         return list(self.visual(pixels, grids).split([t * h * w // merge for t, h, w in grids]))
+
+    @torch.inference_mode()
+    def profile_encoder(self, num_tokens: int):
+        """Run the tower on images making num_tokens tokens (the engine's memory profiling)."""
+        weight = self.lm_head.weight
+        self.encode_images(*dummy_images(self.vision_config, num_tokens, weight.device, weight.dtype))
 
     def forward(self, input_ids, positions):
         mm = get_context().mm_embeds
