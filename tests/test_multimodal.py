@@ -217,3 +217,22 @@ def test_decompression_bomb_refused(monkeypatch):
     monkeypatch.setattr(media, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(ValueError, match="more than 100"):
         MediaLoader().load_image(data_url(random_image(20, 20)))
+
+
+QWEN_VL_STYLE_TEMPLATE = (  # renders content parts itself, as Qwen2-VL's own template does
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_template_that_renders_parts_writes_the_placeholders(llm):
+    image = random_image(70, 70, seed=12)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image_pil", "image_pil": image},
+                                             {"type": "text", "text": "what?"}]}]
+    got = llm.chat(messages, GREEDY, chat_template=QWEN_VL_STYLE_TEMPLATE, use_tqdm=False)[0]
+    text = f"<|im_start|>user\nLook:{P}what?<|im_end|>\n<|im_start|>assistant\n"
+    want = gen(llm, text, image)
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

@@ -1,7 +1,11 @@
 """OpenAI chat content parts that carry images: `{"type": "image_url", "image_url": {"url": ...}}`
-and `{"type": "image_pil", "image_pil": <PIL image>}` (vLLM's). A message's image parts become the
-model's image placeholder in its text (before the text, joined with newlines, as vLLM does for
-templates that take string content), and their images join the request's multi_modal_data."""
+and `{"type": "image_pil", "image_pil": <PIL image>}` (vLLM's); their images join the request's
+multi_modal_data. As vLLM, by what the chat template takes:
+- a template that renders content parts itself (Qwen2-VL's and its successors' own templates) gets
+  the message's parts in order, each image as {"type": "image"}, and writes the placeholders;
+- any other template gets one string: the images' placeholders first, then the texts, joined with
+  newlines."""
+import threading
 from collections.abc import Mapping
 
 from nanoinfer.multimodal.media import MediaLoader
@@ -33,3 +37,26 @@ def image_of_part(part: Mapping, where: str, media: MediaLoader | None):
 
 def join_content(texts: list[str], num_images: int) -> str:
     return "\n".join([PLACEHOLDER] * num_images + texts)
+
+
+_TAKES_PARTS: dict[tuple[int, str | None], bool] = {}
+_TAKES_PARTS_LOCK = threading.Lock()
+
+
+def template_takes_parts(tokenizer, chat_template: str | None) -> bool:
+    """Whether the template renders a list of content parts, writing an image part as the image
+    placeholder (a probe render, once per tokenizer and template)."""
+    key = (id(tokenizer), chat_template)
+    with _TAKES_PARTS_LOCK:
+        if key in _TAKES_PARTS:
+            return _TAKES_PARTS[key]
+    probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "nanoinfer-probe"}]}]
+    try:
+        text = tokenizer.apply_chat_template(probe, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=False)
+        takes = "<|image_pad|>" in text and "nanoinfer-probe" in text and "'type'" not in text
+    except Exception:  # a template that cannot take parts
+        takes = False
+    with _TAKES_PARTS_LOCK:
+        _TAKES_PARTS[key] = takes
+    return takes

@@ -32,14 +32,19 @@ def render_chat(tokenizer, messages, chat_template: str | None = None, add_gener
         raise TypeError(f"chat_template must be a str (a Jinja template), got {type(chat_template).__name__}")
     if not isinstance(messages, (list, tuple)) or not messages:
         raise TypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
-    images = []
-    conversation = [_message(m, i, media, images) for i, m in enumerate(messages)]
+    images, parts = [], {}  # parts: message index -> its content as OpenAI parts, for messages with images
+    conversation = [_message(m, i, media, images, parts) for i, m in enumerate(messages)]
     if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools)):
         raise TypeError(f"tools must be a list of dicts (JSON schemas), got {tools!r:.200}")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be set: "
                          "continue the last message, or start a new assistant message")
     kwargs = _template_kwargs(chat_template_kwargs)
+    if parts:
+        from nanoinfer.multimodal.chat_parts import template_takes_parts
+        if template_takes_parts(tokenizer, chat_template):  # it writes the image placeholders itself
+            for i, content in parts.items():
+                conversation[i]["content"] = content
     try:
         text = tokenizer.apply_chat_template(
             conversation, chat_template=chat_template, tools=None if tools is None else [dict(t) for t in tools],
@@ -55,8 +60,9 @@ def render_chat(tokenizer, messages, chat_template: str | None = None, add_gener
     return prompt
 
 
-def _message(message, i: int, media=None, images: list | None = None) -> dict:
-    """A validated copy of message i, its content parts joined into one string."""
+def _message(message, i: int, media=None, images: list | None = None, parts: dict | None = None) -> dict:
+    """A validated copy of message i, its content parts joined into one string. Its images join
+    `images`, and its content as OpenAI parts (images as {"type": "image"}) goes to parts[i]."""
     if not isinstance(message, Mapping):
         raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
     role = message.get("role")
@@ -65,16 +71,19 @@ def _message(message, i: int, media=None, images: list | None = None) -> dict:
     out = dict(message)
     content = message.get("content")
     if isinstance(content, (list, tuple)):
-        texts, found = [], []
+        texts, found, ordered = [], [], []
         for j, part in enumerate(content):
             if isinstance(part, Mapping) and part.get("type") in ("image_url", "image_pil"):
                 from nanoinfer.multimodal.chat_parts import image_of_part
                 found.append(image_of_part(part, f"messages[{i}]['content'][{j}]", media))
+                ordered.append({"type": "image"})
             else:
                 texts.append(_text_part(part, i, j))
+                ordered.append({"type": "text", "text": texts[-1]})
         if found:
             from nanoinfer.multimodal.chat_parts import join_content
             images.extend(found)
+            parts[i] = ordered
             out["content"] = join_content(texts, len(found))
         else:
             out["content"] = "\n".join(texts)  # as vLLM joins them
