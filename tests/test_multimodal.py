@@ -236,3 +236,26 @@ def test_chat_template_that_renders_parts_writes_the_placeholders(llm):
     want = gen(llm, text, image)
     assert got.prompt_token_ids == want.prompt_token_ids
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"vision_config": {"depth": 0}}, "vision_config.depth"),
+    ({"vision_config": {"num_heads": 3}}, "num_heads=3"),
+    ({"vision_config": {"out_hidden_size": 48}}, "out_hidden_size=48"),
+    ({"image_token_id": 100000}, "image_token_id"),
+])
+def test_bad_vision_config_refused(make_vl_checkpoint, tmp_path, change, match):
+    import json
+    import shutil
+    src = make_vl_checkpoint()
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    for key, value in change.items():
+        if isinstance(value, dict):
+            config[key].update(value)
+        else:
+            config[key] = value
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        LLM(str(dst), device="cpu", kvcache_block_size=16, max_model_len=128)

@@ -34,6 +34,9 @@ def check_architecture(config: PretrainedConfig) -> str:
             check_norm_and_rope(config)
             _check_supported_options(config)
             _check_moe_and_window(config, arch)
+            if getattr(config, "vision_config", None) is not None:
+                from nanoinfer.multimodal.config import check_vision_config
+                check_vision_config(config)
             return arch
     raise ValueError(f"unsupported architecture {archs or getattr(config, 'model_type', None)!r}; "
                      f"supported: {', '.join(sorted(MODELS))}")

@@ -27,3 +27,23 @@ def language_model_config(hf_config: PretrainedConfig) -> PretrainedConfig:
         if getattr(hf_config, name, None) is not None:
             setattr(text, name, getattr(hf_config, name))
     return text
+
+
+def check_vision_config(config: PretrainedConfig):
+    """The vision tower's sizes and the image token ids, before any layer is built from them."""
+    vision = config.vision_config
+    for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "patch_size",
+                 "spatial_merge_size", "temporal_patch_size", "in_channels"):
+        value = getattr(vision, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"model config: vision_config.{name} must be a positive int, got {value!r}")
+    if vision.hidden_size % vision.num_heads or (vision.hidden_size // vision.num_heads) % 4:
+        raise ValueError(f"model config: vision_config.hidden_size={vision.hidden_size} must split into "
+                         f"num_heads={vision.num_heads} heads of a multiple of 4 (2D rotary)")
+    if vision.out_hidden_size != config.hidden_size:
+        raise ValueError(f"model config: vision_config.out_hidden_size={vision.out_hidden_size} must equal the "
+                         f"language model's hidden_size={config.hidden_size}")
+    for name in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+        value = getattr(config, name, None)
+        if not isinstance(value, int) or not 0 <= value < config.vocab_size:
+            raise ValueError(f"model config: {name} must be a token id in [0, {config.vocab_size}), got {value!r}")
