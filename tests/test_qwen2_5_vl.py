@@ -236,3 +236,21 @@ def test_failed_launch_forgets_its_images(vl):
         assert not llm.model_runner.encoder_cache.embeddings and not llm.step_encoder.multimodal.resident
     finally:
         llm.exit()
+
+
+def test_prompt_logprobs_and_samples(vl):
+    """prompt_logprobs at every prompt position (image tokens included) equal HF's; n = 2 greedy
+    samples equal the solo greedy output."""
+    from vl_reference import hf_prompt_logprobs
+    prompt, image = f"See {P} and say.", random_image(112, 84, seed=13)
+    llm = engine(vl)
+    try:
+        out = run(llm, request(prompt, [image]), SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0))[0]
+        ours = [lp[t].logprob for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+        theirs = hf_prompt_logprobs(vl, prompt, [image], out.prompt_token_ids)
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-4
+        solo = out.outputs[0].token_ids
+        two = run(llm, request(prompt, [image]), SamplingParams(temperature=0, max_tokens=3, n=2))[0]
+        assert [c.token_ids for c in two.outputs] == [solo, solo]
+    finally:
+        llm.exit()

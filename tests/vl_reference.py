@@ -53,3 +53,15 @@ def assert_vl_greedy_matches_hf(path: str, prompt: str, images: list, prompt_ids
     gap = logits.max(-1).values - ours
     bad = (gap > tol).nonzero().flatten().tolist()
     assert not bad, f"tokens differ from HF argmax at completion positions {bad[:5]} (gaps {gap[bad[:5]].tolist()})"
+
+
+def hf_prompt_logprobs(path: str, prompt: str, images: list, prompt_ids: list[int]) -> list[float]:
+    """HF's log-probability of each prompt token after the first, given the tokens before it."""
+    model, _, _ = hf_vl_model(path)
+    expected_ids, pixels, grid = hf_inputs(path, prompt, images)
+    assert prompt_ids == expected_ids
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
+                       mm_token_type_ids=(ids == model.config.image_token_id).int()).logits[0, :-1]
+    return logits.log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0].tolist()
