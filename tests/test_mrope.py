@@ -18,7 +18,7 @@ from nanoinfer.multimodal.mrope import MRotaryEmbedding, mrope_positions
 def test_positions_match_hf(layout):
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
-    images, offset, types = [], 0, []
+    images = []
     total = 50
     tokens = [0] * total
     for start, grid in layout:

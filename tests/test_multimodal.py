@@ -178,8 +178,8 @@ def http_image():
 def test_url_rules(http_image, tmp_path):
     image, base = http_image
     refused = MediaLoader()
-    for url, match in ((f"{base}/img.png", "allowed_media_domains"), ("file:///etc/hostname", "allowed_local_media_path"),
-                       ("ftp://example.com/a.png", "not allowed"), ("img.png", "not allowed"),
+    for url, match in ((f"{base}/img.png", "allowed_media_domains"),
+                       ("file:///etc/hostname", "allowed_local_media_path"), ("ftp://example.com/a.png", "not allowed"), ("img.png", "not allowed"),
                        ("data:text/plain;base64,aGk=", "data:image"), ("data:image/png;base64,@@@", "base64"),
                        ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "not a readable image")):
         with pytest.raises(ValueError, match=match):
@@ -229,7 +229,8 @@ QWEN_VL_STYLE_TEMPLATE = (  # renders content parts itself, as Qwen2-VL's own te
 
 def test_chat_template_that_renders_parts_writes_the_placeholders(llm):
     image = random_image(70, 70, seed=12)
-    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image_pil", "image_pil": image},
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                             {"type": "image_pil", "image_pil": image},
                                              {"type": "text", "text": "what?"}]}]
     got = llm.chat(messages, GREEDY, chat_template=QWEN_VL_STYLE_TEMPLATE, use_tqdm=False)[0]
     text = f"<|im_start|>user\nLook:{P}what?<|im_end|>\n<|im_start|>assistant\n"

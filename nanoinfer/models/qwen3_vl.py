@@ -47,18 +47,19 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
 
     def forward(self, input_ids, positions):
         mm = get_context().mm_embeds
-        embeds = after_layer = None
+        embeds = hook = None
         if mm is not None:
             rows, values = mm
             values = values.to(self.lm_head.weight.dtype)
             embeds = self.model.embed_tokens(input_ids).index_copy(0, rows, values[:, 0])
             deepstack = values.shape[1] - 1
 
-            def after_layer(i, hidden, residual):  # (the residual is the stream's full tensor on every rank)
+            def add_deepstack(i, hidden, residual):  # (the residual is the stream's full tensor on every rank)
                 if i < deepstack:
                     residual = residual.index_add(0, rows, values[:, 1 + i])
                 return hidden, residual
+            hook = add_deepstack
         if positions.dim() == 2:
             with self.rotary.per_token(positions) as flat:
-                return self.model(input_ids, flat, embeds, after_layer)
-        return self.model(input_ids, positions, embeds, after_layer)
+                return self.model(input_ids, flat, embeds, hook)
+        return self.model(input_ids, positions, embeds, hook)

@@ -46,7 +46,8 @@ class PatchMerger(nn.Module):
         self.wide = config.hidden_size * config.spatial_merge_size ** 2
         self.postshuffle = postshuffle
         self.norm = nn.LayerNorm(self.wide if postshuffle else config.hidden_size, eps=1e-6)
-        self.linear_fc1 = ReplicatedLinear(self.wide, self.wide, bias=True, build=build, prefix=join(prefix, "linear_fc1"))
+        self.linear_fc1 = ReplicatedLinear(self.wide, self.wide, bias=True, build=build,
+                                           prefix=join(prefix, "linear_fc1"))
         self.linear_fc2 = ReplicatedLinear(self.wide, config.out_hidden_size, bias=True, build=build,
                                            prefix=join(prefix, "linear_fc2"))
 

@@ -58,7 +58,8 @@ def split_multi_modal(prompt) -> tuple[object, dict | None, dict | None]:
     rest = {k: v for k, v in prompt.items() if k not in PROMPT_KEYS}
     data, kwargs = prompt.get("multi_modal_data"), prompt.get("mm_processor_kwargs")
     if data is not None and not isinstance(data, dict):
-        raise TypeError(f"multi_modal_data must be a dict like {{'image': image or [images]}}, got {type(data).__name__}")
+        raise TypeError("multi_modal_data must be a dict like {'image': image or [images]}, "
+                        f"got {type(data).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"mm_processor_kwargs must be a dict, got {type(kwargs).__name__}")
     return rest, data, kwargs

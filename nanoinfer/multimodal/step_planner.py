@@ -23,7 +23,7 @@ class MultiModalStepPlanner:
         """(rope_positions, multi_modal) of a scheduled batch (engine/scheduler.py ScheduledBatch):
         None, None for a batch without multimodal sequences, when no image is held."""
         self._last_encoded = []
-        if not self.resident and not self._orphans and not any(seq.multi_modal is not None for seq in batch.seqs):
+        if not self.resident and not self._orphans and all(seq.multi_modal is None for seq in batch.seqs):
             return None, None
         encode, placements = [], []
         flat = 0
@@ -72,7 +72,8 @@ def rope_positions(batch) -> list[list[int]] | None:
     rows = list(zip(batch.seqs, batch.starts, batch.query_lens))
     if all(seq.multi_modal is None for seq, _, _ in rows):
         return None
-    if not any(seq.multi_modal is not None and seq.multi_modal.covers_image(start, start + q) for seq, start, q in rows):
+    if not any(seq.multi_modal is not None and seq.multi_modal.covers_image(start, start + q)
+               for seq, start, q in rows):
         flat = []  # (decode steps: a few list operations a row)
         for seq, start, q in rows:
             mm = seq.multi_modal

@@ -22,7 +22,8 @@ def vl_config(tokenizer, *, hidden_size=64, num_layers=2, num_heads=4, num_kv_he
                 rope_parameters={"rope_type": "default", "mrope_section": list(mrope_section), "rope_theta": 10000.0},
                 eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=tokenizer.pad_token_id)
     vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
-                  num_heads=vision_heads, out_hidden_size=hidden_size, fullatt_block_indexes=list(fullatt_block_indexes),
+                  num_heads=vision_heads, out_hidden_size=hidden_size,
+                  fullatt_block_indexes=list(fullatt_block_indexes),
                   window_size=window_size, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                             video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
@@ -59,8 +60,11 @@ def vl_tokenizer():
 def save_image_processor(path: str, min_pixels: int = 4 * 28 * 28, max_pixels: int = 64 * 28 * 28,
                          patch_size: int = 14):
     """The PIL Qwen2-VL image processor (no torchvision needed), its pixel bounds small for CPU tests."""
-    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
-    pil.Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size).save_pretrained(path)
+    try:
+        from transformers import Qwen2VLImageProcessorPil as processor_class
+    except ImportError:  # transformers 4.x: the slow processor is the PIL one
+        from transformers import Qwen2VLImageProcessor as processor_class
+    processor_class(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size).save_pretrained(path)
 
 
 def build_tiny_vl_checkpoint(path: str, seed: int = 0, arch: str = "qwen2_5_vl", **sizes) -> str:
