@@ -10,6 +10,8 @@ checkpoint's (`visual.blocks.0.attn.qkv`, ...).
 Patches arrive as the image processor lays them out: each image's patches in 2x2 merge groups,
 rows of groups top to bottom. Window attention reorders the groups window by window
 (`window_order`); the merger's output is put back in the original order."""
+from itertools import groupby
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,18 +59,12 @@ class VisionAttention(nn.Module):
         q, k = apply_rotary(q, rows, rope), apply_rotary(k, rows, rope)
         out = torch.empty_like(q)
         start = 0
-        # runs of equal-length segments go through one SDPA call each
-        while start < n:
-            length = segments[0]
-            count = 1
-            while count < len(segments) and segments[count] == length:
-                count += 1
+        for length, run in groupby(segments):  # a run of equal-length segments: one SDPA call
+            count = len(list(run))
             end = start + count * length
-            batch = [t[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
-                     for t in (q, k, v)]
-            out[start:end] = F.scaled_dot_product_attention(*batch).transpose(1, 2).reshape(end - start, self.num_heads,
-                                                                                             self.head_dim)
-            segments = segments[count:]
+            q_, k_, v_ = (t[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
+                          for t in (q, k, v))
+            out[start:end] = F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2).flatten(0, 1)
             start = end
         return self.proj(out.reshape(n, -1))
 
@@ -158,7 +154,7 @@ def window_order(grids: list[tuple[int, int, int]], merge: int, window: int) -> 
 
 
 class Qwen2_5_VisionTransformer(nn.Module):
-    def __init__(self, config, dtype_build: ModelBuild, prefix: str = "visual"):
+    def __init__(self, config, build: ModelBuild, prefix: str = "visual"):
         super().__init__()
         self.merge = config.spatial_merge_size
         self.window = config.window_size // config.spatial_merge_size // config.patch_size  # in merge groups
@@ -167,13 +163,11 @@ class Qwen2_5_VisionTransformer(nn.Module):
                                                              config.patch_size, config.hidden_size)})
         head_dim = config.hidden_size // config.num_heads
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        quarter = head_dim // 2
-        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter),
+        half = head_dim // 2  # each of the row and column positions turns half the rotary frequencies
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float) / half),
                              persistent=False)
-        self.blocks = nn.ModuleList([VisionBlock(config, dtype_build, f"{prefix}.blocks.{i}")
-                                     for i in range(config.depth)])
-        self.merger = PatchMerger(config.out_hidden_size, config.hidden_size, self.merge, dtype_build,
-                                  f"{prefix}.merger")
+        self.blocks = nn.ModuleList([VisionBlock(config, build, f"{prefix}.blocks.{i}") for i in range(config.depth)])
+        self.merger = PatchMerger(config.out_hidden_size, config.hidden_size, self.merge, build, f"{prefix}.merger")
 
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixels: [patches, C * T * P * P] of every image, in order; grids: each image's (t, h, w) in
@@ -184,7 +178,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         groups, windows = window_order(grids, self.merge, self.window)
         groups = groups.to(dev)
         rows = (groups[:, None] * unit + torch.arange(unit, device=dev)).flatten()  # patch rows, window order
-        freqs = patch_positions(grids, self.merge).to(dev)[rows, :, None].float() * self.inv_freq  # [N, 2, q/2]
+        freqs = patch_positions(grids, self.merge).to(dev)[rows, :, None].float() * self.inv_freq  # [N, 2, hd/4]
         freqs = freqs.flatten(1)
         rope = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         x = x[rows]
