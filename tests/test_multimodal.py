@@ -260,3 +260,16 @@ def test_bad_vision_config_refused(make_vl_checkpoint, tmp_path, change, match):
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
         LLM(str(dst), device="cpu", kvcache_block_size=16, max_model_len=128)
+
+
+def test_batch_with_a_bad_image_queues_none(llm):
+    """Several image prompts are preprocessed together (threads); one bad image rejects the batch,
+    naming its index, and the engine goes on."""
+    good = {"prompt": f"{P} one", "multi_modal_data": {"image": random_image(60, 60, seed=1)}}
+    bad = {"prompt": f"{P} two", "multi_modal_data": {"image": "not an image"}}
+    with pytest.raises(TypeError, match=r"prompts\[1\]"):
+        llm.generate([good, bad, good], GREEDY, use_tqdm=False)
+    assert llm.is_finished()
+    outs = llm.generate([good, good], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == \
+        gen(llm, f"{P} one", random_image(60, 60, seed=1)).outputs[0].token_ids

@@ -133,20 +133,20 @@ def image_workload(llm, args, bound_of, flops_rate: float | None, run) -> None:
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     requests = image_requests(llm, args.images, args.image_size, args.image_input_len)
     timer = EncoderTimer(llm.model_runner.model, cuda) if args.tensor_parallel_size == 1 else None
-    proc = llm.input_processor.multimodal
-    preprocess, intake = proc._preprocess, []
+    intake_processor = llm.input_processor
+    process_all, intake = intake_processor.process_all, []
 
-    def timed_preprocess(*a):  # the image processor at intake (host), part of the timed run
+    def timed_intake(*a, **kw):  # request intake on the host (the image processor, tokens), in the timed run
         t0 = time.perf_counter()
         try:
-            return preprocess(*a)
+            return process_all(*a, **kw)
         finally:
             intake.append(time.perf_counter() - t0)
-    proc._preprocess = timed_preprocess
+    intake_processor.process_all = timed_intake
     try:
         steps, t = run(llm, requests, [sp] * len(requests))
     finally:
-        proc._preprocess = preprocess
+        del intake_processor.process_all
         if timer is not None:
             timer.restore()
     out_tokens = args.images * args.image_output_len
@@ -159,9 +159,9 @@ def image_workload(llm, args, bound_of, flops_rate: float | None, run) -> None:
         seconds, images = timer.seconds()
         print(f"vision encoder: {images} images in {len(timer.calls)} calls, {seconds / max(images, 1) * 1e3:.2f} ms "
               f"per image ({seconds / t * 100:.1f}% of the run)")
-    print(f"image processor at intake: {sum(intake) / max(len(intake), 1) * 1e3:.2f} ms per image "
-          f"({sum(intake) / t * 100:.1f}% of the run)")
-    grid = proc._preprocess([requests[0]["multi_modal_data"]["image"]], {})[1][0]
+    print(f"request intake (image processor in threads, tokens): {sum(intake) * 1e3 / args.images:.2f} ms per "
+          f"request ({sum(intake) / t * 100:.1f}% of the run)")
+    grid = llm.input_processor.multimodal._preprocess([requests[0]["multi_modal_data"]["image"]], {})[1][0]
     flops = vision_flops(llm.config.hf_config.vision_config, [grid] * args.images)
     print(f"vision tower: grid {grid}, {flops / args.images / 1e9:.1f} GFLOP per image")
     if bound_of is not None and flops_rate:

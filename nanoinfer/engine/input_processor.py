@@ -10,6 +10,7 @@ sequences. Every error is a ValueError or
 TypeError raised before anything is queued.
 """
 import pickle
+from contextlib import nullcontext
 from copy import copy
 from dataclasses import dataclass
 from numbers import Integral
@@ -51,13 +52,15 @@ class InputProcessor:
         """`process` each prompt with its params; an error names the prompt's index (when there are
         several), so a caller can reject the whole batch before queueing any."""
         prepared = []
-        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params, strict=True)):
-            try:
-                prepared.append(self.process(prompt, sp, max_tokens_must_fit))
-            except (ValueError, TypeError) as e:
-                if len(prompts) == 1:
-                    raise
-                raise type(e)(f"prompts[{i}]: {e}") from e
+        # (images of several prompts are preprocessed in threads, all at once)
+        with self.multimodal.batch(prompts) if self.multimodal is not None else nullcontext():
+            for i, (prompt, sp) in enumerate(zip(prompts, sampling_params, strict=True)):
+                try:
+                    prepared.append(self.process(prompt, sp, max_tokens_must_fit))
+                except (ValueError, TypeError) as e:
+                    if len(prompts) == 1:
+                        raise
+                    raise type(e)(f"prompts[{i}]: {e}") from e
         return prepared
 
     def process(self, prompt, sampling_params: SamplingParams | None,

@@ -6,6 +6,8 @@ expanded to the image's token count; the prompt's M-RoPE positions are computed.
 Every problem is a ValueError / TypeError naming it: not an image, an empty image, a placeholder
 count that differs from the image count, images for a text-only model, unknown processor options."""
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 import xxhash
@@ -39,12 +41,33 @@ class MultiModalProcessor:
         self.merge = hf_config.vision_config.spatial_merge_size
         self.vocab_size = vocab_size
         self._image_processor = None
+        self._ahead: dict[int, Future] = {}  # id(multi_modal_data) -> its images' preprocessing, started by `batch`
 
     @property
     def image_processor(self):
         if self._image_processor is None:
             self._image_processor = load_image_processor(self.model_path)
         return self._image_processor
+
+    @contextmanager
+    def batch(self, prompts: list):
+        """While inside, the images of these prompts are preprocessed in threads (PIL and numpy
+        release the GIL), all at once, ahead of each prompt's `process`; what is left is dropped."""
+        work = [p["multi_modal_data"] for p in prompts
+                if isinstance(p, dict) and isinstance(p.get("multi_modal_data"), dict)
+                and p["multi_modal_data"].get("image") is not None and not p.get("mm_processor_kwargs")]
+        if len(work) < 2:
+            yield
+            return
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="nanoinfer-images") as pool:
+            images = [data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]] for data in work]
+            self._ahead = {id(data): pool.submit(self._preprocess, list(ims), {}) for data, ims in zip(work, images)}
+            try:
+                yield
+            finally:
+                for future in self._ahead.values():
+                    future.cancel()
+                self._ahead = {}
 
     def process(self, token_ids: list[int], data: dict | None,
                 kwargs: dict | None) -> tuple[list[int], MultiModalInputs | None]:
@@ -66,7 +89,9 @@ class MultiModalProcessor:
             raise ValueError("mm_processor_kwargs given without images")
         if not images:
             return token_ids, None
-        pixel_values, grids = self._preprocess(images, kwargs or {})
+        ahead = self._ahead.pop(id(data), None)
+        pixel_values, grids = ahead.result() if ahead is not None and not kwargs else \
+            self._preprocess(images, kwargs or {})
         expanded, items = [], []
         done = 0
         for placeholder, pixels, grid in zip(placeholders, pixel_values, grids):
