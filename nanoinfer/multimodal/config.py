@@ -3,13 +3,14 @@
 The core reads a text model's sizes off `Config.hf_config` (vocab_size, hidden_size, heads, ...). A
 vision-language config nests them under `text_config`, so the engine gets that text config, which
 also carries what the model and the intake need from the composite one: `architectures`,
-`vision_config`, the image token ids and `tie_word_embeddings`."""
+`vision_config`, the image token ids, `tie_word_embeddings`, `quantization_config` (and the
+checkpoint's dtype when the text config has none)."""
 import copy
 
 from transformers import PretrainedConfig
 
 _CARRIED = ("architectures", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
-            "vision_end_token_id", "tie_word_embeddings")
+            "vision_end_token_id", "tie_word_embeddings", "quantization_config")
 
 
 def is_multimodal(hf_config: PretrainedConfig) -> bool:
@@ -26,6 +27,8 @@ def language_model_config(hf_config: PretrainedConfig) -> PretrainedConfig:
     for name in _CARRIED:
         if getattr(hf_config, name, None) is not None:
             setattr(text, name, getattr(hf_config, name))
+    if getattr(text, "dtype", None) is None and getattr(hf_config, "dtype", None) is not None:
+        text.dtype = hf_config.dtype
     return text
 
 
