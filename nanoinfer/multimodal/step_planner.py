@@ -17,12 +17,13 @@ class MultiModalStepPlanner:
     def __init__(self):
         self.resident: dict[int, dict] = {}  # key -> {sequence: the image's end in it}
         self._last_encoded: list[int] = []   # keys the last planned step asked the runners to encode
+        self._last_freed: list[int] = []     # ... and to drop
         self._orphans: set[int] = set()      # keys a step that failed to launch may have left on a runner
 
     def plan(self, batch) -> tuple[list[list[int]] | None, MultiModalStep | None]:
         """(rope_positions, multi_modal) of a scheduled batch (engine/scheduler.py ScheduledBatch):
         None, None for a batch without multimodal sequences, when no image is held."""
-        self._last_encoded = []
+        self._last_encoded, self._last_freed = [], []
         if not self.resident and not self._orphans and all(seq.multi_modal is None for seq in batch.seqs):
             return None, None
         encode, placements = [], []
@@ -41,17 +42,18 @@ class MultiModalStepPlanner:
             flat += q
         free = self._release() + [key for key in self._orphans if key not in self.resident]
         self._orphans.clear()
-        self._last_encoded = [im.key for im in encode]
+        self._last_encoded, self._last_freed = [im.key for im in encode], free
         step = MultiModalStep(encode, placements, free) if encode or placements or free else None
         return rope_positions(batch), step
 
     def unschedule(self):
         """The last planned step was not launched (an exception): the images it asked to encode are
-        not held (a runner that did encode them is told to drop them, unless a later step needs them)."""
+        not held, and those it asked to drop may still be; a runner holding either is told to drop
+        them with the next step, unless that step needs them."""
         for key in self._last_encoded:
             self.resident.pop(key, None)
-            self._orphans.add(key)
-        self._last_encoded = []
+        self._orphans.update(self._last_encoded, self._last_freed)
+        self._last_encoded, self._last_freed = [], []
 
     def _release(self) -> list[int]:
         """Drop holders that no longer need their image; return the keys no one holds."""
