@@ -55,7 +55,9 @@ def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate, tp_
     experts only. Prefill FLOPs count at the bf16 matmul rate, FP8 or not."""
     from nanoinfer.bench.moe import moe_step_costs
     kv_heads = max(hf.num_key_value_heads // tp_size, 1)  # (replicated when fewer than ranks)
-    kv_per_token = hf.num_hidden_layers * kv_heads * hf.head_dim * 2 * (kv_dtype_bytes or dtype_bytes)
+    from nanoinfer.models.config_limits import head_dim
+    dim = head_dim(hf)
+    kv_per_token = hf.num_hidden_layers * kv_heads * dim * 2 * (kv_dtype_bytes or dtype_bytes)
     expert_bytes = expert_bytes or dtype_bytes
     all_experts, expert_flops = moe_step_costs(hf, expert_bytes, float("inf"), tp_size)
     params = (weight_bytes / dtype_bytes if num_params is None else num_params) - all_experts / expert_bytes
@@ -74,7 +76,7 @@ def lower_bound(steps, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate, tp_
             tokens = sum(q for q, _ in prefill)
             attn = sum(q * (ctx - q) + q * (q + 1) / 2 for q, ctx in prefill)  # causal query-key pairs
             flops = 2 * matmul_params * tokens + expert_flops * tokens + 2 * embed * len(prefill) \
-                + 4 * hf.num_hidden_layers * hf.num_attention_heads // tp_size * hf.head_dim * attn
+                + 4 * hf.num_hidden_layers * hf.num_attention_heads // tp_size * dim * attn
             flop_time += flops / flops_rate
     return byte_time + flop_time
 
@@ -177,6 +179,13 @@ def main():
     p.add_argument("--sweep", action="store_true", help="one table: batch 1, 8, 64, 256 and the nano-vllm workload")
     p.add_argument("--sweep-output-len", type=int, default=512)
     p.add_argument("--plot", metavar="FILE.png", help="draw tok/s and batch size over the run (needs matplotlib)")
+    p.add_argument("--images", type=int, metavar="N",
+                   help="the image workload instead: N requests, each one image and --image-input-len text tokens, "
+                        "--image-output-len output tokens, on a random Qwen2.5-VL (--vl-config) or --model")
+    p.add_argument("--vl-config", choices=["7b", "tiny"], default="7b", help="shape of the random Qwen2.5-VL")
+    p.add_argument("--image-size", type=int, default=448)
+    p.add_argument("--image-input-len", type=int, default=128)
+    p.add_argument("--image-output-len", type=int, default=256)
     p.add_argument("--profile", type=int, nargs=2, metavar=("FIRST", "LAST"), action="append", default=[],
                    help="profile steps FIRST..LAST with torch.profiler (perturbs the timing); repeatable")
     p.add_argument("--lora", type=int, metavar="N", default=0,
@@ -193,22 +202,28 @@ def main():
         return
 
     seed(args.seed)
-    model = args.model or make_random_model_dir(args.config)
+    if args.images:
+        from nanoinfer.bench.images import make_random_vl_model_dir
+        model = args.model or make_random_vl_model_dir(args.vl_config)
+    else:
+        model = args.model or make_random_model_dir(args.config)
     max_model_len = max(args.max_model_len, args.long_prompt_len + 1) if args.long_prompts else args.max_model_len
     llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, load_format="auto" if args.model else "dummy",
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
-    warm_up(llm, args)
+    if not args.images:
+        warm_up(llm, args)
     if args.long_prompts:
         long_prompt_arrivals(llm, args)
         return llm.exit()
-    bound_of = None
+    bound_of = flops_rate = None
     info = llm.model_runner.info()
     if llm.config.device == "cuda":
         hf = llm.config.hf_config
         dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()
-        params = list(llm.model_runner.model.parameters())  # (rank 0's shard; FP8 weights count 1 byte)
+        # (rank 0's shard; FP8 weights count 1 byte; a vision tower's weights are not read by every step)
+        params = [p for n, p in llm.model_runner.model.named_parameters() if not n.startswith("visual.")]
         weight_bytes = sum(p.numel() * p.element_size() for p in params)
         num_params = sum(p.numel() for p in params)
         from nanoinfer.layers.fused_moe import ExpertsGateUp
@@ -219,11 +234,15 @@ def main():
         bound_of = lambda group: lower_bound(group, hf, weight_bytes, dtype_bytes, bandwidth, flops_rate,  # noqa: E731
                                              args.tensor_parallel_size, 1 if args.kv_cache_dtype != "auto" else None,
                                              num_params=num_params, expert_bytes=1 if fp8_experts else None)
-    print(f"model: {args.model or 'random Qwen3-' + args.config}, device: {llm.config.device}, "
+    name = f"random Qwen2.5-VL-{args.vl_config}" if args.images else f"random Qwen3-{args.config}"
+    print(f"model: {args.model or name}, device: {llm.config.device}, "
           f"weights: {args.quantization or 'model dtype'}, "
           f"tp={args.tensor_parallel_size}, backend: {info['backend']}, "
           f"cuda graphs: {info['cuda_graphs']}, one-shot all-reduce: {info['one_shot_all_reduce']}, kv blocks: {llm.scheduler.block_manager.num_blocks} ({args.kv_cache_dtype})")
-    if args.sweep:
+    if args.images:
+        from nanoinfer.bench.images import image_workload
+        image_workload(llm, args, bound_of, flops_rate, run)
+    elif args.sweep:
         sweep(llm, args, bound_of)
     else:
         steps = nano_vllm_workload(llm, args, bound_of)

@@ -6,6 +6,8 @@ from numbers import Integral, Real
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanoinfer.multimodal.config import language_model_config
+
 # vLLM's dtype names, "half" and "float" included
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -52,6 +54,10 @@ class Config:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # images in chat content parts (multimodal/media.py): file:// URLs under this directory ("" refuses
+    # them), http(s):// URLs of these hosts (None refuses them); data: URLs always
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list[str] | None = None
     # Filled in by __post_init__, not user options.
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
@@ -107,6 +113,8 @@ class Config:
             raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, _DTYPES))}; got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        from nanoinfer.multimodal.media import MediaLoader
+        MediaLoader(self.allowed_local_media_path, self.allowed_media_domains)  # raises on a bad path or host list
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
@@ -123,7 +131,7 @@ class Config:
 
         if self.hf_config is None:
             self.model = resolve_model_path(self.model)
-            self.hf_config = load_hf_config(self.model)
+            self.hf_config = language_model_config(load_hf_config(self.model))
         self.tokenizer = self.model if self.tokenizer is None else resolve_model_path(self.tokenizer, "tokenizer")
         hf = self.hf_config
         from nanoinfer.models import check_architecture

@@ -55,15 +55,19 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
              use_tqdm=True, tools: list[dict] | None = None,
              continue_final_message: bool = False, lora_request=None, priority=None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts, content a str or a list
-        of OpenAI text parts) or a list of them. Each is rendered with the tokenizer's chat template
-        (or `chat_template`), with `tools` and `chat_template_kwargs` passed to it, and generated
-        (under `lora_request`, as in generate); returns one RequestOutput per conversation."""
+        of OpenAI content parts: text, image_url, image_pil) or a list of them. Each is rendered with
+        the tokenizer's chat template (or `chat_template`), with `tools` and `chat_template_kwargs`
+        passed to it, and generated (under `lora_request`, as in generate); returns one RequestOutput
+        per conversation. Image URLs follow the allowed_local_media_path / allowed_media_domains rules
+        (multimodal/media.py)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a non-empty list of {'role', 'content'} dicts) "
                             "or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        from nanoinfer.multimodal.media import MediaLoader
+        media = MediaLoader(self.config.allowed_local_media_path, self.config.allowed_media_domains)
         prompts = [render_chat(self.tokenizer, conv, chat_template, add_generation_prompt, chat_template_kwargs,
-                               tools, continue_final_message) for conv in conversations]
+                               tools, continue_final_message, media=media) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                              priority=priority)
 

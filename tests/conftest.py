@@ -79,3 +79,21 @@ def shared_llm():
     yield get
     for llm in built.values():
         llm.exit()
+
+
+@pytest.fixture(scope="session")
+def make_vl_checkpoint(tmp_path_factory):
+    """make_vl_checkpoint(**sizes) -> path of a tiny random Qwen2.5-VL checkpoint (2-layer vision
+    tower, the PIL image processor, a tokenizer with the vision tokens), built once per set of sizes."""
+    pytest.importorskip("PIL")
+    from nanoinfer.multimodal.tiny_model import build_tiny_vl_checkpoint
+
+    built = {}
+
+    def make(**sizes):
+        key = tuple(sorted(sizes.items()))
+        if key not in built:
+            built[key] = build_tiny_vl_checkpoint(str(tmp_path_factory.mktemp("vl")), **sizes)
+        return built[key]
+
+    return make

@@ -105,7 +105,7 @@ def test_eviction_least_recently_freed_first():
 
 
 def test_hash_collision_guard(monkeypatch):
-    monkeypatch.setattr(bm_module, "hash_block", lambda tokens, prev: 42)
+    monkeypatch.setattr(bm_module, "hash_block", lambda tokens, prev, keys=(): 42)
     bm = BlockManager(10, BS)
     a = seq_of(range(20))
     assert bm.allocate(a)
@@ -188,3 +188,28 @@ def test_random_workload_keeps_accounting(seed, num_blocks, num_ops):
     for s in live:
         bm.free(s)
     assert_all_free(bm)
+
+
+def test_image_keys_separate_blocks_with_equal_tokens():
+    """Blocks whose tokens are equal but whose images differ (Sequence.block_keys) never hit each
+    other; the same image does; blocks after the image chain its key."""
+    import numpy as np
+
+    from nanoinfer.multimodal.inputs import ImageItem, MultiModalInputs
+
+    def with_image(key):
+        s = seq_of([7] * 40)
+        image = ImageItem(offset=2, num_tokens=10, key=key, pixel_values=np.zeros((1, 1)), grid_thw=(1, 2, 20))
+        s.multi_modal = MultiModalInputs((image,), np.zeros((3, 40), dtype=np.int64), 0)
+        return s
+
+    bm = BlockManager(12, BS)
+    a = with_image(1)
+    assert bm.allocate(a)
+    compute_all(bm, a)
+    b = with_image(2)
+    assert bm.allocate(b)
+    assert b.num_cached_tokens == 0
+    c = with_image(1)
+    assert bm.allocate(c)
+    assert c.num_cached_tokens == 2 * BS

@@ -69,7 +69,7 @@ def test_assistant_tool_call_turn_may_have_no_content(tok):
     ([{"role": "user"}], TypeError, r"messages\[0\]\['content'\] is missing"),
     ([{"role": "user", "content": None}], TypeError, "missing or None"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], ValueError,
-     "type 'image_url'; only 'text'"),
+     "type 'image_url': image parts need a vision-language model"),
     ([{"role": "user", "content": [{"type": "text", "text": 3}]}], TypeError, r"\['text'\] must be a str"),
     ([{"role": "user", "content": ["hi"]}], TypeError, "content part"),
 ])

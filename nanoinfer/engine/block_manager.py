@@ -1,8 +1,9 @@
 """Fixed-size KV blocks with reference counts and an xxhash prefix cache.
 
-A full block's hash chains the previous block's hash with its token ids, so a hash names the whole
-prefix up to and including that block (the first block chains from the sequence's adapter id, if
-any: `chain_start`). Hashes are registered only once a block's K/V are computed
+A full block's hash chains the previous block's hash with its token ids (and the content hashes
+of the images it covers), so a hash names the whole prefix up to and including that block (the
+first block chains from the sequence's adapter id, if any: `chain_start`). Hashes are registered
+only once a block's K/V are computed
 (`commit`), so a cache hit never reads K/V that a chunked prefill has not written yet. Freed blocks
 keep their hash and can be hit again until they are evicted, least recently freed first.
 Every hot-path operation is O(1) per block.
@@ -15,11 +16,14 @@ import xxhash
 from nanoinfer.engine.sequence import Sequence
 
 
-def hash_block(token_ids: list[int], prev_hash: int | None) -> int:
+def hash_block(token_ids: list[int], prev_hash: int | None, keys: tuple[int, ...] = ()) -> int:
+    """keys: what else the block's K/V depend on (Sequence.block_keys: image content hashes)."""
     h = xxhash.xxh64()
     if prev_hash is not None:
         h.update(prev_hash.to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
+    if keys:
+        h.update(array("Q", keys).tobytes())
     return h.intdigest()
 
 
@@ -77,7 +81,7 @@ class BlockManager:
         hits, prev = [], chain_start(seq)
         for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)
-            h = hash_block(token_ids, prev)
+            h = hash_block(token_ids, prev, seq.block_keys(i))
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != token_ids:
                 break
@@ -139,7 +143,7 @@ class BlockManager:
             return
         for i in range(len(seq.block_hashes), num_computed // self.block_size):
             token_ids = seq.block(i)
-            h = hash_block(token_ids, seq.block_hashes[-1] if seq.block_hashes else chain_start(seq))
+            h = hash_block(token_ids, seq.block_hashes[-1] if seq.block_hashes else chain_start(seq), seq.block_keys(i))
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self.hash_to_block and block.hash is None:

@@ -44,6 +44,9 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
         if not step.is_decode_only:
             slots = [s for s, q in zip(slots, step.query_lens) for _ in range(q)]
         get_context().lora_slots = to_device(slots, torch.int64, device)
+    if step.rope_positions is not None:  # M-RoPE: [N], or [3, N] in a step with image tokens
+        rope = torch.tensor(step.rope_positions, dtype=torch.int64)
+        positions = (rope[0] if rope.shape[0] == 1 else rope).to(device, non_blocking=True)
     if step.inflight_rows:
         tokens = prev_tokens.index_select(0, to_device(step.inflight_sources, torch.int64, device))
         if len(step.inflight_rows) == input_ids.shape[0]:  # every row: one gather

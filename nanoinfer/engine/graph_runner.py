@@ -55,9 +55,11 @@ class GraphRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, decode_only: bool) -> torch.Tensor:
         """The step's logits (this rank's vocabulary shard), under the context prepare_inputs set."""
         n = input_ids.shape[0]
-        if decode_only and self.graphs and n <= self.batch_sizes[-1]:
+        # (a step with image embeddings or [3, N] M-RoPE positions runs eagerly)
+        graphable = positions.dim() == 1 and get_context().mm_embeds is None
+        if decode_only and self.graphs and n <= self.batch_sizes[-1] and graphable:
             return self._replay_decode(input_ids, positions)
-        if not decode_only and self.mixed_graphs and n <= self.mixed_sizes[-1]:
+        if not decode_only and self.mixed_graphs and n <= self.mixed_sizes[-1] and graphable:
             return self._replay_mixed(input_ids, positions)
         return self.model.compute_logits(self.model(input_ids, positions))
 

@@ -10,6 +10,7 @@ the model (lora/intake.py). The request's n samples become n sequences. Every er
 ValueError or TypeError raised before anything is queued.
 """
 import pickle
+from contextlib import nullcontext
 from copy import copy
 from dataclasses import dataclass
 from numbers import Integral
@@ -18,6 +19,7 @@ from nanoinfer.config import Config
 from nanoinfer.engine.detokenizer import encode
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.lora.intake import LoRAIntake
+from nanoinfer.multimodal.inputs import split_multi_modal
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured.grammar_state import GrammarState
 from nanoinfer.utils.hf_files import load_eos_token_ids
@@ -62,6 +64,10 @@ class InputProcessor:
         self.model_path = config.model
         self._grammar_compiler = None  # made for the first structured request (xgrammar is optional)
         self.lora = LoRAIntake(config)
+        self.multimodal = None  # a vision-language model's image intake
+        if getattr(config.hf_config, "vision_config", None) is not None:
+            from nanoinfer.multimodal.processor import MultiModalProcessor
+            self.multimodal = MultiModalProcessor(config.model, config.hf_config, vocab_size)
 
     def process_all(self, prompts: list, sampling_params: list, max_tokens_must_fit: bool = False,
                     lora_requests: list | None = None) -> list[PreparedRequest]:
@@ -69,13 +75,15 @@ class InputProcessor:
         (when there are several), so a caller can reject the whole batch before queueing any."""
         prepared = []
         lora_requests = lora_requests if lora_requests is not None else [None] * len(prompts)
-        for i, (prompt, sp, lora) in enumerate(zip(prompts, sampling_params, lora_requests, strict=True)):
-            try:
-                prepared.append(self.process(prompt, sp, max_tokens_must_fit, lora))
-            except (ValueError, TypeError) as e:
-                if len(prompts) == 1:
-                    raise
-                raise type(e)(f"prompts[{i}]: {e}") from e
+        # (images of several prompts are preprocessed in threads, all at once)
+        with self.multimodal.batch(prompts) if self.multimodal is not None else nullcontext():
+            for i, (prompt, sp, lora) in enumerate(zip(prompts, sampling_params, lora_requests, strict=True)):
+                try:
+                    prepared.append(self.process(prompt, sp, max_tokens_must_fit, lora))
+                except (ValueError, TypeError) as e:
+                    if len(prompts) == 1:
+                        raise
+                    raise type(e)(f"prompts[{i}]: {e}") from e
         return prepared
 
     def process(self, prompt, sampling_params: SamplingParams | None, max_tokens_must_fit: bool = False,
@@ -88,10 +96,19 @@ class InputProcessor:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        prompt, mm_data, mm_kwargs = split_multi_modal(prompt)
         text, token_ids = self._tokenize(prompt)
+        mm = None
+        if self.multimodal is not None:  # images expand their placeholders before any length check
+            token_ids, mm = self.multimodal.process(token_ids, mm_data, mm_kwargs)
+        elif mm_data or mm_kwargs:
+            raise ValueError("multi_modal_data / mm_processor_kwargs given, but this model takes no images")
         sp = self._resolve_whole_vocabulary(sampling_params)
         self._check_sampling_params(sp)
-        token_ids = self._fit_length(token_ids, sp, max_tokens_must_fit)
+        fitted = self._fit_length(token_ids, sp, max_tokens_must_fit)
+        if mm is not None and len(fitted) != len(token_ids):
+            raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
+        token_ids = fitted
         if sp.bad_words:
             sp = sp.with_bad_words_token_ids(self.tokenizer)
             bad = [t for word in sp.bad_words_token_ids for t in word if not 0 <= t < self.vocab_size]
@@ -102,6 +119,7 @@ class InputProcessor:
         seqs = self._sequences(token_ids, sp)
         for seq in seqs:
             seq.lora_request = lora_request
+            seq.multi_modal = mm
         if grammar is not None:
             for seq in seqs:  # one matcher per sample; it lives and dies with its sequence
                 seq.grammar = GrammarState(grammar, self._grammar_compiler.stop_token_ids)

@@ -75,6 +75,8 @@ class KVCache:
         set_context(is_prefill=True, cu_seqlens_q=cu, max_seqlen_q=max(lens))
         self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
+        if hasattr(self.model, "profile_encoder"):  # a vision tower's peak, for the images a step can cover
+            self.model.profile_encoder(num_tokens)
         torch.cuda.synchronize(self.device)
 
     def allocate(self, num_blocks: int):

@@ -272,6 +272,7 @@ class LLMEngine:
             launched = self._launch(batch) if batch is not None else None
         except BaseException:
             self.scheduler.unschedule(batch)  # the engine stays consistent; the caller sees the error
+            self.step_encoder.unschedule()
             raise
         t2 = time.perf_counter()
         prev, self.inflight = self.inflight, launched

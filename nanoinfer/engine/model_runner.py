@@ -22,7 +22,8 @@ from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.models import build_model
 from nanoinfer.pooling.rows import pool_hidden
 from nanoinfer.sampling.sampler import Sampled, Sampler
-from nanoinfer.utils.context import reset_context
+from nanoinfer.multimodal.encoder_cache import EncoderCache
+from nanoinfer.utils.context import get_context, reset_context
 from nanoinfer.utils.threads import cpu_threads
 
 
@@ -67,6 +68,7 @@ class ModelRunner:
             from nanoinfer.lora.device_adapters import DeviceAdapters
             self.adapters = DeviceAdapters(self.model, config, self.device)
         self.num_blocks = self.kv_cache.measure_capacity()
+        self.encoder_cache = EncoderCache(self.model, self.device)  # images' embeddings (vision-language models)
 
     def allocate_kv_cache(self, num_blocks: int):
         self.kv_cache.allocate(num_blocks)
@@ -84,8 +86,10 @@ class ModelRunner:
         if step.lora is not None:  # (first: a later failure leaves the slots as the message says)
             self.adapters.ensure(step.lora.adapters)
         try:
+            mm_embeds = self.encoder_cache.step_embeds(step.multi_modal) if step.multi_modal is not None else None
             input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
                                                   self.attention.sorts_decode_rows, prev_tokens)
+            get_context().mm_embeds = mm_embeds
             if step.pooling is not None:  # embeddings: final hidden states, eager; no LM head, no sampling
                 hidden = self.model(input_ids, positions)  # (every rank: the forward's all-reduces)
                 pooled = pool_hidden(hidden, step.pooling) if sample is not None else None
@@ -144,6 +148,8 @@ class ModelRunner:
         self.graph_runner.release()
         self.kv_cache.release()
         self.graph_runner.model = self.sampler.lm_head = self.model = None
+        self.encoder_cache.embeddings.clear()
+        self.encoder_cache.model = None
         if self.device.type == "cuda" and self.world_size == 1:
             # (with tensor parallel a dead peer can leave a collective hanging: don't wait on it)
             torch.cuda.synchronize(self.device)

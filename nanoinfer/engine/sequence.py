@@ -47,6 +47,7 @@ class Sequence:
     def lora_int_id(self) -> int:
         """The adapter's id, 0 for the base model: it salts the prefix-cache hashes."""
         return 0 if self.lora_request is None else self.lora_request.lora_int_id
+        self.multi_modal = None            # the prompt's images (multimodal/inputs.py MultiModalInputs), or None
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +72,10 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def block_keys(self, i: int) -> tuple[int, ...]:
+        """What changes block i's K/V besides its tokens (the content hashes of the images it covers)."""
+        return self.multi_modal.block_keys(i, self.block_size) if self.multi_modal is not None else ()
 
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)

@@ -5,6 +5,7 @@ import torch
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.step_message import (PlainSample, PromptLogprobsRequest, PromptSegment, SampleInput,
                                            SamplingPlan, StepInput)
+from nanoinfer.multimodal.step_planner import MultiModalStepPlanner
 from nanoinfer.pooling.rows import pooling_rows
 from nanoinfer.sampling.plan import build_sampling_plan
 
@@ -27,10 +28,16 @@ class StepEncoder:
         self.seeds = seeds
         self.sample_on_shards = sample_on_shards
         self.adapter_slots = adapter_slots  # a lora.slot_table.AdapterSlotTable with enable_lora
+        self.multimodal = MultiModalStepPlanner()  # requests with images: their rows' positions and images
+
+    def unschedule(self):
+        """The step last encoded was not launched."""
+        self.multimodal.unschedule()
 
     def encode(self, batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> tuple[StepInput, SampleInput]:
         """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any."""
         step = encode_rows(batch, prev_rows)
+        step.rope_positions, step.multi_modal = self.multimodal.plan(batch)
         if batch.seqs[0].pooling is not None:  # an embedding engine's step: every row pools
             step.pooling = pooling_rows(batch)
             return step, SampleInput(SamplingPlan([0.0] * len(batch.seqs), True, True))  # (unused)

@@ -38,6 +38,24 @@ class LoRAStep:
 
 
 @dataclass(slots=True)
+class ImageToEncode:
+    """An image the runner encodes this step (its embeddings are then kept under `key`)."""
+    key: int
+    pixel_values: object             # numpy float32 [patches, C * T * P * P], as the image processor made them
+    grid_thw: tuple[int, int, int]
+
+
+@dataclass(slots=True)
+class MultiModalStep:
+    """A step's images (multimodal/step_planner.py): those to encode first; `placements`, per image
+    slice the step's rows cover, (key, first embedding row, count, first flat token row); and the
+    keys whose embeddings no running prefill needs any more (dropped once the step's are taken)."""
+    encode: list[ImageToEncode]
+    placements: list[tuple[int, int, int, int]]
+    free: list[int]
+
+
+@dataclass(slots=True)
 class StepInput:
     """What every rank needs. Decode rows (one query token each) come first, then prompt chunks.
 
@@ -56,6 +74,10 @@ class StepInput:
     plain_sample: PlainSample | None = None
     pooling: PoolingRows | None = None  # an embedding step: no LM head, no sampling
     lora: LoRAStep | None = None  # None: no row uses an adapter
+    # rotary positions when they are not each row's starts..: [positions] (one per token, flat), or
+    # [t, h, w] positions (M-RoPE, a step whose rows cover image tokens)
+    rope_positions: list[list[int]] | None = None
+    multi_modal: MultiModalStep | None = None
 
     @property
     def num_rows(self) -> int:

@@ -20,6 +20,8 @@ MODELS = {
     "MistralForCausalLM": ("nanoinfer.models.mixtral", "MistralForCausalLM"),
     "Qwen3MoeForCausalLM": ("nanoinfer.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("nanoinfer.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ("nanoinfer.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("nanoinfer.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
 }
 
 
@@ -32,6 +34,9 @@ def check_architecture(config: PretrainedConfig) -> str:
             check_norm_and_rope(config)
             _check_supported_options(config)
             _check_moe_and_window(config, arch)
+            if getattr(config, "vision_config", None) is not None:
+                from nanoinfer.multimodal.config import check_vision_config
+                check_vision_config(config)
             return arch
     raise ValueError(f"unsupported architecture {archs or getattr(config, 'model_type', None)!r}; "
                      f"supported: {', '.join(sorted(MODELS))}")

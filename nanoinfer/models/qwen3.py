@@ -100,10 +100,16 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions):
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids, positions, inputs_embeds=None, after_layer=None):
+        """inputs_embeds: the step's input embeddings when some rows are not token embeddings (images);
+        after_layer(i, hidden, residual) -> (hidden, residual): what a model adds to the residual
+        stream after layer i (Qwen3-VL's DeepStack features)."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual)
+            if after_layer is not None:
+                hidden, residual = after_layer(i, hidden, residual)
         return add_norm_for(self.norm, hidden, residual)[0]
 
 
@@ -119,9 +125,7 @@ class Qwen3ForCausalLM(nn.Module):
         super().__init__()
         bias = getattr(config, "attention_bias", self.attention_bias)
         o_bias = bias and self.o_proj_bias
-        # one RoPE cos/sin cache for every layer, sized by max_model_len
-        rotary = RotaryEmbedding(head_dim(config), build.rope_positions(config.max_position_embeddings),
-                                 rope_theta(config), rope_scaling(config))
+        rotary = self.make_rotary(config, build)
         layers = []
         for i in range(config.num_hidden_layers):
             prefix = f"model.layers.{i}"
@@ -133,6 +137,11 @@ class Qwen3ForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_rotary(self, config: PretrainedConfig, build: ModelBuild) -> RotaryEmbedding:
+        """The one RoPE cos/sin cache for every layer, sized by max_model_len."""
+        return RotaryEmbedding(head_dim(config), build.rope_positions(config.max_position_embeddings),
+                               rope_theta(config), rope_scaling(config))
 
     def make_mlp(self, config: PretrainedConfig, layer: int, build: ModelBuild, prefix: str) -> nn.Module:
         """The MLP of decoder layer `layer`."""

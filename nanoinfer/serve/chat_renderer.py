@@ -29,8 +29,10 @@ class RenderRefused(ValueError):
 
 class ChatRenderer:
     def __init__(self, tokenizer, trust_request_templates: bool = False, timeout_s: float = 5.0,
-                 max_output_chars: int = 1 << 22, threads: int = 4):
+                 max_output_chars: int = 1 << 22, threads: int = 4, media=None):
+        """media: the multimodal.media.MediaLoader that reads image content parts (None: refused)."""
         self.tokenizer = tokenizer
+        self.media = media
         self.timeout_s, self.max_output_chars = timeout_s, max_output_chars
         self.trust_request_templates = trust_request_templates
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="nanoinfer-render")
@@ -47,7 +49,8 @@ class ChatRenderer:
                                               self.timeout_s)
         loop = asyncio.get_running_loop()
         work = loop.run_in_executor(self._threads, partial(render_chat, self.tokenizer, messages,
-                                                           max_output_chars=self.max_output_chars, **options))
+                                                           max_output_chars=self.max_output_chars,
+                                                           media=self.media, **options))
         try:
             return await asyncio.wait_for(work, self.timeout_s)
         except asyncio.TimeoutError:

@@ -31,6 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser):
         text = OPTION_HELP.get(f.name, f"(default: {default})")
         if kinds == [bool]:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+        elif typing.get_origin(kinds[0]) is list:  # e.g. --allowed-media-domains a.com b.org
+            group.add_argument(flag, nargs="+", default=argparse.SUPPRESS, metavar="VALUE", help=text)
         else:
             group.add_argument(flag, type=_parser(kinds[0], optional), default=argparse.SUPPRESS,
                                metavar=kinds[0].__name__.upper(), help=text)
@@ -152,8 +154,10 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     renderer = None
     try:
+        from nanoinfer.multimodal.media import MediaLoader
+        media = MediaLoader(options.get("allowed_local_media_path"), options.get("allowed_media_domains"))
         renderer = ChatRenderer(engine.tokenizer, args.trust_request_chat_template, args.chat_template_timeout,
-                                args.max_chat_template_chars)
+                                args.max_chat_template_chars, media=media)
         # a local checkpoint is served under its directory's name (clients may also use the path given)
         default_name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
         allowed = default_allowed_hosts(args.host) if args.allowed_hosts is None else \

@@ -16,14 +16,15 @@ _RESERVED_KWARGS = frozenset({
 def render_chat(tokenizer, messages, chat_template: str | None = None, add_generation_prompt: bool = True,
                 chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
                 continue_final_message: bool = False,
-                max_output_chars: int | None = None) -> dict:
+                max_output_chars: int | None = None, media=None) -> dict:
     """One conversation (a list of {"role", "content"} messages; content a str or a list of OpenAI
     text parts) -> {"prompt": the rendered text, "prompt_token_ids": its token ids}. The ids are
     encoded without adding special tokens: the template writes them. `tools` (JSON schemas) and
     `chat_template_kwargs` (extra template variables) reach the template. Bad input raises
     ValueError / TypeError naming the message and field; a template error (a Jinja error or a runtime
     one: division by zero, a range too large) raises ValueError, as does a render that writes more
-    than `max_output_chars`."""
+    than `max_output_chars`. media: a multimodal.media.MediaLoader for image content parts (their
+    images are returned as "multi_modal_data"); None refuses them."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template: pass chat_template=... (a Jinja template) "
                          "or use plain prompts")
@@ -31,13 +32,19 @@ def render_chat(tokenizer, messages, chat_template: str | None = None, add_gener
         raise TypeError(f"chat_template must be a str (a Jinja template), got {type(chat_template).__name__}")
     if not isinstance(messages, (list, tuple)) or not messages:
         raise TypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
-    conversation = [_message(m, i) for i, m in enumerate(messages)]
+    images, parts = [], {}  # parts: message index -> its content as OpenAI parts, for messages with images
+    conversation = [_message(m, i, media, images, parts) for i, m in enumerate(messages)]
     if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools)):
         raise TypeError(f"tools must be a list of dicts (JSON schemas), got {tools!r:.200}")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be set: "
                          "continue the last message, or start a new assistant message")
     kwargs = _template_kwargs(chat_template_kwargs)
+    if parts:
+        from nanoinfer.multimodal.chat_parts import template_takes_parts
+        if template_takes_parts(tokenizer, chat_template):  # it writes the image placeholders itself
+            for i, content in parts.items():
+                conversation[i]["content"] = content
     try:
         text = tokenizer.apply_chat_template(
             conversation, chat_template=chat_template, tools=None if tools is None else [dict(t) for t in tools],
@@ -47,11 +54,15 @@ def render_chat(tokenizer, messages, chat_template: str | None = None, add_gener
         raise ValueError(f"the chat template failed: {type(e).__name__}: {str(e)[:500]}") from e
     if max_output_chars is not None and len(text) > max_output_chars:
         raise ValueError(f"the chat template wrote {len(text)} characters, more than the limit of {max_output_chars}")
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt
 
 
-def _message(message, i: int) -> dict:
-    """A validated copy of message i, its content parts joined into one string."""
+def _message(message, i: int, media=None, images: list | None = None, parts: dict | None = None) -> dict:
+    """A validated copy of message i, its content parts joined into one string. Its images join
+    `images`, and its content as OpenAI parts (images as {"type": "image"}) goes to parts[i]."""
     if not isinstance(message, Mapping):
         raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
     role = message.get("role")
@@ -60,7 +71,22 @@ def _message(message, i: int) -> dict:
     out = dict(message)
     content = message.get("content")
     if isinstance(content, (list, tuple)):
-        out["content"] = "\n".join(_text_part(part, i, j) for j, part in enumerate(content))  # as vLLM joins them
+        texts, found, ordered = [], [], []
+        for j, part in enumerate(content):
+            if isinstance(part, Mapping) and part.get("type") in ("image_url", "image_pil"):
+                from nanoinfer.multimodal.chat_parts import image_of_part
+                found.append(image_of_part(part, f"messages[{i}]['content'][{j}]", media))
+                ordered.append({"type": "image"})
+            else:
+                texts.append(_text_part(part, i, j))
+                ordered.append({"type": "text", "text": texts[-1]})
+        if found:
+            from nanoinfer.multimodal.chat_parts import join_content
+            images.extend(found)
+            parts[i] = ordered
+            out["content"] = join_content(texts, len(found))
+        else:
+            out["content"] = "\n".join(texts)  # as vLLM joins them
     elif content is None:
         if not (role == "assistant" and message.get("tool_calls")):  # only a tool-calling turn may have none
             raise TypeError(f"messages[{i}]['content'] is missing or None; it must be a str or a list of text parts")
@@ -75,7 +101,8 @@ def _text_part(part, i: int, j: int) -> str:
     if not isinstance(part, Mapping) or "type" not in part:
         raise TypeError(f"{where} must be a content part {{'type': 'text', 'text': ...}}, got {part!r:.100}")
     if part["type"] != "text":
-        raise ValueError(f"{where} has type {part['type']!r}; only 'text' content parts are supported")
+        raise ValueError(f"{where} has type {part['type']!r}; 'text', 'image_url' and 'image_pil' content parts "
+                         "are supported")
     if not isinstance(part.get("text"), str):
         raise TypeError(f"{where}['text'] must be a str, got {type(part.get('text')).__name__}")
     return part["text"]

@@ -22,6 +22,9 @@ class Context:
     # [num_tokens] LoRA slot of each token's row, -1 = the base model; None: no adapter this step
     lora_slots: torch.Tensor | None = None
     lora_mask: torch.Tensor | None = None  # [num_tokens, max_loras] one-hot of lora_slots, made once per forward
+    # multimodal steps: (flat rows [K] int64, their embeddings [K, hidden]) replacing those rows'
+    # token embeddings (images), set by the model runner; None: every row is a token embedding
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # host copies of the lengths, for the CPU reference path (no device sync)
     query_lens_cpu: list[int] | None = None
     context_lens_cpu: list[int] | None = None

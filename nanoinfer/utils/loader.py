@@ -54,6 +54,7 @@ def load_model(model: nn.Module, path: str, kv_cache_dtype: str = "auto"):
     if not files:
         raise ValueError(f"no *.safetensors files in {path!r}")
     packed = getattr(model, "packed_modules_mapping", {})
+    prefixes = getattr(model, "checkpoint_prefixes", {})  # another layout's name prefix -> ours
     tied = getattr(model, "tie_word_embeddings", False)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[tuple[int, Hashable]] = set()  # (id(param), shard id or None); tied names share one param
@@ -62,7 +63,7 @@ def load_model(model: nn.Module, path: str, kv_cache_dtype: str = "auto"):
         with safe_open(file, "pt", "cpu") as f:
             prefix = _base_model_prefix(model, f.keys())
             for stored in f.keys():
-                name = prefix + stored
+                name = _renamed_prefix(prefix + stored, prefixes)
                 if tied and name == "lm_head.weight":
                     continue  # tied: the embedding is the head
                 kv_scale = _kv_scale_target(name)
@@ -174,6 +175,13 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.float8_e5m2:
         return ((t.view(torch.uint8) & 0x7C) != 0x7C).all()
     return torch.isfinite(t).all()
+
+
+def _renamed_prefix(name: str, prefixes: dict[str, str]) -> str:
+    for old, new in prefixes.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 def _checkpoint_name(name: str, shard: Hashable, packed: dict) -> str:

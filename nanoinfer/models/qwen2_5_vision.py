@@ -1,0 +1,194 @@
+"""Qwen2.5-VL's vision tower: patch embedding, blocks of window attention (full attention in
+`fullatt_block_indexes`) with a 2D rotary embedding, then the patch merger (2x2 patches -> one
+language-model token).
+
+The tower is replicated on every tensor-parallel rank (it is small next to the language model, and
+each rank then has the embeddings without a collective). Its layers use the dense weight method in
+the model's dtype, whatever quantization the language model uses. Module names follow the
+checkpoint's (`visual.blocks.0.attn.qkv`, ...).
+
+Patches arrive as the image processor lays them out: each image's patches in 2x2 merge groups,
+rows of groups top to bottom. Window attention reorders the groups window by window
+(`window_order`); the merger's output is put back in the original order."""
+from itertools import groupby
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoinfer.layers.activation import SiluAndMul
+from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from nanoinfer.layers.model_build import ModelBuild, join
+from nanoinfer.layers.rotary_embedding import apply_rotary
+from nanoinfer.utils.loader import check_shape
+
+
+class PatchEmbed(nn.Module):
+    """The checkpoint's Conv3d (kernel = stride = one patch), computed as the matmul it is."""
+
+    def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int,
+                 bias: bool = False):
+        super().__init__()
+        self.shape = (embed_dim, in_channels, temporal_patch_size, patch_size, patch_size)
+        self.weight = nn.Parameter(torch.empty(embed_dim, in_channels * temporal_patch_size * patch_size ** 2))
+        self.weight.weight_loader = self._load
+        self.bias = nn.Parameter(torch.empty(embed_dim)) if bias else None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor):
+        check_shape(loaded, self.shape)
+        param.data.copy_(loaded.reshape(param.shape))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return F.linear(pixels.to(self.weight.dtype), self.weight, self.bias)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, build: ModelBuild, prefix: str):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = ReplicatedLinear(dim, 3 * dim, bias=True, build=build, prefix=join(prefix, "qkv"))
+        self.proj = ReplicatedLinear(dim, dim, bias=True, build=build, prefix=join(prefix, "proj"))
+
+    def forward(self, x: torch.Tensor, segments: list[int], rope: torch.Tensor) -> torch.Tensor:
+        """x: [N, dim]; segments: lengths of the runs of rows that attend to each other (windows or
+        whole images); rope: the per-row cos/sin table [N, head_dim]."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        rows = torch.arange(n, device=x.device)
+        q, k = apply_rotary(q, rows, rope), apply_rotary(k, rows, rope)
+        out = torch.empty_like(q)
+        start = 0
+        for length, run in groupby(segments):  # a run of equal-length segments: one SDPA call
+            count = len(list(run))
+            end = start + count * length
+            q_, k_, v_ = (t[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
+                          for t in (q, k, v))
+            out[start:end] = F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2).flatten(0, 1)
+            start = end
+        return self.proj(out.reshape(n, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, dim: int, intermediate: int, build: ModelBuild, prefix: str):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(dim, [intermediate] * 2, bias=True, build=build,
+                                                       prefix=join(prefix, "gate_up_proj"))
+        self.down_proj = ReplicatedLinear(intermediate, dim, bias=True, build=build, prefix=join(prefix, "down_proj"))
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config, build: ModelBuild, prefix: str):
+        super().__init__()
+        self.norm1 = RMSNorm(config.hidden_size, 1e-6)
+        self.norm2 = RMSNorm(config.hidden_size, 1e-6)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads, build, join(prefix, "attn"))
+        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, build, join(prefix, "mlp"))
+
+    def forward(self, x, segments, rope):
+        x = x + self.attn(self.norm1(x), segments, rope)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, out_dim: int, dim: int, merge: int, build: ModelBuild, prefix: str):
+        super().__init__()
+        self.hidden = dim * merge ** 2
+        self.ln_q = RMSNorm(dim, 1e-6)
+        self.mlp = nn.ModuleList([
+            ReplicatedLinear(self.hidden, self.hidden, bias=True, build=build, prefix=join(prefix, "mlp.0")),
+            nn.GELU(),
+            ReplicatedLinear(self.hidden, out_dim, bias=True, build=build, prefix=join(prefix, "mlp.2"))])
+
+    def forward(self, x):
+        x = self.ln_q(x).view(-1, self.hidden)
+        for layer in self.mlp:
+            x = layer(x)
+        return x
+
+
+def dummy_images(vision, num_tokens: int, device, dtype) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Patches of images of 32 x 32 patches (the last one smaller) making `num_tokens` language-model
+    tokens or more: what memory profiling feeds a vision tower."""
+    merge = vision.spatial_merge_size
+    side = 32 // merge * merge
+    per_image = (side // merge) ** 2
+    grids = [(1, side, side)] * (num_tokens // per_image)
+    if num_tokens % per_image:
+        grids.append((1, merge, merge * (num_tokens % per_image)))
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    patches = sum(t * h * w for t, h, w in grids)
+    return torch.zeros(patches, width, device=device, dtype=dtype), grids
+
+
+def patch_positions(grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
+    """(row, column) of every patch, in the processor's order (2x2 merge groups, row-major). [N, 2]"""
+    out = []
+    for t, h, w in grids:
+        hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        shape = (h // merge, merge, w // merge, merge)
+        hh, ww = hh.reshape(shape).transpose(1, 2).flatten(), ww.reshape(shape).transpose(1, 2).flatten()
+        out.append(torch.stack([hh, ww], dim=-1).repeat(t, 1))
+    return torch.cat(out)
+
+
+def window_order(grids: list[tuple[int, int, int]], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
+    """The merge groups reordered window by window (each window `window` x `window` groups, the last
+    ones cut at the image's edge), and each window's length in patches."""
+    order, lengths, base = [], [], 0
+    for t, h, w in grids:
+        gh, gw = h // merge, w // merge
+        index = torch.arange(t * gh * gw).view(t, gh, gw)
+        for frame in range(t):
+            for r in range(0, gh, window):
+                for c in range(0, gw, window):
+                    cell = index[frame, r:r + window, c:c + window].flatten()
+                    order.append(cell + base)
+                    lengths.append(cell.numel() * merge * merge)
+        base += t * gh * gw
+    return torch.cat(order), lengths
+
+
+class Qwen2_5_VisionTransformer(nn.Module):
+    def __init__(self, config, build: ModelBuild, prefix: str = "visual"):
+        super().__init__()
+        self.merge = config.spatial_merge_size
+        self.window = config.window_size // config.spatial_merge_size // config.patch_size  # in merge groups
+        self.full_attention = set(config.fullatt_block_indexes)
+        self.patch_embed = nn.ModuleDict({"proj": PatchEmbed(config.in_channels, config.temporal_patch_size,
+                                                             config.patch_size, config.hidden_size)})
+        head_dim = config.hidden_size // config.num_heads
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        half = head_dim // 2  # each of the row and column positions turns half the rotary frequencies
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float) / half),
+                             persistent=False)
+        self.blocks = nn.ModuleList([VisionBlock(config, build, f"{prefix}.blocks.{i}") for i in range(config.depth)])
+        self.merger = PatchMerger(config.out_hidden_size, config.hidden_size, self.merge, build, f"{prefix}.merger")
+
+    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """pixels: [patches, C * T * P * P] of every image, in order; grids: each image's (t, h, w) in
+        patches. Returns the language-model embeddings of every image, [patches / merge^2, out_dim]."""
+        dev, unit = pixels.device, self.merge ** 2
+        x = self.patch_embed["proj"](pixels)
+        n = x.shape[0]
+        groups, windows = window_order(grids, self.merge, self.window)
+        groups = groups.to(dev)
+        rows = (groups[:, None] * unit + torch.arange(unit, device=dev)).flatten()  # patch rows, window order
+        freqs = patch_positions(grids, self.merge).to(dev)[rows, :, None].float() * self.inv_freq  # [N, 2, hd/4]
+        freqs = freqs.flatten(1)
+        rope = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        x = x[rows]
+        full = self._frames(grids)
+        for i, block in enumerate(self.blocks):
+            x = block(x, full if i in self.full_attention else windows, rope)
+        out = self.merger(x)
+        return out[torch.argsort(groups)] if n else out
+
+    @staticmethod
+    def _frames(grids) -> list[int]:
+        """Full attention: each frame of each image attends within itself."""
+        return [h * w for t, h, w in grids for _ in range(t)]

@@ -1,0 +1,33 @@
+"""The runner side of a step's images: encode the images the step message lists (one vision-tower
+call for them all), keep their embeddings under their content keys, and give the model the step's
+(flat rows, embeddings) for the image slices its rows cover. The engine decides what is kept and
+when it is dropped (step_planner.py); every rank holds the same entries."""
+import numpy as np
+import torch
+
+from nanoinfer.engine.step_message import MultiModalStep
+
+
+class EncoderCache:
+    def __init__(self, model, device: torch.device):
+        self.model = model
+        self.device = device
+        self.embeddings: dict[int, torch.Tensor] = {}  # key -> [image tokens, hidden]
+
+    @torch.inference_mode()
+    def step_embeds(self, step: MultiModalStep) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if step.encode:
+            pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in step.encode])).to(self.device)
+            grids = [tuple(im.grid_thw) for im in step.encode]
+            for im, emb in zip(step.encode, self.model.encode_images(pixels, grids)):
+                self.embeddings[im.key] = emb
+        out = None
+        if step.placements:
+            rows, values = [], []
+            for key, first, count, row in step.placements:
+                values.append(self.embeddings[key][first:first + count])
+                rows.extend(range(row, row + count))
+            out = (torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True), torch.cat(values))
+        for key in step.free:
+            self.embeddings.pop(key, None)
+        return out
