@@ -42,12 +42,12 @@ class Sequence:
         self.finish_reason: str | None = None   # "stop" | "length" | "abort", set by the scheduler only
         self.stop_reason: int | str | None = None
         self.lora_request = None           # the request's LoRARequest (nanoinfer/lora), or None
+        self.multi_modal = None            # the prompt's images (multimodal/inputs.py MultiModalInputs), or None
 
     @property
     def lora_int_id(self) -> int:
         """The adapter's id, 0 for the base model: it salts the prefix-cache hashes."""
         return 0 if self.lora_request is None else self.lora_request.lora_int_id
-        self.multi_modal = None            # the prompt's images (multimodal/inputs.py MultiModalInputs), or None
 
     @property
     def num_tokens(self) -> int:
