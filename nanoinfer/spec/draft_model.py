@@ -36,7 +36,7 @@ def draft_config(config: Config, spec, num_blocks: int) -> Config:
         spec.model, device=config.device, dtype=config.dtype, kvcache_block_size=config.kvcache_block_size,
         num_kvcache_blocks=num_blocks, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
-        kv_cache_dtype=config.kv_cache_dtype, seed=config.seed)
+        kv_cache_dtype=config.kv_cache_dtype, seed=config.seed, load_format=config.load_format)
 
 
 def check_same_vocabulary(config: Config, draft: Config, tokenizer):
