@@ -216,3 +216,11 @@ def test_metrics_and_streaming(tiny_qwen3, reference):
         assert metrics["nanoinfer:spec_decode_num_accepted_tokens"] == s.num_accepted_tokens
     finally:
         llm.exit()
+
+
+@pytest.mark.timeout(180)
+def test_ngram_with_tensor_parallel(tiny_qwen3, reference):
+    """Every rank computes the speculative rows' logits; rank 0 verifies: tp=2 equals tp=1."""
+    prompts, expected = reference
+    outs, llm = run(tiny_qwen3, prompts[:4], GREEDY, speculative_config=NGRAM, tensor_parallel_size=2)
+    assert tokens(outs) == expected[:4] and llm.spec_stats.num_accepted_tokens > 0
