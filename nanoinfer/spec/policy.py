@@ -5,7 +5,9 @@
   extra rows' worth of time, more than the accepted tokens win back;
 - a sequence whose acceptance rate, once it has had `MIN_PROPOSALS` proposals, is below
   `disable_below_acceptance`: each of its steps would pay for proposals (and a draft model's
-  forwards) that are rejected. It then decodes plainly to its end.
+  forwards) that are rejected, and for not overlapping. A step that found no proposal counts as
+  one rejected proposal (n-gram lookup on text that never repeats). It then decodes plainly, and
+  overlapped, to its end.
 """
 import weakref
 

@@ -46,6 +46,9 @@ class Speculator:
             return
         rows = sorted(batch.drafts)
         proposals = self.proposer.propose([batch.seqs[r] for r in rows], [batch.query_lens[r] - 1 for r in rows])
+        for r, p in zip(rows, proposals):
+            if not p:  # (see spec/policy.py)
+                self.policy.record(batch.seqs[r], 1, 0)
         attach_drafts(batch, dict(zip(rows, proposals)))
 
     def verify(self, batch: ScheduledBatch, result: StepResult):
