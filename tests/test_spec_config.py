@@ -74,3 +74,8 @@ def test_server_metrics_export_the_counters():
     text = m.render().decode()
     assert 'nanoinfer:spec_decode_num_drafts_total{engine="0",model_name="m"} 3.0' in text
     assert 'nanoinfer:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 7.0' in text
+
+
+def test_a_bad_draft_path_names_the_field(tiny_qwen3, tmp_path):
+    with pytest.raises(ValueError, match=r"speculative_config\['model'\]"):
+        LLM(tiny_qwen3, speculative_config={"model": str(tmp_path / "nowhere"), "num_speculative_tokens": 2})

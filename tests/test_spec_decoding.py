@@ -160,7 +160,7 @@ def test_mixed_batch_with_requests_that_get_no_proposals(tiny_qwen3, reference):
 def test_sampling_features_are_exact(tiny_qwen3, draft_other, reference, name):
     """Seeded sampling keys its noise by the token's position in the completion, so speculation
     (which verifies each position with the options it would have had) gives the same tokens and
-    logprobs: temperature, top-k/p, min-p, penalties, min_tokens, bad words, logit bias."""
+    logprobs: temperature, top-k/p, min-p, penalties, min_tokens, bad words, logit bias, n > 1."""
     prompts, _ = reference
     params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7, max_tokens=20, logprobs=3),
               SamplingParams(temperature=1.0, min_p=0.05, seed=8, max_tokens=20, presence_penalty=0.5,
@@ -168,15 +168,14 @@ def test_sampling_features_are_exact(tiny_qwen3, draft_other, reference, name):
               SamplingParams(temperature=0.7, seed=9, max_tokens=20, min_tokens=10, logprobs=2),
               SamplingParams(temperature=0.9, seed=10, max_tokens=20, bad_words=["a"], logit_bias={5: 3.0}),
               SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.5, logprobs=1),
-              SamplingParams(temperature=0.2, seed=11, max_tokens=20, ignore_eos=True)]
+              SamplingParams(temperature=0.2, seed=11, max_tokens=20, ignore_eos=True, n=2)]
     spec = proposers(tiny_qwen3, draft_other)[name]
     plain, _ = run(tiny_qwen3, prompts, params)
     outs, llm = run(tiny_qwen3, prompts, params, speculative_config=spec)
     assert llm.spec_stats.num_drafts > 0
     if name == "draft_same":  # (runs of several tokens were accepted)
         assert llm.spec_stats.num_accepted_tokens > 0
-    for a, b in zip(plain, outs):
-        ca, cb = a.outputs[0], b.outputs[0]
+    for ca, cb in ((ca, cb) for a, b in zip(plain, outs) for ca, cb in zip(a.outputs, b.outputs, strict=True)):
         assert ca.token_ids == cb.token_ids and ca.finish_reason == cb.finish_reason
         if ca.logprobs is not None:
             assert len(cb.logprobs) == len(cb.token_ids)

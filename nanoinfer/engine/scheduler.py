@@ -87,7 +87,8 @@ class Scheduler:
         self.num_preemptions = 0
         # distinct adapters running at most (0: LoRA off)
         self.max_loras = config.max_loras if getattr(config, "enable_lora", False) else 0
-        # speculative decoding (nanoinfer/spec): lookahead(seq, budget) -> how many tokens to propose
+        # speculative decoding (nanoinfer/spec/speculator.py): whether a sequence speculates (it then
+        # waits for its tokens in flight) and how many tokens its next row may propose
         self.speculator = None
 
     def is_finished(self) -> bool:

@@ -32,6 +32,13 @@ class DraftState:
 
 def draft_config(config: Config, spec, num_blocks: int) -> Config:
     """The draft's engine options: the target's shape of cache and batch, on its device."""
+    try:
+        return _draft_config(config, spec, num_blocks)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"speculative_config['model'] {spec.model!r}: {e}") from e
+
+
+def _draft_config(config: Config, spec, num_blocks: int) -> Config:
     return Config.from_options(
         spec.model, device=config.device, dtype=config.dtype, kvcache_block_size=config.kvcache_block_size,
         num_kvcache_blocks=num_blocks, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
