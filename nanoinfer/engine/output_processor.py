@@ -96,10 +96,11 @@ class OutputProcessor:
         for row in rows:
             if counts and row in counts:
                 seq = seqs[row]
+                num_before = seq.num_tokens
                 stop = self._record_run(seq, requests[seq.request_id], counts[row], ending.get(row),
                                         logprobs[row] if logprobs is not None else None, now)
-                if stop is not None:
-                    stops[row] = stop
+                if stop is not None:  # (the tokens after it were dropped)
+                    stops[row], counts[row] = stop, counts[row] - (num_before - seq.num_tokens)
                 continue
             seq = seqs[row]
             req = requests[seq.request_id]

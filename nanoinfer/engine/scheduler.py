@@ -130,9 +130,7 @@ class Scheduler:
                                            (self.speculator and self.speculator.speculates(seq, len(self.running))))):
                 continue  # mid-prefill (step 2) or a speculative row in flight (its length is unknown),
                 # its in-flight token ends it, or the host must see that token (to propose, too)
-            k = self.speculator.lookahead(seq, budget, len(self.running)) if self.speculator else 0
-            if k and not self.block_manager.append_slot(seq, k):
-                k = 0  # no blocks for the lookahead: a plain decode row
+            k = self._lookahead(seq, budget, len(self.running) - i) if self.speculator else 0
             while not self.block_manager.append_slot(seq):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -220,6 +218,14 @@ class Scheduler:
         batch.query_lens.append(num_tokens)
         batch.samples.append(samples)
         return num_tokens
+
+    def _lookahead(self, seq: Sequence, budget: int, num_after: int) -> int:
+        """How many proposals the sequence's row may score, with the blocks for them reserved; none
+        when that would take a block one of the `num_after` sequences after it may need."""
+        k, bm = self.speculator.lookahead(seq, budget, len(self.running)), self.block_manager
+        if k and seq.num_tokens + k > len(seq.block_table) * bm.block_size and bm.num_free_blocks <= num_after:
+            return 0
+        return k if k and bm.append_slot(seq, k) else 0
 
     @staticmethod
     def _add_speculative_row(batch: ScheduledBatch, seq: Sequence, k: int):
