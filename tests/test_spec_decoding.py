@@ -223,3 +223,31 @@ def test_ngram_with_tensor_parallel(tiny_qwen3, reference):
     prompts, expected = reference
     outs, llm = run(tiny_qwen3, prompts[:4], GREEDY, speculative_config=NGRAM, tensor_parallel_size=2)
     assert tokens(outs) == expected[:4] and llm.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("name", ["ngram", "draft_same", "draft_other"])
+def test_cuda_graphs_and_kernels_keep_greedy_output(make_checkpoint, make_llm, name, overlap):
+    """On CUDA (Triton attention, CUDA graphs for the draft's decode steps and the mixed steps that
+    verify), float32: every greedy token is HF's teacher-forced argmax, and a draft equal to its
+    target accepts (nearly) every proposal."""
+    small = dict(num_heads=8, num_kv_heads=2, head_dim=32, hidden_size=128)
+    path, other = make_checkpoint(**small), make_checkpoint(seed=1, num_layers=1, **small)
+    spec = proposers(path, other)[name]
+    llm = make_llm(path, dtype="float32", kvcache_block_size=16, max_model_len=512, max_num_seqs=16,
+                   max_num_batched_tokens=128, speculative_config=spec, async_scheduling=overlap)
+    try:
+        prompts = repeating_prompts(llm.vocab_size, n=9, seed=4)
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        outs = tokens(llm.generate(prompts, sp, use_tqdm=False))
+        for p, o in zip(prompts, outs):
+            assert_greedy_matches_hf(path, p, o, tol=1e-3)
+        assert llm.spec_stats.num_drafts > 0
+        if name == "draft_same":
+            assert llm.spec_stats.acceptance_rate > 0.95
+        assert llm.model_runner.info()["cuda_graphs"]
+        bm = llm.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.exit()
