@@ -251,3 +251,38 @@ def test_cuda_graphs_and_kernels_keep_greedy_output(make_checkpoint, make_llm, n
         assert bm.num_free_blocks == bm.num_blocks
     finally:
         llm.exit()
+
+
+def test_adapters_structured_outputs_and_prompt_logprobs_beside_speculative_rows(tiny_qwen3, tmp_path):
+    """LoRA rows speculate under their adapter; a structured-output request gets no proposals; a
+    prompt_logprobs request's prompt positions are computed in the same steps: all as without."""
+    from lora_reference import make_adapter
+    from nanoinfer import LoRARequest
+    from nanoinfer.sampling_params import StructuredOutputsParams
+    adapter = LoRARequest("a", 1, make_adapter(tiny_qwen3, str(tmp_path / "adapter")))
+    rng = random.Random(5)
+    pattern = [rng.randrange(3, 300) for _ in range(6)]
+    prompts = [pattern * 3, pattern * 2, [rng.randrange(3, 300) for _ in range(20)], pattern * 4]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)]
+    results = {}
+    for spec in (None, NGRAM):
+        llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=256, enable_lora=True, max_lora_rank=8,
+                  speculative_config=spec)
+        try:
+            outs = llm.generate(prompts, params, lora_request=[None, adapter, None, adapter], use_tqdm=False)
+            if spec:
+                assert llm.spec_stats.num_accepted_tokens > 0
+        finally:
+            llm.exit()
+        results[spec is None] = outs
+    for a, b in zip(results[True], results[False]):
+        assert (a.outputs[0].token_ids, a.outputs[0].text) == (b.outputs[0].token_ids, b.outputs[0].text)
+        for la, lb in ((a.prompt_logprobs or [])[1:], (b.prompt_logprobs or [])[1:]), \
+                      (a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+            assert len(la) == len(lb)
+            for da, db in zip(la, lb):
+                assert da.keys() == db.keys() and all(abs(da[t].logprob - db[t].logprob) < 1e-4 for t in da)
+    assert results[True][0].prompt_logprobs and results[True][3].outputs[0].logprobs
