@@ -99,7 +99,8 @@ def test_runs_end_where_plain_decoding_ends(tiny_qwen3, reference):
     plain_llm.exit()
     for i, t in enumerate(texts):  # stop strings: a piece of the completion's text
         if i % 3 == 2 and len(t) > 6:
-            params[i] = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[t[len(t) // 2:len(t) // 2 + 2]])
+            piece = t[len(t) // 2:len(t) // 2 + 2]
+            params[i] = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[piece])
     results = {}
     for options in ({}, {"speculative_config": spec}):
         llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=256, **options)
@@ -265,7 +266,8 @@ def test_adapters_structured_outputs_and_prompt_logprobs_beside_speculative_rows
     prompts = [pattern * 3, pattern * 2, [rng.randrange(3, 300) for _ in range(20)], pattern * 4]
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2),
               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+              SamplingParams(temperature=0, max_tokens=20,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)]
     results = {}
     for spec in (None, NGRAM):

@@ -118,7 +118,8 @@ def compare(target: str, draft: str, k: int, batches, prompt_len: int, output_le
 
 def print_table(results: dict, batches, k: int, output_len: int):
     print(f"k = {k}, {output_len} output tokens per sequence, greedy")
-    print(f"{'batch':>5} {'run':<30} {'tok/s':>9} {'step ms':>8} {'tok/step':>9} {'accepted/row':>12} {'propose ms':>10}")
+    print(f"{'batch':>5} {'run':<30} {'tok/s':>9} {'step ms':>8} {'tok/step':>9} {'accepted/row':>12} "
+          f"{'propose ms':>10}")
     for b in batches:
         for (name, batch), r in results.items():
             if batch == b:

@@ -250,7 +250,8 @@ class Scheduler:
         self.block_manager.free(seq)
 
     # ---- processing a finished step -------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, token_ids: list[int], runs: dict[int, list[int]] | None = None) -> StepUpdate:
+    def update(self, batch: ScheduledBatch, token_ids: list[int],
+               runs: dict[int, list[int]] | None = None) -> StepUpdate:
         """Record what a finished step computed: register its full blocks in the prefix cache,
         append the sampled tokens, release the samples held for a first token's prompt, and decide
         which sequences end on EOS, stop token ids and length limits. `runs`: a speculative row's

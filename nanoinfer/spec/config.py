@@ -68,7 +68,8 @@ class SpeculativeConfig:
         batch = _int(d, "disable_by_batch_size", 1, None) if d.get("disable_by_batch_size") is not None else None
         accept = d.get("disable_below_acceptance", 0.0)
         if not isinstance(accept, Real) or isinstance(accept, bool):
-            raise TypeError(f"speculative_config['disable_below_acceptance'] must be a float, got {type(accept).__name__}")
+            raise TypeError("speculative_config['disable_below_acceptance'] must be a float, "
+                            f"got {type(accept).__name__}")
         if not 0.0 <= accept <= 1.0:
             raise ValueError(f"speculative_config['disable_below_acceptance'] must be in [0, 1], got {accept}")
         return cls(method, k, model, hi, lo, batch, float(accept))
