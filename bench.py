@@ -193,6 +193,9 @@ def main():
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--speculative-batches", default="1,8,64")
     p.add_argument("--speculative-prompt-len", type=int, default=128)
+    p.add_argument("--speculative-runs", default="plain,same,same-sync,other,other-sync,policy,ngram",
+                   help="--speculative: which runs (each its own engine); the computed table needs plain "
+                        "and other-sync")
     args = p.parse_args()
     if args.speculative:
         from nanoinfer.bench.speculative import main_args

@@ -10,7 +10,8 @@ def test_expected_tokens_per_step():
 
 def test_the_comparison_runs(tiny_qwen3, make_checkpoint, capsys):
     draft = make_checkpoint(seed=1, num_layers=1)
-    results = compare(tiny_qwen3, draft, 2, [1, 3], 8, 10, dummy=False, ngram=False, max_model_len=128,
+    results = compare(tiny_qwen3, draft, 2, [1, 3], 8, 10, dummy=False, max_model_len=128,
+                      runs=("plain", "same", "other", "other-sync", "policy"),
                       kvcache_block_size=16, num_kvcache_blocks=64)
     for batch in (1, 3):
         assert results["draft = target", batch]["accepted"] == 2  # every proposal, every row

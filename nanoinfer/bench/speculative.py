@@ -82,26 +82,33 @@ def timed_run(llm: LLM, batch: int, prompt_len: int, output_len: int, rng) -> di
     return out
 
 
+RUNS = ("plain", "same", "same-sync", "other", "other-sync", "policy", "ngram")
+
+
 def compare(target: str, draft: str, k: int, batches, prompt_len: int, output_len: int, dummy: bool = True,
-            enforce_eager: bool = False, max_model_len: int = 4096, ngram: bool = True, **options):
+            enforce_eager: bool = False, max_model_len: int = 4096, runs=RUNS, **options):
     """The table (see the module's doc). `target` / `draft`: checkpoint directories (random-weight
-    ones with dummy=True)."""
+    ones with dummy=True). `runs`: which of RUNS to run (each builds its engine: on a device with a
+    time limit per command, run them in parts)."""
     import random
     load = "dummy" if dummy else "auto"
     common = dict(enforce_eager=enforce_eager, max_model_len=max_model_len, load_format=load, **options)
     same = {"model": target, "num_speculative_tokens": k}
     other = {"model": draft, "num_speculative_tokens": k}
     policy = {**other, "disable_below_acceptance": 0.3}
-    engines = [("plain", {}, True), ("draft = target", dict(speculative_config=same), True),
-               ("draft = target, sync", dict(speculative_config=same, async_scheduling=False), True),
-               ("disagreeing draft", dict(speculative_config=other), True),
-               ("disagreeing draft, sync", dict(speculative_config=other, async_scheduling=False), True),
-               ("disagreeing draft, policy on", dict(speculative_config=policy), True),
+    unknown = set(runs) - set(RUNS)
+    if unknown:
+        raise ValueError(f"unknown run(s) {sorted(unknown)}; choose from {list(RUNS)}")
+    engines = [("plain", {}, "plain"), ("draft = target", dict(speculative_config=same), "same"),
+               ("draft = target, sync", dict(speculative_config=same, async_scheduling=False), "same-sync"),
+               ("disagreeing draft", dict(speculative_config=other), "other"),
+               ("disagreeing draft, sync", dict(speculative_config=other, async_scheduling=False), "other-sync"),
+               ("disagreeing draft, policy on", dict(speculative_config=policy), "policy"),
                ("n-gram", dict(speculative_config={"method": "ngram", "num_speculative_tokens": k,
-                                                   "prompt_lookup_max": 3, "prompt_lookup_min": 1}), ngram)]
+                                                   "prompt_lookup_max": 3, "prompt_lookup_min": 1}), "ngram")]
     results = {}
-    for name, opts, wanted in engines:
-        if not wanted:
+    for name, opts, key in engines:
+        if key not in runs:
             continue
         llm = LLM(target, **common, **opts)
         rng = random.Random(0)
@@ -150,4 +157,4 @@ def main_args(args):
     batches = [int(b) for b in args.speculative_batches.split(",")]
     compare(target, draft, args.num_speculative_tokens, batches, args.speculative_prompt_len, args.sweep_output_len,
             dummy=args.model is None, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens)
+            runs=args.speculative_runs.split(","), max_num_batched_tokens=args.max_num_batched_tokens)
