@@ -174,8 +174,8 @@ def test_sampling_features_are_exact(tiny_qwen3, draft_other, reference, name):
     plain, _ = run(tiny_qwen3, prompts, params)
     outs, llm = run(tiny_qwen3, prompts, params, speculative_config=spec)
     assert llm.spec_stats.num_drafts > 0
-    if name == "draft_same":  # (runs of several tokens were accepted)
-        assert llm.spec_stats.num_accepted_tokens > 0
+    if name == "draft_same":  # it samples with each request's options and seeded noise: the target's samples
+        assert llm.spec_stats.acceptance_rate > 0.9
     for ca, cb in ((ca, cb) for a, b in zip(plain, outs) for ca, cb in zip(a.outputs, b.outputs, strict=True)):
         assert ca.token_ids == cb.token_ids and ca.finish_reason == cb.finish_reason
         if ca.logprobs is not None:

@@ -1,7 +1,8 @@
 """Verification keeps the target's distribution: the first two sampled tokens (the second one
-verified against an n-gram proposal) follow HF's probabilities, by a chi-square test over many
+verified against an n-gram or a sampled draft-model proposal) follow HF's probabilities, by a chi-square test over many
 requests, with and without speculation, on a vocabulary cut to a few tokens (allowed_token_ids).
 A sampler that accepted proposals too often (or resampled the rejected token) fails it."""
+import pytest
 import torch
 
 from hf_reference import hf_model
@@ -44,10 +45,14 @@ def chi_square_p_value(counts: dict, expected_p: dict, n: int) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def test_first_sampled_tokens_follow_the_target_distribution(tiny_qwen3):
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_first_sampled_tokens_follow_the_target_distribution(tiny_qwen3, make_checkpoint, proposer):
+    """n-gram proposals are made for sure; a draft model's are sampled (with noise of its own)."""
     expected = exact_joint(tiny_qwen3)
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=3, ignore_eos=True, allowed_token_ids=ALLOWED)
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    if proposer == "draft":
+        spec = {"model": make_checkpoint(seed=1, num_layers=1), "num_speculative_tokens": 2}
     for options in ({}, {"speculative_config": spec}):
         torch.manual_seed(1234)  # (unseeded requests draw from torch's generator)
         llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=64, max_num_seqs=256, **options)

@@ -1,6 +1,8 @@
 """The draft model's KV (nanoinfer/spec/draft_model.py): after a partly accepted run it catches up
 from the first rejected position, and its proposals equal those of a draft computing everything
-afresh; after a preemption it starts over."""
+afresh (greedy, and sampled with a seed: the same noise); after a preemption it starts over."""
+import pytest
+
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.sequence import Sequence
@@ -19,12 +21,14 @@ def proposer(target, draft):
     return p
 
 
-def test_catch_up_after_a_partly_accepted_run_equals_a_fresh_draft(tiny_qwen3, make_checkpoint):
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=50),
+                                    SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=50)])
+def test_catch_up_after_a_partly_accepted_run_equals_a_fresh_draft(tiny_qwen3, make_checkpoint, params):
     draft = make_checkpoint(seed=1, num_layers=1)
     kept, fresh = proposer(tiny_qwen3, draft), proposer(tiny_qwen3, draft)
     try:
         bm = BlockManager(32, 16)
-        seq = Sequence([5, 17, 33, 8, 91, 120, 7, 64, 3, 250, 11, 42, 9], SamplingParams(max_tokens=50), 16)
+        seq = Sequence([5, 17, 33, 8, 91, 120, 7, 64, 3, 250, 11, 42, 9], params, 16)
         assert bm.allocate(seq) and bm.append_slot(seq, K)
         first = kept.propose([seq], [K])[0]
         assert len(first) == K

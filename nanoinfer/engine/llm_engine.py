@@ -70,7 +70,8 @@ class LLMEngine:
         if config.speculative_config is not None:
             from nanoinfer.spec.speculator import build_speculator
             try:  # (a draft model's KV cache shares the pool's memory: fewer blocks)
-                self.speculator = build_speculator(config, self.tokenizer, self.model_runner, num_blocks)
+                self.speculator = build_speculator(config, self.tokenizer, self.model_runner, num_blocks,
+                                                   eos_token_ids)
             except BaseException:
                 self.model_runner.exit()
                 raise

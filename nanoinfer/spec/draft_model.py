@@ -3,11 +3,12 @@ this process, on the target's device) with its own KV cache of as many blocks, a
 the target's block tables, so it needs no block bookkeeping of its own.
 
 Per engine step, for the speculative rows: one forward catches each sequence's draft KV up to its
-last token and proposes the first token, then k - 1 one-token forwards propose the rest, each
-reading the previous forward's tokens on the device (no host round trip between them). The draft
-proposes its argmax (a deterministic proposal: see spec/proposer.py). Its KV stays valid for the
-tokens the target accepted; past them it is overwritten next time (a sequence re-allocated after a
-preemption starts over).
+last token and proposes the first token, then k - 1 one-token forwards propose the rest. Greedy
+requests propose the draft's argmax, each forward reading the previous one's tokens on the device
+(no host round trip between them); with sampled requests each proposal is drawn with the request's
+own sampling options and noise (`_sample_input`), the proposals so far read on the host. Its KV
+stays valid for the tokens the target accepted; past them it is overwritten next time (a sequence
+re-allocated after a preemption starts over).
 """
 import weakref
 from dataclasses import dataclass
@@ -17,7 +18,10 @@ import torch
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.step_message import SampleInput, SamplingPlan, StepInput
+from nanoinfer.sampling.plan import build_sampling_plan
+from nanoinfer.sampling_params import SAMPLING_EPS
 from nanoinfer.spec.proposer import Proposer
+from nanoinfer.spec.rows import DraftView
 from nanoinfer.utils.hf_files import load_tokenizer
 
 
@@ -56,9 +60,11 @@ def check_same_vocabulary(config: Config, draft: Config, tokenizer):
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config: Config, spec, tokenizer, target_runner, num_blocks: int):
+    def __init__(self, config: Config, spec, tokenizer, target_runner, num_blocks: int, eos_token_ids=frozenset()):
         dconf = draft_config(config, spec, num_blocks)
         check_same_vocabulary(config, dconf, tokenizer)
+        self.vocab_size, self.eos_token_ids = config.hf_config.vocab_size, eos_token_ids  # (for sampling plans)
+        self.seeds = torch.Generator().manual_seed(config.seed + 1)  # fused plans' noise seeds: not the target's
         self.runner = ModelRunner(dconf)
         self.block_size = config.kvcache_block_size
         self.num_blocks = self._share(config, target_runner, num_blocks)
@@ -93,28 +99,47 @@ class DraftModelProposer(Proposer):
     def propose(self, seqs: list, max_lens: list[int]) -> list[list[int]]:
         n = [seq.num_tokens for seq in seqs]
         starts = [self._valid(seq) for seq in seqs]
+        sampled = any(seq.sampling_params.temperature >= SAMPLING_EPS for seq in seqs)
+        proposals = [[] for _ in seqs]
+        rows = list(range(len(seqs)))
         first = StepInput(0, starts, [ni - s for ni, s in zip(n, starts)],
                           [t for seq, s in zip(seqs, starts) for t in seq.token_ids[s:]],
                           [seq.block_table for seq in seqs])
-        launched = [(list(range(len(seqs))), self.runner.launch(first, greedy(len(seqs)), None))]
+        launched = [(rows, self.runner.launch(first, self._sample_input(seqs, rows, proposals, sampled), None))]
         for j in range(1, max(max_lens)):  # the proposal after d_j, from d_j at position n + j - 1
-            prev_row = {i: r for r, i in enumerate(launched[-1][0])}
-            rows = [i for i in prev_row if max_lens[i] > j]
-            step = StepInput(len(rows), [n[i] + j - 1 for i in rows], [1] * len(rows), [0] * len(rows),
-                             [seqs[i].block_table for i in rows], list(range(len(rows))),
-                             [prev_row[i] for i in rows])
-            launched.append((rows, self.runner.launch(step, greedy(len(rows)), launched[-1][1])))
-        proposals = [[] for _ in seqs]
-        for rows, inflight in launched:
-            for i, token in zip(rows, self.runner.collect(inflight).tokens):
-                proposals[i].append(token)
+            prev_row = {i: r for r, i in enumerate(rows)}
+            rows = [i for i in rows if max_lens[i] > j]
+            positions, tables = [n[i] + j - 1 for i in rows], [seqs[i].block_table for i in rows]
+            if sampled:  # the sampling plan reads the proposals so far: on the host
+                launched = self._collect(launched, proposals)
+                step, prev = StepInput(len(rows), positions, [1] * len(rows), [proposals[i][-1] for i in rows],
+                                       tables), None
+            else:  # greedy: each forward reads the previous one's tokens on the device
+                step, prev = StepInput(len(rows), positions, [1] * len(rows), [0] * len(rows), tables,
+                                       list(range(len(rows))), [prev_row[i] for i in rows]), launched[-1][1]
+            launched.append((rows, self.runner.launch(step, self._sample_input(seqs, rows, proposals, sampled), prev)))
+        self._collect(launched, proposals)
         for seq, ni, p in zip(seqs, n, proposals):
             self._states[seq] = DraftState(ni, p, seq.num_preemptions)
         return proposals
 
+    def _sample_input(self, seqs, rows: list[int], proposals, sampled: bool) -> SampleInput:
+        """Greedy rows propose their argmax. With sampled rows, every row draws its proposal with
+        the options the target will verify that position with (sampling/plan.py on the same
+        DraftViews), seeded noise included: a draft equal to its target then proposes exactly the
+        target's sample, and any other draft draws either that same noise or independent noise,
+        which keeps verification exact (spec/rows.py, accepted_runs)."""
+        if not sampled:
+            return SampleInput(SamplingPlan([0.0] * len(rows), all_greedy=True, any_greedy=True, seed=0))
+        views = [DraftView(seqs[i], proposals[i]) for i in rows]
+        return SampleInput(build_sampling_plan(views, self.vocab_size, self.eos_token_ids, [True] * len(rows),
+                                               None, self.seeds))
+
+    def _collect(self, launched: list, proposals: list[list[int]]) -> list:
+        for rows, inflight in launched:
+            for i, token in zip(rows, self.runner.collect(inflight).tokens):
+                proposals[i].append(token)
+        return []
+
     def exit(self):
         self.runner.exit()
-
-
-def greedy(rows: int) -> SampleInput:
-    return SampleInput(SamplingPlan([0.0] * rows, all_greedy=True, any_greedy=True, seed=0))

@@ -2,8 +2,9 @@
 
 A proposer sees the scheduled speculative rows (their sequences, with every token on the host, and
 how many tokens each may propose) and returns each row's proposals, any number up to that, the
-most likely first. Proposals must be deterministic given the sequence (q one-hot): the verifier
-(spec/rows.py, accepted_runs) relies on it to stay exact. The KV blocks of the row's lookahead
+most likely first. The verifier (spec/rows.py, accepted_runs) stays exact for proposals that are
+deterministic given the sequence, or drawn with noise either independent of the target's at that
+position or the very same (a request's seeded noise). The KV blocks of the row's lookahead
 positions are reserved in the sequence's block table before `propose` is called.
 """
 from abc import ABC, abstractmethod

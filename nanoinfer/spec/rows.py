@@ -87,10 +87,14 @@ def accepted_runs(batch: ScheduledBatch, tokens: list[int], logprobs: list | Non
     per-row logprobs: a list for a speculative row). A run is the proposals the target sampled
     too, up to the first it did not, then the target's own token there (or after the last).
 
-    Exact for proposers that propose one token for sure (q one-hot: n-gram, a greedy draft): the
-    rejection sampler's accept probability min(1, p/q) is then p(draft), the chance that a sample
-    of p equals it, and on rejection norm(max(0, p - q)) is p without the draft token: the sample
-    of p at that position, given that it differs."""
+    Every emitted token is the target's own sample at its position, drawn with noise that the
+    tokens before it do not depend on, so the output is distributed as the target's. For a
+    proposal made for sure (q one-hot: n-gram, a greedy draft) this is the rejection sampler: its
+    accept probability min(1, p/q) is p(draft), the chance that a sample of p equals it, and on
+    rejection norm(max(0, p - q)) is p without the draft token: the sample of p at that position,
+    given that it differs. A sampled draft (spec/draft_model.py) draws with independent noise, or
+    with the request's seeded noise, the target's own: then a draft close to the target proposes
+    the target's sample itself."""
     row_tokens, runs, row_lps = [], {}, [] if logprobs is not None else None
     i = 0
     for row in range(len(batch.seqs)):

@@ -69,7 +69,7 @@ class Speculator:
         self.proposer.exit()
 
 
-def build_speculator(config, tokenizer, target_runner, num_blocks: int) -> Speculator:
+def build_speculator(config, tokenizer, target_runner, num_blocks: int, eos_token_ids=frozenset()) -> Speculator:
     """The engine's Speculator for config.speculative_config: n-gram, or a draft model whose KV
     cache holds as many blocks as the target's, read through the target's block tables
     (`speculator.num_blocks`: the pool both fit, which the engine allocates)."""
@@ -77,7 +77,7 @@ def build_speculator(config, tokenizer, target_runner, num_blocks: int) -> Specu
     proposer = None
     if spec.method == "draft_model":
         from nanoinfer.spec.draft_model import DraftModelProposer
-        proposer = DraftModelProposer(config, spec, tokenizer, target_runner, num_blocks)
+        proposer = DraftModelProposer(config, spec, tokenizer, target_runner, num_blocks, eos_token_ids)
         num_blocks = proposer.num_blocks
     speculator = Speculator(spec, config.max_model_len, proposer)
     speculator.num_blocks = num_blocks
