@@ -193,7 +193,24 @@ def main():
                         "decode at batch 1 and 64 (128-token prompts, --sweep-output-len tokens) against the "
                         "base model (nanoinfer/bench/lora.py)")
     p.add_argument("--lora-rank", type=int, default=16, help="the --lora adapters' rank")
+    p.add_argument("--speculative", action="store_true",
+                   help="speculative decoding's table (nanoinfer/bench/speculative.py): --config target (8b by "
+                        "default here) with a --draft-config draft, plain / draft = target / disagreeing draft / "
+                        "n-gram at --speculative-batches")
+    p.add_argument("--draft-config", choices=sorted(SHAPES), default="0.6b", help="--speculative: the draft's shape")
+    p.add_argument("--draft-model", help="--speculative: a real draft checkpoint (with --model)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--speculative-batches", default="1,8,64")
+    p.add_argument("--speculative-prompt-len", type=int, default=128)
+    p.add_argument("--speculative-runs", default="plain,same,same-sync,other,other-sync,policy,ngram",
+                   help="--speculative: which runs (each its own engine); the computed table needs plain "
+                        "and other-sync")
     args = p.parse_args()
+    if args.speculative:
+        from nanoinfer.bench.speculative import main_args
+        if "--config" not in " ".join(__import__("sys").argv):
+            args.config = "8b"
+        return main_args(args)
     if args.lora:
         from nanoinfer.bench.lora import compare
         model = args.model or make_random_model_dir(args.config)

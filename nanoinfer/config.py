@@ -58,6 +58,8 @@ class Config:
     # them), http(s):// URLs of these hosts (None refuses them); data: URLs always
     allowed_local_media_path: str = ""
     allowed_media_domains: list[str] | None = None
+    # vLLM's speculative_config dict (nanoinfer/spec/config.py), parsed into a SpeculativeConfig
+    speculative_config: str | dict | None = None  # (a JSON string on the command line)
     # Filled in by __post_init__, not user options.
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, repr=False)
@@ -103,6 +105,7 @@ class Config:
         self.gpu_memory_utilization = float(self.gpu_memory_utilization)  # numpy floats too
         self._check_runner()
         self._check_lora_options(check_int)
+        self._check_speculative()
         for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "trust_remote_code",
                      "disable_log_stats", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
@@ -184,6 +187,14 @@ class Config:
             self.runner = aliases[self.task]
         if self.runner == "auto":
             self.runner = "generate"
+    def _check_speculative(self):
+        from nanoinfer.spec.config import SpeculativeConfig
+        self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is not None and self.runner == "pooling":
+            raise ValueError("speculative_config is for generation; runner='pooling' takes none")
+        if spec is not None and spec.model is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: a draft model runs with tensor_parallel_size=1 only")
+
     def _check_lora_options(self, check_int):
         check_int("max_loras", 1, 1024)
         check_int("max_lora_rank", 1, 1024)

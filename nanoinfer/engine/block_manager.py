@@ -126,14 +126,19 @@ class BlockManager:
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
 
-    def append_slot(self, seq: Sequence) -> bool:
-        """Make sure the block table covers the sequence's newest token (in-flight ones included).
-        Returns False (and changes nothing) when that needs a block and none is free."""
-        if seq.num_tokens + seq.num_inflight <= len(seq.block_table) * self.block_size:
+    def append_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Make sure the block table covers the sequence's newest token (in-flight ones included)
+        and `lookahead` more (speculative tokens: blocks beyond what is accepted stay in the table,
+        unhashed, and are used by later tokens). Returns False (and changes nothing) when that
+        needs more blocks than are free."""
+        end = seq.num_tokens + seq.num_inflight + lookahead
+        needed = -(-end // self.block_size) - len(seq.block_table)
+        if needed <= 0:
             return True
-        if not self.num_free_blocks:
+        if needed > self.num_free_blocks:
             return False
-        seq.block_table.append(self._take_free_block())
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
         return True
 
     def commit(self, seq: Sequence, num_computed: int):

@@ -36,9 +36,10 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
         input_ids, positions = _decode_context(step, block_size, device, sort_decode_rows)
     else:
         input_ids, positions = _prefill_context(step, block_size, device)
-    if step.prompt_logit_rows:  # those prompt positions' logits too, after each row's last token
-        last = [end - 1 for end in accumulate(step.query_lens)]
-        get_context().logits_indices = to_device(last + step.prompt_logit_rows, torch.int64, device)
+    if step.prompt_logit_rows or step.sample_rows is not None:
+        # the sampling rows' logits (each row's last token, unless named), then those prompt positions'
+        rows = step.sample_rows if step.sample_rows is not None else [end - 1 for end in accumulate(step.query_lens)]
+        get_context().logits_indices = to_device(rows + (step.prompt_logit_rows or []), torch.int64, device)
     if step.lora is not None:  # each token's adapter slot: its row's
         slots = step.lora.row_slots
         if not step.is_decode_only:

@@ -69,14 +69,29 @@ class LLMEngine:
             check_main_guard()  # spawned workers re-import the main script
         self.model_runner = ModelRunner(config) if config.tensor_parallel_size == 1 else TensorParallelExecutor(config)
         num_blocks = self.model_runner.num_blocks
+        self.speculator = None  # speculative decoding (nanoinfer/spec), with speculative_config
+        if config.speculative_config is not None:
+            from nanoinfer.spec.speculator import build_speculator
+            try:  # (a draft model's KV cache shares the pool's memory: fewer blocks)
+                self.speculator = build_speculator(config, self.tokenizer, self.model_runner, num_blocks,
+                                                   eos_token_ids)
+            except BaseException:
+                self.model_runner.exit()
+                raise
+            num_blocks = self.speculator.num_blocks
         if num_blocks * config.kvcache_block_size < config.max_model_len:
             self.model_runner.exit()
+            if self.speculator is not None:
+                self.speculator.exit()
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks x {config.kvcache_block_size} tokens = "
                 f"{num_blocks * config.kvcache_block_size} tokens, less than one max_model_len={config.max_model_len} "
                 "sequence; raise num_kvcache_blocks / gpu_memory_utilization or lower max_model_len")
         self.model_runner.allocate_kv_cache(num_blocks)
+        if self.speculator is not None:
+            self.speculator.allocate(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids, config.enable_prefix_caching)
+        self.scheduler.speculator = self.speculator
         self.step_encoder = StepEncoder(self.vocab_size, eos_token_ids, self._seeds,
                                         config.tensor_parallel_size > 1 and config.device == "cuda",
                                         AdapterSlotTable(config.max_loras) if config.enable_lora else None)
@@ -302,6 +317,8 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch) -> "Launched":
         prev = self.inflight
+        if batch.drafts:
+            self.speculator.propose(batch)
         step, sample = self.step_encoder.encode(batch, prev.rows if prev else None)
         handle = self.model_runner.launch(step, sample, prev.handle if prev else None)
         return Launched(batch, sampled_rows(batch), handle)
@@ -316,13 +333,16 @@ class LLMEngine:
             self.output_processor.record_prompt_logprobs(seqs, result.prompt_logprobs, self.requests)
         if result.pooled is not None:  # before update finishes them: their sums are kept while running
             record_pooled(launched.batch, result.pooled)
-        update = self.scheduler.update(launched.batch, result.tokens)
-        stops = self.output_processor.record_tokens(seqs, update.appended, update.ending, result.logprobs,
-                                                    self.requests, now)
+        tokens, logprobs, runs = result.tokens, result.logprobs, None
+        if launched.batch.drafts:  # speculative rows: their accepted runs
+            tokens, runs, logprobs = self.speculator.verify(launched.batch, result)
+        update = self.scheduler.update(launched.batch, tokens, runs)
+        stops = self.output_processor.record_tokens(seqs, update.appended, update.ending, logprobs,
+                                                    self.requests, now, update.counts)
         finished = self.scheduler.finish_rows(launched.batch, update, stops)
         self._finished(finished, now)
         if self.stats is not None:
-            self.stats.record(launched.batch, update.appended, finished)
+            self.stats.record(launched.batch, update.appended, finished, update.counts)
 
     def _finished(self, seqs: list[Sequence], now: float):
         """Record finished sequences; report their requests once every sample is done."""
@@ -352,6 +372,17 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.inflight is None and self.scheduler.is_finished()
 
+    @property
+    def spec_stats(self):
+        """Speculative decoding's acceptance counters (nanoinfer/spec/stats.py), None without it."""
+        return self.speculator.stats if self.speculator is not None else None
+
+    def get_metrics(self) -> list:
+        """vLLM's LLM.get_metrics(): a list of metrics, each with `name` and `value` (the engine's
+        totals since start, and speculative decoding's counters)."""
+        from nanoinfer.engine.stats import engine_metrics
+        return engine_metrics(self)
+
     def check_health(self):
         """Raises RuntimeError if the engine cannot serve: it has exited, or a tensor-parallel rank
         died (noticed here without running a step)."""
@@ -379,6 +410,8 @@ class LLMEngine:
         self.inflight = None
         if hasattr(self, "model_runner"):
             self.model_runner.exit()
+        if getattr(self, "speculator", None) is not None:
+            self.speculator.exit()
         atexit.unregister(self.exit)
 
 

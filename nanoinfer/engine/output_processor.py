@@ -84,14 +84,24 @@ class OutputProcessor:
                 requests[seq.request_id].prompt_logprobs[first:first + len(seg.entries)] = seg.entries
 
     def record_tokens(self, seqs: list[Sequence], rows: list[int], ending: dict, logprobs: list[TokenLogprobs | None] | None,
-                      requests: dict, now: float) -> dict[int, str]:
+                      requests: dict, now: float, counts: dict[int, int] | None = None) -> dict[int, str]:
         """Record the tokens the scheduler just appended to the sequences of `rows` (rows of `seqs`,
         and of the step's `logprobs`), after it decided which rows end (`ending`: row ->
         (finish_reason, stop_reason), by EOS, stop ids and length). Returns row -> the stop string
         its new text completed, for the engine to finish; none for a row already stopped by a token
-        (EOS and stop ids win)."""
+        (EOS and stop ids win). `counts`: rows that appended several tokens (speculative rows; their
+        `logprobs` entry is a list), recorded one by one; a stop string completed before the last
+        drops the tokens after it."""
         news, stops = self.news, {}
         for row in rows:
+            if counts and row in counts:
+                seq = seqs[row]
+                num_before = seq.num_tokens
+                stop = self._record_run(seq, requests[seq.request_id], counts[row], ending.get(row),
+                                        logprobs[row] if logprobs is not None else None, now)
+                if stop is not None:  # (the tokens after it were dropped)
+                    stops[row], counts[row] = stop, counts[row] - (num_before - seq.num_tokens)
+                continue
             seq = seqs[row]
             req = requests[seq.request_id]
             if req.stream:
@@ -115,6 +125,30 @@ class OutputProcessor:
             if stop is not None and not stopped_by_token:
                 stops[row] = stop
         return stops
+
+    def _record_run(self, seq: Sequence, req: Request, num: int, end, lps: list | None, now: float) -> str | None:
+        """record_tokens for a row that appended `num` tokens: each as if it came alone."""
+        if req.stream:
+            self.news[req.request_id] = req
+        c = req.completions[seq.index]
+        sp = seq.sampling_params
+        first = seq.num_tokens - num
+        for i in range(num):
+            last = i == num - 1
+            if c.logprobs is not None and lps is not None:
+                c.logprobs.append(lps[i])
+                c.cumulative_logprob += lps[i].logprob
+            if c.detok is None:
+                continue
+            stopped_by_token = last and end is not None and end[0] == "stop"
+            keep = not stopped_by_token or sp.include_stop_str_in_output
+            stop = c.detok.add(seq.token_ids[first + i] if keep else None,
+                               check_stop=first + i + 1 - seq.num_prompt_tokens >= sp.min_tokens,
+                               final=last and end is not None)
+            if stop is not None and not stopped_by_token:
+                del seq.token_ids[first + i + 1:]  # (the engine finishes the sequence on it)
+                return stop
+        return None
 
     def mark_finished(self, req: Request, seq: Sequence, now: float):
         if req.stream:

@@ -24,7 +24,7 @@ sequences use at most max_loras distinct adapters (lora/admission.py), so no ste
 adapters than the device has slots.
 """
 from bisect import insort
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
@@ -41,6 +41,9 @@ class ScheduledBatch:
     query_lens: list[int]        # tokens each row computes
     samples: list[bool]          # whether the row's last token samples (False: a prompt chunk short of its end)
     num_decode: int = 0          # leading rows with one query token (decode rows)
+    # speculative rows (nanoinfer/spec), which follow the decode rows: row -> its proposed tokens
+    # (None until proposed); such a row's query is its last token and the proposals
+    drafts: dict[int, list[int] | None] = field(default_factory=dict)
 
     @property
     def is_decode_only(self) -> bool:
@@ -61,6 +64,7 @@ class StepUpdate:
     text completed have joined them."""
     appended: list[int]
     ending: dict[int, tuple[str, int | str | None]]
+    counts: dict[int, int] = field(default_factory=dict)  # speculative rows: tokens appended (else 1)
 
 
 class Scheduler:
@@ -83,6 +87,9 @@ class Scheduler:
         self.num_preemptions = 0
         # distinct adapters running at most (0: LoRA off)
         self.max_loras = config.max_loras if getattr(config, "enable_lora", False) else 0
+        # speculative decoding (nanoinfer/spec/speculator.py): whether a sequence speculates (it then
+        # waits for its tokens in flight) and how many tokens its next row may propose
+        self.speculator = None
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running and not self.held
@@ -109,6 +116,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [], [], [])
         preempted = False
+        speculative = []  # (seq, lookahead): rows placed after the decode rows
         if self.by_priority and self.waiting and self.running:
             self._preempt_for_waiting()
         # 1. one decode token for every running sequence that generates (oldest first)
@@ -117,9 +125,12 @@ class Scheduler:
             seq = self.running[i]
             i += 1
             sp = seq.sampling_params
-            if seq.num_computed_tokens < seq.num_tokens + seq.num_inflight - 1 or self._reaches_limit(seq) or \
-                    (seq.num_inflight and sp.has_token_constraints and sp.needs_host_tokens):
-                continue  # mid-prefill (step 2), its in-flight token ends it, or the host must see that token
+            if seq.num_computed_tokens != seq.num_tokens + seq.num_inflight - 1 or self._reaches_limit(seq) or \
+                    (seq.num_inflight and ((sp.has_token_constraints and sp.needs_host_tokens) or
+                                           (self.speculator and self.speculator.speculates(seq, len(self.running))))):
+                continue  # mid-prefill (step 2) or a speculative row in flight (its length is unknown),
+                # its in-flight token ends it, or the host must see that token (to propose, too)
+            k = self._lookahead(seq, budget, len(self.running) - i) if self.speculator else 0
             while not self.block_manager.append_slot(seq):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -127,9 +138,15 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self._add_row(batch, seq, 1)
-                budget -= 1
+                if k:
+                    speculative.append((seq, k))
+                else:
+                    self._add_row(batch, seq, 1)
+                budget -= 1 + k
         batch.num_decode = len(batch.seqs)
+        for seq, k in speculative:  # (preempted meanwhile: dropped; its blocks are gone)
+            if seq.status == SequenceStatus.RUNNING:
+                self._add_speculative_row(batch, seq, k)
         # 2. prefill chunks: sequences mid-prefill, then new ones (none after a preemption: memory is short)
         for seq in self.running:
             if budget <= 0:
@@ -207,21 +224,44 @@ class Scheduler:
         batch.samples.append(samples)
         return num_tokens
 
+    def _lookahead(self, seq: Sequence, budget: int, num_after: int) -> int:
+        """How many proposals the sequence's row may score, with the blocks for them reserved; none
+        when that would take a block one of the `num_after` sequences after it may need."""
+        k, bm = self.speculator.lookahead(seq, budget, len(self.running)), self.block_manager
+        if k and seq.num_tokens + k > len(seq.block_table) * bm.block_size and bm.num_free_blocks <= num_after:
+            return 0
+        return k if k and bm.append_slot(seq, k) else 0
+
+    @staticmethod
+    def _add_speculative_row(batch: ScheduledBatch, seq: Sequence, k: int):
+        """A decode row that also scores k proposed tokens (filled in before launch, and maybe
+        shortened: nanoinfer/spec/rows.py). It samples once; processing appends the accepted run."""
+        batch.drafts[len(batch.seqs)] = None
+        batch.seqs.append(seq)
+        batch.starts.append(seq.num_computed_tokens)
+        batch.query_lens.append(1 + k)
+        batch.samples.append(True)
+        seq.num_computed_tokens += 1 + k
+        seq.num_inflight += 1
+
     def preempt(self, seq: Sequence):
         """Recompute preemption: drop its KV, put it first in line; it re-prefills prompt + output
         (once its in-flight tokens, still valid, have been appended)."""
         self.num_preemptions += 1
+        seq.num_preemptions += 1
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.block_manager.free(seq)
 
     # ---- processing a finished step -------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, token_ids: list[int]) -> StepUpdate:
+    def update(self, batch: ScheduledBatch, token_ids: list[int],
+               runs: dict[int, list[int]] | None = None) -> StepUpdate:
         """Record what a finished step computed: register its full blocks in the prefix cache,
         append the sampled tokens, release the samples held for a first token's prompt, and decide
-        which sequences end on EOS, stop token ids and length limits."""
-        appended, ending = [], {}
+        which sequences end on EOS, stop token ids and length limits. `runs`: a speculative row's
+        accepted tokens (nanoinfer/spec), appended up to the first that ends the sequence."""
+        appended, ending, counts = [], {}, {}
         for row, (seq, token_id) in enumerate(zip(batch.seqs, token_ids)):
             samples = batch.samples[row]  # False: a prompt chunk short of its end samples nothing
             seq.num_inflight -= samples
@@ -229,6 +269,10 @@ class Scheduler:
                 continue  # aborted, or stopped while this step was in flight: a wasted row
             if token_id < 0 and samples:  # NON_FINITE: the row's logits were NaN / inf
                 ending[row] = ("error", "non-finite logits")  # (its K/V are not cached either)
+                continue
+            if runs and row in runs:
+                counts[row] = self._append_run(seq, batch.starts[row], runs[row], row, ending)
+                appended.append(row)
                 continue
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.commit(seq, batch.starts[row] + batch.query_lens[row])
@@ -246,7 +290,28 @@ class Scheduler:
                     reason = "length"
             if reason is not None:
                 ending[row] = (reason, stop_reason)
-        return StepUpdate(appended, ending)
+        return StepUpdate(appended, ending, counts)
+
+    def _append_run(self, seq: Sequence, start: int, run: list[int], row: int, ending: dict) -> int:
+        """Append a speculative row's accepted tokens until one ends the sequence; the K/V computed
+        for the appended ones (all but the newest) are kept, those of rejected proposals are
+        overwritten later. Returns how many were appended."""
+        num = 0
+        for token_id in run:
+            seq.append_token(token_id)
+            num += 1
+            reason, stop_reason = self._stop_by_token(seq, token_id)
+            sp = seq.sampling_params
+            if reason is None and ((sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens)
+                                   or seq.num_tokens >= self.max_model_len):
+                reason = "length"
+            if reason is not None:
+                ending[row] = (reason, stop_reason)
+                break
+        if seq.status == SequenceStatus.RUNNING:
+            seq.num_computed_tokens = start + num
+            self.block_manager.commit(seq, start + num)
+        return num
 
     def finish_rows(self, batch: ScheduledBatch, update: StepUpdate, stop_strings: dict[int, str]) -> list[Sequence]:
         """Finish the step's ending rows in row order (their blocks return to the free list in that

@@ -39,6 +39,7 @@ class Sequence:
         self.num_computed_tokens = 0       # tokens whose K/V are computed or being computed by a launched step
         self.num_cached_tokens = 0         # of those, served by the prefix cache at the last allocation
         self.num_inflight = 0              # tokens sampled by launched steps, not yet appended
+        self.num_preemptions = 0           # times its KV was dropped (a draft model's KV goes with it)
         self.finish_reason: str | None = None   # "stop" | "length" | "abort", set by the scheduler only
         self.stop_reason: int | str | None = None
         self.lora_request = None           # the request's LoRARequest (nanoinfer/lora), or None

@@ -11,6 +11,7 @@ the prefix cache over prompt tokens looked up in it, since start. Totals since s
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 logger = logging.getLogger("nanoinfer.stats")
 
@@ -32,14 +33,15 @@ class StatLogger:
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
 
-    def record(self, batch, appended: list[int], finished: list):
-        """A processed step: the rows whose token was appended, the sequences it finished."""
+    def record(self, batch, appended: list[int], finished: list, counts: dict | None = None):
+        """A processed step: the rows whose token was appended (counts: rows that appended several,
+        speculative ones), the sequences it finished."""
         for row in appended:
             seq = batch.seqs[row]
             if seq.num_completion_tokens == 1 and seq.index == 0:
                 self.prompt_tokens += seq.num_prompt_tokens
             if seq.pooling is None:
-                self.generation_tokens += 1
+                self.generation_tokens += counts.get(row, 1) if counts else 1
         self.requests_finished += sum(1 for seq in finished if seq.index == 0 and seq.finish_reason != "abort")
 
     def maybe_log(self, scheduler, force: bool = False):
@@ -69,3 +71,20 @@ class StatLogger:
                     prefix_cache_queries=bm.num_queried_tokens, prefix_cache_hits=bm.num_hits * bm.block_size,
                     prefix_cache_hit_rate=bm.num_hits * bm.block_size / max(bm.num_queried_tokens, 1),
                     preemptions=scheduler.num_preemptions)
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """One of LLM.get_metrics()'s entries (vLLM's shape: name and value)."""
+    name: str
+    value: float
+
+
+def engine_metrics(engine) -> list[Metric]:
+    """The engine's totals (when it keeps statistics) and speculative decoding's counters."""
+    out = []
+    if engine.stats is not None:
+        out += [Metric(f"nanoinfer:{k}", v) for k, v in engine.stats.totals(engine.scheduler).items()]
+    if engine.spec_stats is not None:
+        out += [Metric(k, v) for k, v in engine.spec_stats.metrics().items()]
+    return out

@@ -8,11 +8,20 @@ from nanoinfer.engine.step_message import (PlainSample, PromptLogprobsRequest, P
 from nanoinfer.multimodal.step_planner import MultiModalStepPlanner
 from nanoinfer.pooling.rows import pooling_rows
 from nanoinfer.sampling.plan import build_sampling_plan
+from nanoinfer.spec.rows import sampling_rows
 
 
 def sampled_rows(batch: ScheduledBatch) -> dict[int, int]:
-    """seq_id -> row, for the rows of a batch that sample a token."""
-    return {seq.seq_id: row for row, seq in enumerate(batch.seqs) if batch.samples[row]}
+    """seq_id -> row of the step's tokens, for the rows of a batch that sample a token (a
+    speculative row has a token per query position: its last one is named)."""
+    if not batch.drafts:
+        return {seq.seq_id: row for row, seq in enumerate(batch.seqs) if batch.samples[row]}
+    rows, i = {}, -1
+    for row, seq in enumerate(batch.seqs):
+        i += 1 + len(batch.drafts.get(row) or ())
+        if batch.samples[row]:
+            rows[seq.seq_id] = i
+    return rows
 
 
 class StepEncoder:
@@ -43,8 +52,10 @@ class StepEncoder:
             return step, SampleInput(SamplingPlan([0.0] * len(batch.seqs), True, True))  # (unused)
         if self.adapter_slots is not None:
             step.lora = self.adapter_slots.assign(batch.seqs)
-        plan = build_sampling_plan(batch.seqs, self.vocab_size, self.eos_token_ids, batch.samples, prev_rows,
-                                   self.seeds)
+        seqs, samples = batch.seqs, batch.samples
+        if batch.drafts:  # speculative rows: one sampling row per query position (nanoinfer/spec)
+            seqs, samples, step.sample_rows = sampling_rows(batch)
+        plan = build_sampling_plan(seqs, self.vocab_size, self.eos_token_ids, samples, prev_rows, self.seeds)
         sample = SampleInput(plan, prompt_logprobs_request(batch))
         if sample.prompt_logprobs is not None:
             step.prompt_logit_rows = prompt_logit_rows(batch, sample.prompt_logprobs)
@@ -69,6 +80,8 @@ def encode_rows(batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> Step
     for row in range(batch.num_decode, len(batch.seqs)):
         start = batch.starts[row]
         input_ids += batch.seqs[row].token_ids[start:start + batch.query_lens[row]]
+        if row in batch.drafts:  # a speculative row: its last token, then the proposals
+            input_ids += batch.drafts[row]
     return StepInput(batch.num_decode, batch.starts, batch.query_lens, input_ids,
                      [seq.block_table for seq in batch.seqs], inflight_rows, inflight_sources)
 

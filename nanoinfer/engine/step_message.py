@@ -71,6 +71,7 @@ class StepInput:
     inflight_rows: list[int] = field(default_factory=list)
     inflight_sources: list[int] = field(default_factory=list)
     prompt_logit_rows: list[int] | None = None  # flat token rows whose logits are also computed (prompt_logprobs)
+    sample_rows: list[int] | None = None  # flat token rows that sample (None: each row's last; speculative rows: all)
     plain_sample: PlainSample | None = None
     pooling: PoolingRows | None = None  # an embedding step: no LM head, no sampling
     lora: LoRAStep | None = None  # None: no row uses an adapter
@@ -86,6 +87,10 @@ class StepInput:
     @property
     def is_decode_only(self) -> bool:
         return self.num_decode == len(self.starts)
+
+    @property
+    def num_sample_rows(self) -> int:
+        return self.num_rows if self.sample_rows is None else len(self.sample_rows)
 
 
 @dataclass(slots=True)

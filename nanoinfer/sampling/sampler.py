@@ -79,7 +79,7 @@ class Sampler:
             plain = step.plain_sample
             temps = args.temperatures if args is not None else to_device(plain.temperatures, torch.float32, self.device)
             return Sampled(sample_vocab_shard(logits, temps, plain.seed, self.lm_head.vocab_start), args)
-        rows = step.num_rows
+        rows = step.num_sample_rows
         if sample is None:  # a rank that does not sample: its shard goes to rank 0, the tokens come back
             self.lm_head.gather(logits)
             tokens = torch.empty(rows, dtype=torch.int64, device=self.device)

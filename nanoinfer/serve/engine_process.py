@@ -171,6 +171,9 @@ class EngineCore:
             news.stats = EngineStats(len(scheduler.running), len(scheduler.waiting) + len(scheduler.held_under),
                                      blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
                                      scheduler.num_preemptions)
+            spec = self.llm.spec_stats
+            if spec is not None:
+                news.stats.spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
             self.events.send(news)
             self.news = StepNews([], [], [])
 

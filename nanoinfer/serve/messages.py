@@ -82,6 +82,7 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks: int = 1
     preemptions: int = 0
+    spec: tuple[int, int, int] | None = None  # speculative decoding: drafts, draft tokens, accepted tokens
 
 
 @dataclass(slots=True)

@@ -43,6 +43,10 @@ class ServerMetrics:
                               "after its first", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("nanoinfer:e2e_request_latency_seconds", "Arrival to finish", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.spec = [Counter(f"nanoinfer:spec_decode_{name}", text, labels, registry=r) for name, text in (
+            ("num_drafts", "Speculative rows verified"), ("num_draft_tokens", "Tokens proposed"),
+            ("num_accepted_tokens", "Proposed tokens accepted"))]
+        self._spec_seen = (0, 0, 0)  # the engine's totals at its last message
         self.model_name = model_name
         self.engine = "0"
         self._last_delta: dict[tuple[int, int], float] = {}  # (request, completion) -> its last delta's time
@@ -61,6 +65,11 @@ class ServerMetrics:
         self._m(self.waiting).set(stats.waiting)
         self._m(self.kv_usage).set(stats.kv_blocks_used / max(stats.kv_blocks, 1))
         self._m(self.preemptions).set(stats.preemptions)
+        if stats.spec is not None:  # (totals since start: the counters grow by what is new)
+            for counter, now, seen in zip(self.spec, stats.spec, self._spec_seen):
+                if now > seen:
+                    self._m(counter).inc(now - seen)
+            self._spec_seen = stats.spec
 
     def stream_delta(self, request_id: int, completion: int, num_tokens: int, finished: bool):
         now = time.monotonic()

@@ -1,0 +1,3 @@
+"""Speculative decoding (vLLM's `speculative_config`): proposers guess the next k tokens of a
+decoding sequence, one target step scores all k + 1 positions, and the engine keeps the longest
+prefix the target agrees with plus one token of its own (see README, "Speculative decoding")."""

@@ -1,0 +1,145 @@
+"""Draft-model proposals: a smaller model with the target's vocabulary, run by the same engine (in
+this process, on the target's device) with its own KV cache of as many blocks, addressed through
+the target's block tables, so it needs no block bookkeeping of its own.
+
+Per engine step, for the speculative rows: one forward catches each sequence's draft KV up to its
+last token and proposes the first token, then k - 1 one-token forwards propose the rest. Greedy
+requests propose the draft's argmax, each forward reading the previous one's tokens on the device
+(no host round trip between them); with sampled requests each proposal is drawn with the request's
+own sampling options and noise (`_sample_input`), the proposals so far read on the host. Its KV
+stays valid for the tokens the target accepted; past them it is overwritten next time (a sequence
+re-allocated after a preemption starts over).
+"""
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from nanoinfer.config import Config
+from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.step_message import SampleInput, SamplingPlan, StepInput
+from nanoinfer.sampling.plan import build_sampling_plan
+from nanoinfer.sampling_params import SAMPLING_EPS
+from nanoinfer.spec.proposer import Proposer
+from nanoinfer.spec.rows import DraftView
+from nanoinfer.utils.hf_files import load_tokenizer
+
+
+@dataclass(slots=True)
+class DraftState:
+    """What the draft computed for a sequence last time: its length then, its proposals (K/V of
+    all but the last were written), and the preemption count then."""
+    num_tokens: int
+    proposals: list[int]
+    num_preemptions: int
+
+
+def draft_config(config: Config, spec, num_blocks: int) -> Config:
+    """The draft's engine options: the target's shape of cache and batch, on its device."""
+    try:
+        return _draft_config(config, spec, num_blocks)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"speculative_config['model'] {spec.model!r}: {e}") from e
+
+
+def _draft_config(config: Config, spec, num_blocks: int) -> Config:
+    return Config.from_options(
+        spec.model, device=config.device, dtype=config.dtype, kvcache_block_size=config.kvcache_block_size,
+        num_kvcache_blocks=num_blocks, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
+        kv_cache_dtype=config.kv_cache_dtype, seed=config.seed, load_format=config.load_format)
+
+
+def check_same_vocabulary(config: Config, draft: Config, tokenizer):
+    if draft.hf_config.vocab_size != config.hf_config.vocab_size:
+        raise ValueError(f"speculative_config['model']: the draft's vocab_size {draft.hf_config.vocab_size} differs "
+                         f"from the target's {config.hf_config.vocab_size}; a draft needs the same vocabulary")
+    if load_tokenizer(draft.tokenizer).get_vocab() != tokenizer.get_vocab():
+        raise ValueError("speculative_config['model']: the draft's tokenizer differs from the target's; "
+                         "a draft needs the same tokenizer")
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, config: Config, spec, tokenizer, target_runner, num_blocks: int, eos_token_ids=frozenset()):
+        dconf = draft_config(config, spec, num_blocks)
+        check_same_vocabulary(config, dconf, tokenizer)
+        self.vocab_size, self.eos_token_ids = config.hf_config.vocab_size, eos_token_ids  # (for sampling plans)
+        self.seeds = torch.Generator().manual_seed(config.seed + 1)  # fused plans' noise seeds: not the target's
+        self.runner = ModelRunner(dconf)
+        self.block_size = config.kvcache_block_size
+        self.num_blocks = self._share(config, target_runner, num_blocks)
+        self._states = weakref.WeakKeyDictionary()  # sequence -> DraftState
+
+    def _share(self, config: Config, target_runner, num_blocks: int) -> int:
+        """On CUDA with a measured pool: the blocks that fit the memory the target measured, less
+        the draft's weights, when every block holds both models' K/V."""
+        if config.device != "cuda" or config.num_kvcache_blocks is not None:
+            return num_blocks
+        target, draft = target_runner.kv_cache.block_bytes, self.runner.kv_cache.block_bytes
+        weights = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+        return max((num_blocks * target - weights) // (target + draft), 0)
+
+    def allocate(self, num_blocks: int):
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def _valid(self, seq) -> int:
+        """Positions whose draft K/V are valid: those the last proposals computed, up to the first
+        proposal the target did not accept."""
+        state = self._states.get(seq)
+        if state is None or state.num_preemptions != seq.num_preemptions:
+            return 0
+        n, written = state.num_tokens, state.proposals[:-1]
+        accepted = 0
+        tokens = seq.token_ids
+        while accepted < len(written) and n + accepted < len(tokens) and tokens[n + accepted] == written[accepted]:
+            accepted += 1
+        return min(n + accepted, seq.num_tokens - 1)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list, max_lens: list[int]) -> list[list[int]]:
+        n = [seq.num_tokens for seq in seqs]
+        starts = [self._valid(seq) for seq in seqs]
+        sampled = any(seq.sampling_params.temperature >= SAMPLING_EPS for seq in seqs)
+        proposals = [[] for _ in seqs]
+        rows = list(range(len(seqs)))
+        first = StepInput(0, starts, [ni - s for ni, s in zip(n, starts)],
+                          [t for seq, s in zip(seqs, starts) for t in seq.token_ids[s:]],
+                          [seq.block_table for seq in seqs])
+        launched = [(rows, self.runner.launch(first, self._sample_input(seqs, rows, proposals, sampled), None))]
+        for j in range(1, max(max_lens)):  # the proposal after d_j, from d_j at position n + j - 1
+            prev_row = {i: r for r, i in enumerate(rows)}
+            rows = [i for i in rows if max_lens[i] > j]
+            positions, tables = [n[i] + j - 1 for i in rows], [seqs[i].block_table for i in rows]
+            if sampled:  # the sampling plan reads the proposals so far: on the host
+                launched = self._collect(launched, proposals)
+                step, prev = StepInput(len(rows), positions, [1] * len(rows), [proposals[i][-1] for i in rows],
+                                       tables), None
+            else:  # greedy: each forward reads the previous one's tokens on the device
+                step, prev = StepInput(len(rows), positions, [1] * len(rows), [0] * len(rows), tables,
+                                       list(range(len(rows))), [prev_row[i] for i in rows]), launched[-1][1]
+            launched.append((rows, self.runner.launch(step, self._sample_input(seqs, rows, proposals, sampled), prev)))
+        self._collect(launched, proposals)
+        for seq, ni, p in zip(seqs, n, proposals):
+            self._states[seq] = DraftState(ni, p, seq.num_preemptions)
+        return proposals
+
+    def _sample_input(self, seqs, rows: list[int], proposals, sampled: bool) -> SampleInput:
+        """Greedy rows propose their argmax. With sampled rows, every row draws its proposal with
+        the options the target will verify that position with (sampling/plan.py on the same
+        DraftViews), seeded noise included: a draft equal to its target then proposes exactly the
+        target's sample, and any other draft draws either that same noise or independent noise,
+        which keeps verification exact (spec/rows.py, accepted_runs)."""
+        if not sampled:
+            return SampleInput(SamplingPlan([0.0] * len(rows), all_greedy=True, any_greedy=True, seed=0))
+        views = [DraftView(seqs[i], proposals[i]) for i in rows]
+        return SampleInput(build_sampling_plan(views, self.vocab_size, self.eos_token_ids, [True] * len(rows),
+                                               None, self.seeds))
+
+    def _collect(self, launched: list, proposals: list[list[int]]) -> list:
+        for rows, inflight in launched:
+            for i, token in zip(rows, self.runner.collect(inflight).tokens):
+                proposals[i].append(token)
+        return []
+
+    def exit(self):
+        self.runner.exit()
