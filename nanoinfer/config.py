@@ -76,35 +76,43 @@ class Config:
         return cls(model, **options)
 
     def __post_init__(self):
-        def check_int(name, low, high=None):
-            value = getattr(self, name)
-            if not isinstance(value, Integral) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            value = int(value)  # numpy integers too
-            if value < low or (high is not None and value > high):
-                bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-                raise ValueError(f"{name} must be {bound}, got {value}")
-            setattr(self, name, value)
+        self._check_options()
+        self._check_device()
+        self._check_model()
+        self._resolve_dtype()
 
+    def _check_int(self, name, low, high=None):
+        """An int option in [low, high] (numpy integers too), stored as int."""
+        value = getattr(self, name)
+        if not isinstance(value, Integral) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        value = int(value)  # numpy integers too
+        if value < low or (high is not None and value > high):
+            bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+            raise ValueError(f"{name} must be {bound}, got {value}")
+        setattr(self, name, value)
+
+    def _check_options(self):
+        """Each option's type and range, before anything is read from disk."""
         self.model = _path("model", self.model)
         if self.tokenizer is not None:
             self.tokenizer = _path("tokenizer", self.tokenizer)
-        check_int("max_num_batched_tokens", 1)
-        check_int("max_num_seqs", 1, 65535)  # the attention kernels put sequences on a CUDA grid axis (<= 65535)
+        self._check_int("max_num_batched_tokens", 1)
+        self._check_int("max_num_seqs", 1, 65535)  # the attention kernels put sequences on a CUDA grid axis (<= 65535)
         if self.max_model_len is not None:
-            check_int("max_model_len", 2)
-        check_int("tensor_parallel_size", 1)
-        check_int("seed", 0, _MAX_SEED)
-        self._check_block_size(check_int)
+            self._check_int("max_model_len", 2)
+        self._check_int("tensor_parallel_size", 1)
+        self._check_int("seed", 0, _MAX_SEED)
+        self._check_block_size()
         if self.num_kvcache_blocks is not None:
-            check_int("num_kvcache_blocks", 1)
+            self._check_int("num_kvcache_blocks", 1)
         if not isinstance(self.gpu_memory_utilization, Real) or isinstance(self.gpu_memory_utilization, bool):
             raise TypeError(f"gpu_memory_utilization must be a float, got {type(self.gpu_memory_utilization).__name__}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.gpu_memory_utilization = float(self.gpu_memory_utilization)  # numpy floats too
         self._check_runner()
-        self._check_lora_options(check_int)
+        self._check_lora_options()
         self._check_speculative()
         for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "trust_remote_code",
                      "disable_log_stats", "enable_lora"):
@@ -122,6 +130,8 @@ class Config:
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+
+    def _check_device(self):
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         if self.device == "auto":
@@ -132,6 +142,8 @@ class Config:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
                              f"{torch.cuda.device_count()} visible CUDA device(s)")
 
+    def _check_model(self):
+        """The checkpoint's config, and the options that depend on it."""
         if self.hf_config is None:
             self.model = resolve_model_path(self.model)
             self.hf_config = language_model_config(load_hf_config(self.model))
@@ -161,6 +173,9 @@ class Config:
         if self.enable_lora:
             from nanoinfer.lora.targets import check_lora_model
             check_lora_model(hf)
+
+    def _resolve_dtype(self):
+        hf = self.hf_config
         if self.dtype == "auto":
             if self.device == "cpu":
                 self.torch_dtype = torch.float32
@@ -195,18 +210,18 @@ class Config:
         if spec is not None and spec.model is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config: a draft model runs with tensor_parallel_size=1 only")
 
-    def _check_lora_options(self, check_int):
-        check_int("max_loras", 1, 1024)
-        check_int("max_lora_rank", 1, 1024)
+    def _check_lora_options(self):
+        self._check_int("max_loras", 1, 1024)
+        self._check_int("max_lora_rank", 1, 1024)
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
-        check_int("max_cpu_loras", self.max_loras)
+        self._check_int("max_cpu_loras", self.max_loras)
 
-    def _check_block_size(self, check_int):
+    def _check_block_size(self):
         """kvcache_block_size, or its vLLM name block_size: a power of two in [16, 2**16]."""
         for name in ("kvcache_block_size", "block_size"):
             if getattr(self, name) is not None:
-                check_int(name, 16, MAX_KVCACHE_BLOCK_SIZE)
+                self._check_int(name, 16, MAX_KVCACHE_BLOCK_SIZE)
         if None not in (self.kvcache_block_size, self.block_size) and self.kvcache_block_size != self.block_size:
             raise ValueError(f"block_size={self.block_size} and kvcache_block_size={self.kvcache_block_size} "
                              "name the same option; give one")

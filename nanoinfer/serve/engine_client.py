@@ -323,7 +323,10 @@ def launch_engine_process(model: str, options: dict, log_level: str, env: dict):
 def end_engine_process(process, timeout: float = STOP_TIMEOUT_S):
     """End an engine process if it still runs (EXIT_SIGNAL: it cleans up; then SIGKILL)."""
     if process.is_alive():
-        os.kill(process.pid, EXIT_SIGNAL)  # it ignores SIGTERM; this one makes it clean up and exit
+        try:
+            os.kill(process.pid, EXIT_SIGNAL)  # it ignores SIGTERM; this one makes it clean up and exit
+        except ProcessLookupError:  # it ended since is_alive()
+            pass
         process.join(timeout)
     if process.is_alive():
         process.kill()
