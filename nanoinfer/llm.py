@@ -168,7 +168,8 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
                     out = results[position[rid]] = self.pop_output(rid)
                     left -= 1
                     in_tokens += len(out.prompt_token_ids)
-                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    if isinstance(out, RequestOutput):  # (an embedding's output has no tokens)
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
                     if use_tqdm:
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.postfix = (f"est. speed input: {in_tokens / elapsed:.2f} toks/s, "

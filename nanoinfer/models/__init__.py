@@ -141,6 +141,7 @@ def build_model(config: "Config", rank: int, world_size: int, device: torch.devi
         torch.set_default_dtype(default_dtype)
     if getattr(config, "runner", "generate") == "pooling" and not getattr(model, "tie_word_embeddings", True):
         model.lm_head.weight.optional_in_checkpoint = True  # embeddings never use the LM head
+        model.lm_head.weight.data.zero_()  # (absent from a base-model checkpoint: defined, so finite)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:

@@ -10,10 +10,9 @@ import torch
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.model_build import ModelBuild, TensorParallel
-from nanoinfer.models.config_limits import head_dim, rope_theta
 from nanoinfer.models.qwen2_5_vision import Qwen2_5_VisionTransformer, dummy_images
 from nanoinfer.models.qwen3 import Qwen2ForCausalLM
-from nanoinfer.multimodal.mrope import MRotaryEmbedding
+from nanoinfer.multimodal.mrope import MRotaryEmbedding, mrope_for
 from nanoinfer.utils.context import get_context
 
 
@@ -27,12 +26,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         self.vision_config = config.vision_config
 
     def make_rotary(self, config: PretrainedConfig, build: ModelBuild) -> MRotaryEmbedding:
-        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        section = params.get("mrope_section")
-        if section is None:
-            raise ValueError("model config: rope_parameters.mrope_section is missing (Qwen2.5-VL's M-RoPE sections)")
-        self.rotary = MRotaryEmbedding(head_dim(config), build.rope_positions(config.max_position_embeddings),
-                                       rope_theta(config), list(section))
+        self.rotary = mrope_for(config, build, "Qwen2.5-VL")
         return self.rotary
 
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:

@@ -9,11 +9,10 @@ import torch
 from transformers import PretrainedConfig
 
 from nanoinfer.layers.model_build import ModelBuild, TensorParallel
-from nanoinfer.models.config_limits import head_dim, rope_theta
 from nanoinfer.models.qwen3 import Qwen3ForCausalLM
 from nanoinfer.models.qwen2_5_vision import dummy_images
 from nanoinfer.models.qwen3_vl_vision import Qwen3VLVisionTransformer
-from nanoinfer.multimodal.mrope import MRotaryEmbedding
+from nanoinfer.multimodal.mrope import MRotaryEmbedding, mrope_for
 from nanoinfer.utils.context import get_context
 
 
@@ -26,12 +25,7 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         self.vision_config = config.vision_config
 
     def make_rotary(self, config: PretrainedConfig, build: ModelBuild) -> MRotaryEmbedding:
-        params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        section = params.get("mrope_section")
-        if section is None:
-            raise ValueError("model config: rope_parameters.mrope_section is missing (Qwen3-VL's M-RoPE sections)")
-        self.rotary = MRotaryEmbedding(head_dim(config), build.rope_positions(config.max_position_embeddings),
-                                       rope_theta(config), list(section), bool(params.get("mrope_interleaved", True)))
+        self.rotary = mrope_for(config, build, "Qwen3-VL", interleaved_default=True)
         return self.rotary
 
     def encode_images(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:

@@ -1,8 +1,5 @@
 """LLM.embed / encode / score (vLLM's offline pooling API), for an LLM made with runner="pooling"."""
-from contextlib import suppress
-
 import torch
-from tqdm.auto import tqdm
 
 from nanoinfer.pooling.intake import per_prompt
 from nanoinfer.pooling.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, ScoringOutput,
@@ -20,7 +17,7 @@ class PoolingAPI:
         with self.driving():  # before queuing, as generate()
             rids = self.add_requests(prompts, per_prompt(pooling_params, len(prompts)), keep_output=True,
                                      priority=priority)
-            return self._pool_to_completion(rids, use_tqdm)
+            return self._run_to_completion(rids, use_tqdm)  # (LLM's)
 
     def embed(self, prompts, pooling_params=None, use_tqdm=True, priority=None) -> list[EmbeddingRequestOutput]:
         """encode(), each result as `outputs.embedding`: a list of floats."""
@@ -44,33 +41,6 @@ class PoolingAPI:
             cos = torch.nn.functional.cosine_similarity(x.outputs.data, y.outputs.data, dim=0).item()
             results.append(ScoringRequestOutput(x.request_id, x.prompt_token_ids + y.prompt_token_ids,
                                                 ScoringOutput(cos)))
-        return results
-
-    def _pool_to_completion(self, request_ids: list[int], use_tqdm) -> list[PoolingRequestOutput]:
-        position = {rid: i for i, rid in enumerate(request_ids)}
-        results: list = [None] * len(request_ids)
-        left = len(request_ids)
-        make_bar = use_tqdm if callable(use_tqdm) else tqdm
-        bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
-        try:
-            while left:
-                if self.is_finished():
-                    raise RuntimeError("the engine has no work left but requests are unfinished")
-                finished, _ = self.advance()
-                for rid in finished:
-                    if rid in position:
-                        results[position[rid]] = self.pop_output(rid)
-                        left -= 1
-                        if use_tqdm:
-                            bar.update(1)
-        except BaseException:
-            for rid, out in zip(request_ids, results):  # leave the engine clean for the next call
-                if out is None:
-                    with suppress(KeyError):
-                        self.pop_output(rid)
-            raise
-        finally:
-            bar.close()
         return results
 
 
