@@ -25,6 +25,7 @@ Nothing loads silently wrong:
 """
 import glob
 import json
+import logging
 import os
 from collections.abc import Hashable, Sequence
 
@@ -69,6 +70,9 @@ def checkpoint_files(path: str) -> list[str]:
     if absent or not listed:
         raise ValueError(f"{index} lists shard(s) {absent[:3]} that {path!r} lacks" if absent else
                          f"{index}: its weight_map is empty")
+    skipped = sorted(os.path.basename(f) for f in files if os.path.basename(f) not in listed)
+    if skipped:
+        logging.getLogger(__name__).warning("%s: not reading %s, which %s does not list", path, skipped, INDEX_FILE)
     return sorted(os.path.join(path, name) for name in listed)
 
 
