@@ -147,6 +147,28 @@ def test_glob_characters_in_path(tiny_qwen3, tmp_path):
         llm.exit()
 
 
+def test_index_file_chooses_the_shards(tiny_qwen3, tmp_path):
+    """A sharded checkpoint's model.safetensors.index.json says which files hold the model: other
+    *.safetensors beside them (Mistral repos ship a consolidated.safetensors in another naming) are
+    not read, as in HF and vLLM; a shard the index lists but the directory lacks is named."""
+    path = copy_checkpoint(tiny_qwen3, tmp_path / "ckpt")
+    tensors = load_file(path / "model.safetensors")
+    names = sorted(tensors)
+    half = len(names) // 2
+    (path / "model.safetensors").unlink()
+    save_file({k: tensors[k] for k in names[:half]}, path / "model-00001-of-00002.safetensors")
+    save_file({k: tensors[k] for k in names[half:]}, path / "model-00002-of-00002.safetensors")
+    weight_map = {k: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, k in enumerate(names)}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file({"layers.0.attention.wq.weight": tensors[f"{LAYER}self_attn.q_proj.weight"]},
+              path / "consolidated.safetensors")
+    model = load(path)
+    assert torch.equal(model.model.norm.weight, tensors["model.norm.weight"])
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"model-00002-of-00002\.safetensors"):
+        load(path)
+
+
 # ---- tensor parallel: the full tensor's shape is checked before each rank cuts its shard ------------
 
 def test_tp_shards_load_and_full_shapes_are_checked():

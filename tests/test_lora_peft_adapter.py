@@ -104,6 +104,20 @@ def test_bad_adapter_configs_name_the_field(llm, good, tmp_path):
     expect_refused(llm, str(tmp_path / "nowhere"), "is not a directory", 301)
 
 
+VARIANTS = [("alora_invocation_tokens", [5, 6]),  # aLoRA: the adapter applies only after these tokens
+            ("layer_replication", [[1, 2], [0, 1]]),  # the base's layers reordered / repeated
+            ("arrow_config", {"top_k": 2}), ("kasa_config", {"alpha": 1}), ("velora_config", {"num_groups": 2}),
+            ("monteclora_config", {"n": 2}), ("use_bdlora", {"nblocks": 2}), ("use_qalora", True)]
+
+
+@pytest.mark.parametrize("field,value", VARIANTS)
+def test_lora_variants_that_change_the_product_are_refused(llm, good, tmp_path, field, value):
+    """PEFT options whose forward is not x @ A^T @ B^T * scale (with vanilla-looking tensors): applying
+    the tensors as plain LoRA would differ from PEFT silently."""
+    path = variant(good, tmp_path, "variant", config=lambda c: c.update({field: value}))
+    expect_refused(llm, path, f"adapter_config.json: {field}=.* not supported", 400 + VARIANTS.index((field, value)))
+
+
 def test_bad_requests_and_options(llm, base, good, tmp_path):
     sp = SamplingParams(max_tokens=2)
     with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):

@@ -244,6 +244,9 @@ def test_chat_template_that_renders_parts_writes_the_placeholders(llm):
     ({"vision_config": {"num_heads": 3}}, "num_heads=3"),
     ({"vision_config": {"out_hidden_size": 48}}, "out_hidden_size=48"),
     ({"image_token_id": 100000}, "image_token_id"),
+    # a window narrower than one merged patch: HF divides by zero; we failed each image request
+    ({"vision_config": {"window_size": 14}}, "vision_config.window_size=14"),
+    ({"vision_config": {"hidden_act": "gelu"}}, "vision_config.hidden_act 'gelu'"),  # ran as SiLU
 ])
 def test_bad_vision_config_refused(make_vl_checkpoint, tmp_path, change, match):
     import json

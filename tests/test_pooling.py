@@ -106,6 +106,32 @@ def test_pooling_type_from_sentence_transformers_files(make_checkpoint, tmp_path
         llm.exit()
 
 
+def test_sentence_transformers_steps_we_do_not_run_are_refused(make_checkpoint, tmp_path):
+    """A module after the pooling that changes the embedding (a Dense projection, as stella's
+    2_Dense) or a pooling that leaves the prompt out (include_prompt: false) is refused, naming it,
+    rather than skipped (the embedding would be silently another)."""
+    from nanoinfer.pooling.pooling_config import read_pooling_type
+    dense = with_pooling(make_checkpoint(), tmp_path / "dense", "pooling_mode_mean_tokens")
+    with open(os.path.join(dense, "modules.json")) as f:
+        modules = json.load(f)
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    with open(os.path.join(dense, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    with pytest.raises(ValueError, match=r"2_Dense.*sentence_transformers\.models\.Dense"):
+        LLM(dense, runner="pooling", kvcache_block_size=16, max_model_len=64, num_kvcache_blocks=8)
+    no_prompt = with_pooling(make_checkpoint(), tmp_path / "instruct", "pooling_mode_mean_tokens")
+    config = os.path.join(no_prompt, "1_Pooling", "config.json")
+    with open(config) as f:
+        flags = json.load(f)
+    with open(config, "w") as f:
+        json.dump({**flags, "include_prompt": False}, f)
+    with pytest.raises(ValueError, match="include_prompt"):
+        read_pooling_type(no_prompt)
+    with open(config, "w") as f:
+        json.dump({**flags, "include_prompt": True}, f)
+    assert read_pooling_type(no_prompt) == "MEAN"
+
+
 def test_dimensions_and_normalize(make_checkpoint, tmp_path):
     path = with_pooling(make_checkpoint(), tmp_path / "mean", "pooling_mode_mean_tokens")
     llm = LLM(path, runner="pooling", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=32)

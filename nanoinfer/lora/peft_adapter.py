@@ -2,8 +2,8 @@
 the base model: every tensor must be a lora_A / lora_B pair of one of the seven projections of a
 decoder layer the model has, of the base's shapes, with a rank within max_lora_rank. Anything else
 is a ValueError that names the file, the field or the tensor. Options that change the computation
-beyond x @ A^T @ B^T * scale (DoRA, LoRA biases, modules_to_save, per-module alpha) are refused
-rather than ignored."""
+beyond x @ A^T @ B^T * scale (DoRA and PEFT's other LoRA variants, LoRA biases, modules_to_save,
+per-module alpha, layer replication) are refused rather than ignored."""
 import json
 import math
 import os
@@ -72,7 +72,12 @@ def _check_options(config: dict, file: str):
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise ValueError(f"{file}: lora_alpha must be a finite number, got {alpha!r}")
     refused = {"use_dora": "DoRA", "lora_bias": "LoRA biases", "fan_in_fan_out": "fan_in_fan_out weights",
-               "modules_to_save": "modules_to_save", "alpha_pattern": "per-module lora_alpha (alpha_pattern)"}
+               "modules_to_save": "modules_to_save", "alpha_pattern": "per-module lora_alpha (alpha_pattern)",
+               # PEFT's LoRA variants and options whose product is not x @ A^T @ B^T * scale, though
+               # their tensors look like plain LoRA's: applied as plain LoRA they would differ silently
+               "alora_invocation_tokens": "activated LoRA (aLoRA)", "layer_replication": "layer_replication",
+               "arrow_config": "Arrow routing", "kasa_config": "KaSA", "velora_config": "VeLoRA",
+               "monteclora_config": "MonteCLoRA", "use_bdlora": "block-diagonal LoRA", "use_qalora": "QALoRA"}
     for name, what in refused.items():
         if config.get(name):
             raise ValueError(f"{file}: {name}={config[name]!r}: {what} not supported")

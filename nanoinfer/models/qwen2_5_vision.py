@@ -156,8 +156,13 @@ def window_order(grids: list[tuple[int, int, int]], merge: int, window: int) -> 
 class Qwen2_5_VisionTransformer(nn.Module):
     def __init__(self, config, build: ModelBuild, prefix: str = "visual"):
         super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"vision_config.hidden_act {config.hidden_act!r}: only 'silu' is implemented")
         self.merge = config.spatial_merge_size
         self.window = config.window_size // config.spatial_merge_size // config.patch_size  # in merge groups
+        if not isinstance(config.window_size, int) or self.window < 1:
+            raise ValueError(f"model config: vision_config.window_size={config.window_size!r} must be an int of at "
+                             f"least patch_size * spatial_merge_size = {config.patch_size * self.merge} pixels")
         self.full_attention = set(config.fullatt_block_indexes)
         self.patch_embed = nn.ModuleDict({"proj": PatchEmbed(config.in_channels, config.temporal_patch_size,
                                                              config.patch_size, config.hidden_size)})

@@ -2,6 +2,8 @@
 
 `modules.json` lists the modules; its `sentence_transformers.models.Pooling` entry names a folder
 (usually `1_Pooling`) whose `config.json` sets one `pooling_mode_*` flag.
+Modules other than the Transformer, the Pooling and Normalize (a Dense projection after the
+pooling, ...) and a pooling without the prompt's tokens (`include_prompt: false`) are refused.
 Without these files: the last token (vLLM's default for decoder embedding models such as
 Qwen3-Embedding). Embeddings are normalised unless PoolingParams(normalize=False), whatever the
 files say, as in vLLM."""
@@ -9,6 +11,9 @@ import json
 import os
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# sentence-transformers modules whose effect we reproduce (the backbone, the pooling, the
+# normalisation, which PoolingParams.normalize governs)
+_RUN_MODULES = ("Transformer", "Pooling", "Normalize")
 _MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 
 
@@ -24,6 +29,11 @@ def read_pooling_type(model_dir: str) -> str:
         types = {m.get("type", ""): m for m in modules}
     except (OSError, ValueError, AttributeError, TypeError) as e:
         raise ValueError(f"could not read {modules_path!r} (sentence-transformers modules): {e}") from e
+    for m in modules:  # steps that change the embedding and that we do not run: refused, not skipped
+        kind = str(m.get("type", "")).rpartition(".")[2]
+        if kind not in _RUN_MODULES:
+            raise ValueError(f"{modules_path!r}: module {m.get('path', m.get('name'))!r} ({m.get('type')}) is not "
+                             f"supported; nanoinfer runs {', '.join(_RUN_MODULES)} modules only")
     pooling = next((m for t, m in types.items() if t.endswith("models.Pooling")), None)
     if pooling is None:
         return "LAST"
@@ -33,6 +43,9 @@ def read_pooling_type(model_dir: str) -> str:
             flags = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"could not read {config_path!r} (the sentence-transformers pooling config): {e}") from e
+    if flags.get("include_prompt", True) is not True:
+        raise ValueError(f"{config_path!r}: include_prompt={flags['include_prompt']!r} (pooling without the "
+                         "instruction's tokens) is not supported")
     on = [name for name, value in flags.items() if name.startswith("pooling_mode") and value is True]
     if len(on) != 1 or on[0] not in _MODES:
         raise ValueError(f"{config_path!r} asks for pooling {on}; nanoinfer pools with exactly one of "

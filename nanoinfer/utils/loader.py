@@ -24,6 +24,8 @@ Nothing loads silently wrong:
   they are skipped for kv_cache_dtype="auto", as vLLM does.
 """
 import glob
+import json
+import logging
 import os
 from collections.abc import Hashable, Sequence
 
@@ -49,10 +51,36 @@ def _rename(name: str, old: str, new: str) -> str:
     return name.replace(f".{old}.", f".{new}.", 1)
 
 
-def load_model(model: nn.Module, path: str, kv_cache_dtype: str = "auto"):
+def checkpoint_files(path: str) -> list[str]:
+    """The checkpoint's safetensors files: those its model.safetensors.index.json lists when it has
+    one (as HF and vLLM read it: Mistral repos also hold a consolidated.safetensors in another naming),
+    else every *.safetensors."""
     files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path!r}")
+    index = os.path.join(path, INDEX_FILE)
+    if not os.path.isfile(index):
+        if not files:
+            raise ValueError(f"no *.safetensors files in {path!r}")
+        return files
+    try:
+        with open(index) as f:
+            listed = set(json.load(f)["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a safetensors index (a JSON object with a 'weight_map'): {e!r}") from None
+    absent = sorted(str(name) for name in listed if not os.path.isfile(os.path.join(path, str(name))))
+    if absent or not listed:
+        raise ValueError(f"{index} lists shard(s) {absent[:3]} that {path!r} lacks" if absent else
+                         f"{index}: its weight_map is empty")
+    skipped = sorted(os.path.basename(f) for f in files if os.path.basename(f) not in listed)
+    if skipped:
+        logging.getLogger(__name__).warning("%s: not reading %s, which %s does not list", path, skipped, INDEX_FILE)
+    return sorted(os.path.join(path, name) for name in listed)
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_model(model: nn.Module, path: str, kv_cache_dtype: str = "auto"):
+    files = checkpoint_files(path)
     packed = getattr(model, "packed_modules_mapping", {})
     prefixes = getattr(model, "checkpoint_prefixes", {})  # another layout's name prefix -> ours
     tied = getattr(model, "tie_word_embeddings", False)
