@@ -194,6 +194,52 @@ def test_url_rules(http_image, tmp_path):
         MediaLoader(allowed_local_media_path=str(tmp_path / "missing"))
 
 
+class _Dripping(BaseHTTPRequestHandler):
+    """Answers 200, then one byte every 0.05 s for 8 s: each read is quick, the whole is slow."""
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        stop = threading.Event()
+        try:
+            for _ in range(160):
+                stop.wait(0.05)
+                self.wfile.write(b"x")
+                self.wfile.flush()
+        except OSError:  # the client gave up
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+def test_fetch_has_a_total_deadline(monkeypatch):
+    """FETCH_TIMEOUT_S bounds the whole fetch, not each read: a server dripping bytes cannot hold
+    a render thread for ever."""
+    import time
+    from nanoinfer.multimodal import media
+    monkeypatch.setattr(media, "FETCH_TIMEOUT_S", 0.5)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Dripping)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="within 0.5 s"):
+            MediaLoader(allowed_media_domains=["127.0.0.1"]).load_image(
+                f"http://127.0.0.1:{server.server_address[1]}/slow.png")
+        assert time.monotonic() - start < 5
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1/\x00.png", "http://127.0.0.1:abc/a.png"])
+def test_malformed_allowed_url_is_a_value_error(url):
+    """httpx's InvalidURL is no httpx.HTTPError: it reached the server as a 500."""
+    with pytest.raises(ValueError, match="image URL"):
+        MediaLoader(allowed_media_domains=["127.0.0.1"]).load_image(url)
+
+
 def test_chat_refused_url_names_the_part(llm):
     with pytest.raises(ValueError, match=r"messages\[0\]\['content'\]\[1\].*allowed_media_domains"):
         llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"},

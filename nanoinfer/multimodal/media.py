@@ -3,7 +3,7 @@
 - `data:image/...;base64,...` URLs always;
 - `file://` URLs only for files under `allowed_local_media_path` (none by default);
 - `http(s)://` URLs only for hosts in `allowed_media_domains` (none by default), fetched with
-  httpx within MAX_IMAGE_BYTES and FETCH_TIMEOUT_S, redirects not followed (they could leave the
+  httpx within MAX_IMAGE_BYTES and FETCH_TIMEOUT_S (the whole fetch), redirects not followed (they could leave the
   allowed hosts);
 - anything else is a ValueError naming the rule. Nothing is read or fetched before its rule allows it.
 
@@ -12,6 +12,7 @@ import base64
 import binascii
 import io
 import os
+import time
 from urllib.parse import unquote, urlparse
 
 MAX_IMAGE_BYTES = 20 << 20   # an encoded image, from any source
@@ -73,6 +74,7 @@ class MediaLoader:
                              "http(s) images are fetched only from the hosts listed there")
         import httpx
         data = bytearray()
+        deadline = time.monotonic() + FETCH_TIMEOUT_S  # the whole fetch (httpx's timeout is per read)
         try:
             with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=False) as reply:
                 if reply.status_code != 200:
@@ -81,7 +83,9 @@ class MediaLoader:
                     data += chunk
                     if len(data) > MAX_IMAGE_BYTES:
                         raise ValueError(f"image URL {url[:200]!r} is larger than {MAX_IMAGE_BYTES} bytes")
-        except httpx.HTTPError as e:
+                    if time.monotonic() > deadline:
+                        raise ValueError(f"image URL {url[:200]!r} was not fetched within {FETCH_TIMEOUT_S:g} s")
+        except (httpx.HTTPError, httpx.InvalidURL) as e:  # (InvalidURL is no HTTPError)
             raise ValueError(f"fetching image URL {url[:200]!r} failed: {type(e).__name__}: {e}") from None
         return bytes(data)
 
