@@ -265,6 +265,25 @@ def test_decompression_bomb_refused(monkeypatch):
         MediaLoader().load_image(data_url(random_image(20, 20)))
 
 
+def test_all_images_of_a_conversation_share_one_pixel_budget(llm, monkeypatch):
+    """Each image within MAX_IMAGE_PIXELS is not enough: a 186 kB PNG decodes to 192 MB, so one 8 MB
+    body could hold 40 of them (7.7 GB in the HTTP process). The conversation's images together are
+    bounded, each refused before it is decoded once the budget is spent."""
+    from nanoinfer.multimodal import media
+    from nanoinfer.utils.chat import render_chat
+    monkeypatch.setattr(media, "MAX_REQUEST_PIXELS", 4000)
+    part = {"type": "image_url", "image_url": {"url": data_url(random_image(40, 40, seed=1))}}  # 1600 pixels
+    loader, tok = MediaLoader(), llm.get_tokenizer()
+    two = render_chat(tok, [{"role": "user", "content": [part, part]}], media=loader)
+    assert len(two["multi_modal_data"]["image"]) == 2
+    with pytest.raises(ValueError, match=r"messages\[1\]\['content'\]\[0\].*4000 pixels"):
+        render_chat(tok, [{"role": "user", "content": [part, part]}, {"role": "user", "content": [part]}],
+                    media=loader)
+    with pytest.raises(ValueError, match=r"messages\[0\]\['content'\]\[2\].*4000 pixels in all"):
+        pil = {"type": "image_pil", "image_pil": random_image(40, 40)}
+        render_chat(tok, [{"role": "user", "content": [pil, pil, pil]}], media=loader)
+
+
 QWEN_VL_STYLE_TEMPLATE = (  # renders content parts itself, as Qwen2-VL's own template does
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"

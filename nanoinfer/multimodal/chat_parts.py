@@ -14,8 +14,8 @@ PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_PART_TYPES = ("image_url", "image_pil")
 
 
-def image_of_part(part: Mapping, where: str, media: MediaLoader | None):
-    """The PIL image of an image content part."""
+def image_of_part(part: Mapping, where: str, media: MediaLoader | None, max_pixels: int | None = None):
+    """The PIL image of an image content part; a URL's image of at most `max_pixels` pixels."""
     kind = part["type"]
     if media is None:
         raise ValueError(f"{where} has type {kind!r}: image parts need a vision-language model")
@@ -30,7 +30,7 @@ def image_of_part(part: Mapping, where: str, media: MediaLoader | None):
     if not isinstance(url, str):
         raise TypeError(f"{where}['image_url'] must be {{'url': str}}, got {ref!r:.100}")
     try:
-        return media.load_image(url)
+        return media.load_image(url, max_pixels)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
