@@ -284,6 +284,19 @@ def test_all_images_of_a_conversation_share_one_pixel_budget(llm, monkeypatch):
         render_chat(tok, [{"role": "user", "content": [pil, pil, pil]}], media=loader)
 
 
+def test_template_probe_cache_is_bounded(llm):
+    """The probe's cache of templates stays small: with --trust-request-chat-template every request
+    may bring its own template (up to the body limit), which the sandbox process would otherwise
+    keep for ever until it runs out of memory."""
+    from nanoinfer.multimodal import chat_parts
+    tok = llm.get_tokenizer()
+    for i in range(3 * chat_parts.TAKES_PARTS_CACHE_SIZE):
+        template = f"{{{{ messages[0]['content'] }}}} {i} " + "x" * 10000
+        assert chat_parts.template_takes_parts(tok, template) is False
+    assert len(chat_parts._TAKES_PARTS) <= chat_parts.TAKES_PARTS_CACHE_SIZE
+    assert all(len(repr(key)) < 200 for key in chat_parts._TAKES_PARTS)  # keys hold no template text
+
+
 QWEN_VL_STYLE_TEMPLATE = (  # renders content parts itself, as Qwen2-VL's own template does
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
