@@ -200,3 +200,29 @@ def test_cuda_graphs_mix_adapters_like_peft(base, adapters, max_loras):
         assert_clean(llm)
     finally:
         llm.exit()
+
+
+def test_adapter_files_gone_or_broken_since_first_use_are_refused_at_intake(base, adapters, tmp_path):
+    """The ranks re-read an adapter evicted from their host cache inside a step, where a failed read
+    fails the engine (the server's engine process: every client). Intake notices the files changed
+    since it read them and checks them again: a 400-style ValueError, nothing queued."""
+    import shutil
+    path = str(tmp_path / "copy")
+    shutil.copytree(adapters[0].lora_path, path)
+    mine, other = LoRARequest("mine", 11, path), adapters[1]
+    llm = LLM(base, device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8, **OPTIONS)
+    try:
+        for lora in (mine, other):  # `other` evicts `mine` from the slot and the host cache
+            llm.generate(PROMPTS[:1], greedy(3), lora_request=lora, use_tqdm=False)
+        with open(f"{path}/adapter_model.safetensors", "wb") as f:
+            f.write(b"not safetensors")
+        with pytest.raises(ValueError, match="not a readable safetensors file"):
+            llm.add_request(PROMPTS[0], greedy(3), lora_request=mine)
+        shutil.rmtree(path)
+        with pytest.raises(ValueError, match="not a directory"):
+            llm.add_request(PROMPTS[0], greedy(3), lora_request=mine)
+        assert_clean(llm)
+        out = llm.generate(PROMPTS[:1], greedy(3), lora_request=other, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        llm.exit()

@@ -194,6 +194,52 @@ def test_url_rules(http_image, tmp_path):
         MediaLoader(allowed_local_media_path=str(tmp_path / "missing"))
 
 
+class _Dripping(BaseHTTPRequestHandler):
+    """Answers 200, then one byte every 0.05 s for 8 s: each read is quick, the whole is slow."""
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        stop = threading.Event()
+        try:
+            for _ in range(160):
+                stop.wait(0.05)
+                self.wfile.write(b"x")
+                self.wfile.flush()
+        except OSError:  # the client gave up
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+def test_fetch_has_a_total_deadline(monkeypatch):
+    """FETCH_TIMEOUT_S bounds the whole fetch, not each read: a server dripping bytes cannot hold
+    a render thread for ever."""
+    import time
+    from nanoinfer.multimodal import media
+    monkeypatch.setattr(media, "FETCH_TIMEOUT_S", 0.5)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Dripping)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="within 0.5 s"):
+            MediaLoader(allowed_media_domains=["127.0.0.1"]).load_image(
+                f"http://127.0.0.1:{server.server_address[1]}/slow.png")
+        assert time.monotonic() - start < 5
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1/\x00.png", "http://127.0.0.1:abc/a.png"])
+def test_malformed_allowed_url_is_a_value_error(url):
+    """httpx's InvalidURL is no httpx.HTTPError: it reached the server as a 500."""
+    with pytest.raises(ValueError, match="image URL"):
+        MediaLoader(allowed_media_domains=["127.0.0.1"]).load_image(url)
+
+
 def test_chat_refused_url_names_the_part(llm):
     with pytest.raises(ValueError, match=r"messages\[0\]\['content'\]\[1\].*allowed_media_domains"):
         llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"},
@@ -217,6 +263,38 @@ def test_decompression_bomb_refused(monkeypatch):
     monkeypatch.setattr(media, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(ValueError, match="more than 100"):
         MediaLoader().load_image(data_url(random_image(20, 20)))
+
+
+def test_all_images_of_a_conversation_share_one_pixel_budget(llm, monkeypatch):
+    """Each image within MAX_IMAGE_PIXELS is not enough: a 186 kB PNG decodes to 192 MB, so one 8 MB
+    body could hold 40 of them (7.7 GB in the HTTP process). The conversation's images together are
+    bounded, each refused before it is decoded once the budget is spent."""
+    from nanoinfer.multimodal import media
+    from nanoinfer.utils.chat import render_chat
+    monkeypatch.setattr(media, "MAX_REQUEST_PIXELS", 4000)
+    part = {"type": "image_url", "image_url": {"url": data_url(random_image(40, 40, seed=1))}}  # 1600 pixels
+    loader, tok = MediaLoader(), llm.get_tokenizer()
+    two = render_chat(tok, [{"role": "user", "content": [part, part]}], media=loader)
+    assert len(two["multi_modal_data"]["image"]) == 2
+    with pytest.raises(ValueError, match=r"messages\[1\]\['content'\]\[0\].*4000 pixels"):
+        render_chat(tok, [{"role": "user", "content": [part, part]}, {"role": "user", "content": [part]}],
+                    media=loader)
+    with pytest.raises(ValueError, match=r"messages\[0\]\['content'\]\[2\].*4000 pixels in all"):
+        pil = {"type": "image_pil", "image_pil": random_image(40, 40)}
+        render_chat(tok, [{"role": "user", "content": [pil, pil, pil]}], media=loader)
+
+
+def test_template_probe_cache_is_bounded(llm):
+    """The probe's cache of templates stays small: with --trust-request-chat-template every request
+    may bring its own template (up to the body limit), which the sandbox process would otherwise
+    keep for ever until it runs out of memory."""
+    from nanoinfer.multimodal import chat_parts
+    tok = llm.get_tokenizer()
+    for i in range(3 * chat_parts.TAKES_PARTS_CACHE_SIZE):
+        template = f"{{{{ messages[0]['content'] }}}} {i} " + "x" * 10000
+        assert chat_parts.template_takes_parts(tok, template) is False
+    assert len(chat_parts._TAKES_PARTS) <= chat_parts.TAKES_PARTS_CACHE_SIZE
+    assert all(len(repr(key)) < 200 for key in chat_parts._TAKES_PARTS)  # keys hold no template text
 
 
 QWEN_VL_STYLE_TEMPLATE = (  # renders content parts itself, as Qwen2-VL's own template does

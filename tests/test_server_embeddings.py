@@ -75,6 +75,20 @@ def test_bad_requests_are_openai_400s(embed_server, body, param):
     assert err["code"] == 400 and param in (err["param"] or "") + err["message"]
 
 
+def test_many_inputs_in_one_request(embed_server, offline):
+    """20000 inputs in one body (240 kB). The engine process sent each vector as a torch tensor,
+    which crosses the pipe as shared memory with a file descriptor each: the reader thread died
+    ("received 0 items of ancdata") and every request after hung."""
+    ids = offline.tokenizer.encode(TEXTS[0])
+    r = httpx.post(embed_server.url + "/v1/embeddings", timeout=300, json={"input": [ids] * 20000, "dimensions": 4})
+    assert r.status_code == 200, r.text[:500]
+    data = r.json()["data"]
+    assert len(data) == 20000 and data[-1]["index"] == 19999
+    want = offline.embed(TEXTS[0], PoolingParams(dimensions=4), use_tqdm=False)[0].outputs.embedding
+    assert np.allclose(data[-1]["embedding"], want, atol=1e-5)
+    assert len(embed_server.client().embeddings.create(model=NAME, input=TEXTS[1]).data) == 1  # still serving
+
+
 def test_generation_on_a_pooling_server_is_a_400(embed_server):
     r = httpx.post(embed_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 400 and "does not generate" in r.json()["error"]["message"]

@@ -42,3 +42,27 @@ def test_chat_with_image_url(vl_server, make_vl_checkpoint):
             {"role": "user", "content": f"two {'<|vision_start|><|image_pad|><|vision_end|>'}"}])
     assert client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=2).usage.completion_tokens == 2  # still serving
+
+
+@pytest.mark.timeout(600)
+def test_request_chat_template_renders_images(make_vl_checkpoint):
+    """--trust-request-chat-template: a request's own template renders in the sandbox process, which
+    had no media loader, so every image part was refused as if the model could not take images."""
+    import asyncio
+    from transformers import AutoTokenizer
+    from nanoinfer.multimodal.media import MediaLoader
+    from nanoinfer.serve.chat_renderer import ChatRenderer
+    from test_multimodal import QWEN_VL_STYLE_TEMPLATE
+    image = random_image(32, 32, seed=2)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                             {"type": "text", "text": "What is it?"}]}]
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(make_vl_checkpoint()), trust_request_templates=True,
+                            timeout_s=60, media=MediaLoader())
+    try:
+        mine = asyncio.run(renderer.render(messages, chat_template=QWEN_VL_STYLE_TEMPLATE))
+        own = asyncio.run(renderer.render(messages))
+    finally:
+        renderer.close()
+    assert mine["prompt"].count("<|image_pad|>") == 1 and "What is it?" in mine["prompt"]
+    for prompt in (mine, own):
+        assert [im.tobytes() for im in prompt["multi_modal_data"]["image"]] == [image.tobytes()]

@@ -5,6 +5,7 @@ multi_modal_data. As vLLM, by what the chat template takes:
   the message's parts in order, each image as {"type": "image"}, and writes the placeholders;
 - any other template gets one string: the images' placeholders first, then the texts, joined with
   newlines."""
+import hashlib
 import threading
 from collections.abc import Mapping
 
@@ -14,8 +15,8 @@ PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_PART_TYPES = ("image_url", "image_pil")
 
 
-def image_of_part(part: Mapping, where: str, media: MediaLoader | None):
-    """The PIL image of an image content part."""
+def image_of_part(part: Mapping, where: str, media: MediaLoader | None, max_pixels: int | None = None):
+    """The PIL image of an image content part; a URL's image of at most `max_pixels` pixels."""
     kind = part["type"]
     if media is None:
         raise ValueError(f"{where} has type {kind!r}: image parts need a vision-language model")
@@ -30,7 +31,7 @@ def image_of_part(part: Mapping, where: str, media: MediaLoader | None):
     if not isinstance(url, str):
         raise TypeError(f"{where}['image_url'] must be {{'url': str}}, got {ref!r:.100}")
     try:
-        return media.load_image(url)
+        return media.load_image(url, max_pixels)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
@@ -39,14 +40,16 @@ def join_content(texts: list[str], num_images: int) -> str:
     return "\n".join([PLACEHOLDER] * num_images + texts)
 
 
-_TAKES_PARTS: dict[tuple[int, str | None], bool] = {}
+_TAKES_PARTS: dict[tuple[int, bytes | None], bool] = {}
 _TAKES_PARTS_LOCK = threading.Lock()
+TAKES_PARTS_CACHE_SIZE = 64  # templates remembered (a server's request templates are many and large)
 
 
 def template_takes_parts(tokenizer, chat_template: str | None) -> bool:
     """Whether the template renders a list of content parts, writing an image part as the image
-    placeholder (a probe render, once per tokenizer and template)."""
-    key = (id(tokenizer), chat_template)
+    placeholder (a probe render, once per tokenizer and template while it is remembered)."""
+    digest = None if chat_template is None else hashlib.sha256(chat_template.encode("utf-8", "replace")).digest()
+    key = (id(tokenizer), digest)
     with _TAKES_PARTS_LOCK:
         if key in _TAKES_PARTS:
             return _TAKES_PARTS[key]
@@ -58,5 +61,7 @@ def template_takes_parts(tokenizer, chat_template: str | None) -> bool:
     except Exception:  # a template that cannot take parts
         takes = False
     with _TAKES_PARTS_LOCK:
+        while len(_TAKES_PARTS) >= TAKES_PARTS_CACHE_SIZE:
+            del _TAKES_PARTS[next(iter(_TAKES_PARTS))]  # the oldest
         _TAKES_PARTS[key] = takes
     return takes

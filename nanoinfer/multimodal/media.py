@@ -3,7 +3,7 @@
 - `data:image/...;base64,...` URLs always;
 - `file://` URLs only for files under `allowed_local_media_path` (none by default);
 - `http(s)://` URLs only for hosts in `allowed_media_domains` (none by default), fetched with
-  httpx within MAX_IMAGE_BYTES and FETCH_TIMEOUT_S, redirects not followed (they could leave the
+  httpx within MAX_IMAGE_BYTES and FETCH_TIMEOUT_S (the whole fetch), redirects not followed (they could leave the
   allowed hosts);
 - anything else is a ValueError naming the rule. Nothing is read or fetched before its rule allows it.
 
@@ -12,11 +12,13 @@ import base64
 import binascii
 import io
 import os
+import time
 from urllib.parse import unquote, urlparse
 
 MAX_IMAGE_BYTES = 20 << 20   # an encoded image, from any source
 FETCH_TIMEOUT_S = 10.0
 MAX_IMAGE_PIXELS = 1 << 26   # decoded size (8192 x 8192): a decompression bomb is refused before it is decoded
+MAX_REQUEST_PIXELS = 1 << 26  # all of one conversation's images together (a small PNG decodes to 192 MB)
 
 
 class MediaLoader:
@@ -35,17 +37,18 @@ class MediaLoader:
             raise TypeError("allowed_media_domains must be a list of host names")
         self.domains = frozenset(d.lower() for d in allowed_media_domains or ())
 
-    def load_image(self, url: str):
-        """The PIL image a URL names, under the rules above."""
+    def load_image(self, url: str, max_pixels: int | None = None):
+        """The PIL image a URL names, under the rules above, of at most `max_pixels` pixels (None:
+        MAX_IMAGE_PIXELS)."""
         if not isinstance(url, str):
             raise TypeError(f"an image_url's url must be a str, got {type(url).__name__}")
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
-            return decode_image(_data_url_bytes(url))
+            return decode_image(_data_url_bytes(url), max_pixels)
         if scheme == "file":
-            return decode_image(self._read_file(url))
+            return decode_image(self._read_file(url), max_pixels)
         if scheme in ("http", "https"):
-            return decode_image(self._fetch(url))
+            return decode_image(self._fetch(url), max_pixels)
         raise ValueError(f"image URL scheme {scheme or url[:20]!r} is not allowed: use a data: URL, a file:// URL "
                          "under --allowed-local-media-path, or an http(s):// URL of --allowed-media-domains")
 
@@ -73,6 +76,7 @@ class MediaLoader:
                              "http(s) images are fetched only from the hosts listed there")
         import httpx
         data = bytearray()
+        deadline = time.monotonic() + FETCH_TIMEOUT_S  # the whole fetch (httpx's timeout is per read)
         try:
             with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=False) as reply:
                 if reply.status_code != 200:
@@ -81,7 +85,9 @@ class MediaLoader:
                     data += chunk
                     if len(data) > MAX_IMAGE_BYTES:
                         raise ValueError(f"image URL {url[:200]!r} is larger than {MAX_IMAGE_BYTES} bytes")
-        except httpx.HTTPError as e:
+                    if time.monotonic() > deadline:
+                        raise ValueError(f"image URL {url[:200]!r} was not fetched within {FETCH_TIMEOUT_S:g} s")
+        except (httpx.HTTPError, httpx.InvalidURL) as e:  # (InvalidURL is no HTTPError)
             raise ValueError(f"fetching image URL {url[:200]!r} failed: {type(e).__name__}: {e}") from None
         return bytes(data)
 
@@ -98,14 +104,17 @@ def _data_url_bytes(url: str) -> bytes:
         raise ValueError("a data: image URL's payload is not valid base64") from None
 
 
-def decode_image(data: bytes):
+def decode_image(data: bytes, max_pixels: int | None = None):
     """Encoded bytes -> a loaded PIL image (RGB conversion is the image processor's); not an image,
-    or an image too large to decode, is a ValueError."""
+    or an image of more than `max_pixels` (None: MAX_IMAGE_PIXELS), is a ValueError."""
     from PIL import Image
+    limit = MAX_IMAGE_PIXELS if max_pixels is None else min(max_pixels, MAX_IMAGE_PIXELS)
     try:
         with Image.open(io.BytesIO(data)) as image:
-            if image.width * image.height > MAX_IMAGE_PIXELS:
-                raise ValueError(f"the image is {image.width}x{image.height} pixels, more than {MAX_IMAGE_PIXELS}")
+            if image.width * image.height > limit:
+                raise ValueError(f"the image is {image.width}x{image.height} pixels, more than {limit}"
+                                 + ("" if limit == MAX_IMAGE_PIXELS else
+                                    f" (what is left of the request's {MAX_REQUEST_PIXELS} pixels for all its images)"))
             image.load()
             return image.copy()
     except ValueError:

@@ -36,7 +36,7 @@ class ChatRenderer:
         self.timeout_s, self.max_output_chars = timeout_s, max_output_chars
         self.trust_request_templates = trust_request_templates
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="nanoinfer-render")
-        self._sandbox = TemplateSandbox(tokenizer, max_output_chars) if trust_request_templates else None
+        self._sandbox = TemplateSandbox(tokenizer, max_output_chars, media) if trust_request_templates else None
 
     async def render(self, messages, chat_template: str | None = None, **options) -> dict:
         """render_chat's {"prompt", "prompt_token_ids"}; ValueError / TypeError for bad input, a
@@ -85,8 +85,9 @@ class ChatRenderer:
 class TemplateSandbox:
     """One spawned process that renders request templates, one at a time; replaced when killed."""
 
-    def __init__(self, tokenizer, max_output_chars: int):
-        self.tokenizer, self.max_output_chars = tokenizer, max_output_chars
+    def __init__(self, tokenizer, max_output_chars: int, media=None):
+        """media: the MediaLoader the sandbox reads image content parts with (None: refused)."""
+        self.tokenizer, self.max_output_chars, self.media = tokenizer, max_output_chars, media
         self._lock = asyncio.Lock()
         self._guard = threading.Lock()
         self._proc = self._conn = None
@@ -96,7 +97,7 @@ class TemplateSandbox:
         with self._guard:
             ctx = mp.get_context("spawn")
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_sandbox_main, args=(theirs, self.tokenizer, self.max_output_chars),
+            proc = ctx.Process(target=_sandbox_main, args=(theirs, self.tokenizer, self.max_output_chars, self.media),
                                name="nanoinfer-template-sandbox", daemon=True)
             proc.start()
             theirs.close()
@@ -140,7 +141,7 @@ class TemplateSandbox:
             self._proc.join(5)
 
 
-def _sandbox_main(conn, tokenizer, max_output_chars: int):
+def _sandbox_main(conn, tokenizer, max_output_chars: int, media=None):
     """The sandbox process: render what arrives, answer (True, result) or (False, message)."""
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when it stops (and kills it)
@@ -157,7 +158,7 @@ def _sandbox_main(conn, tokenizer, max_output_chars: int):
         except (EOFError, OSError):
             return
         try:
-            answer = (True, render_chat(tokenizer, max_output_chars=max_output_chars, **kwargs))
+            answer = (True, render_chat(tokenizer, max_output_chars=max_output_chars, media=media, **kwargs))
         except MemoryError:
             answer = (False, "the chat template exhausted the renderer's memory")
         except (ValueError, TypeError) as e:

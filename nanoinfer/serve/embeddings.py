@@ -55,9 +55,10 @@ class EmbeddingResponse(BaseModel):
 
 
 def _encode(vector, encoding_format: str) -> list[float] | str:
+    """A pooled vector (numpy, as the engine process sends it) as OpenAI's floats or base64."""
     if encoding_format == "base64":
-        return base64.b64encode(np.asarray(vector.numpy(), dtype="<f4").tobytes()).decode()
-    return vector.tolist()
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return np.asarray(vector).tolist()
 
 
 def add_embedding_routes(app: FastAPI, engine, served_model_name: str, model_names: tuple[str, ...], renderer):

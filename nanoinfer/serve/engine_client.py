@@ -278,6 +278,9 @@ class EngineClient:
         except (EOFError, OSError):
             self.process.join(5)
             self._call(self._failed, f"the engine process exited (code {self.process.exitcode})")
+        except Exception as e:  # a message that cannot be read: fail every waiting client, never hang them
+            logger.exception("reading the engine's messages failed")
+            self._call(self._failed, f"{type(e).__name__}: {e}")
 
     def _write(self):
         while True:

@@ -19,6 +19,7 @@ import threading
 from multiprocessing.connection import Connection, wait
 
 from nanoinfer.llm import LLM
+from nanoinfer.pooling.outputs import PoolingRequestOutput
 from nanoinfer.serve.messages import (Abort, Admission, EngineDead, EngineStats, Ready, RemoteError, StartFailed,
                                       StepNews, Submit)
 
@@ -157,7 +158,10 @@ class EngineCore:
         """Forget a finished (or aborted) request; its final output goes in the next message."""
         sub_id = self.requests.pop(rid)
         self.streaming.pop(rid, None)
-        self.news.finals.append(self.llm.pop_output(rid))
+        out = self.llm.pop_output(rid)
+        if isinstance(out, PoolingRequestOutput):  # a numpy array pickles as bytes; a torch tensor
+            out.outputs.data = out.outputs.data.numpy()  # would cross as shared memory, an fd each
+        self.news.finals.append(out)
         unfinished = self.submissions[sub_id]
         del unfinished[rid]
         if not unfinished:

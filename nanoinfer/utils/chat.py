@@ -33,7 +33,8 @@ def render_chat(tokenizer, messages, chat_template: str | None = None, add_gener
     if not isinstance(messages, (list, tuple)) or not messages:
         raise TypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r:.200}")
     images, parts = [], {}  # parts: message index -> its content as OpenAI parts, for messages with images
-    conversation = [_message(m, i, media, images, parts) for i, m in enumerate(messages)]
+    pixels = [0]  # the images' pixels so far: all of a conversation's images are bounded together
+    conversation = [_message(m, i, media, images, parts, pixels) for i, m in enumerate(messages)]
     if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools)):
         raise TypeError(f"tools must be a list of dicts (JSON schemas), got {tools!r:.200}")
     if continue_final_message and add_generation_prompt:
@@ -60,7 +61,8 @@ def render_chat(tokenizer, messages, chat_template: str | None = None, add_gener
     return prompt
 
 
-def _message(message, i: int, media=None, images: list | None = None, parts: dict | None = None) -> dict:
+def _message(message, i: int, media=None, images: list | None = None, parts: dict | None = None,
+             pixels: list | None = None) -> dict:
     """A validated copy of message i, its content parts joined into one string. Its images join
     `images`, and its content as OpenAI parts (images as {"type": "image"}) goes to parts[i]."""
     if not isinstance(message, Mapping):
@@ -75,7 +77,15 @@ def _message(message, i: int, media=None, images: list | None = None, parts: dic
         for j, part in enumerate(content):
             if isinstance(part, Mapping) and part.get("type") in ("image_url", "image_pil"):
                 from nanoinfer.multimodal.chat_parts import image_of_part
-                found.append(image_of_part(part, f"messages[{i}]['content'][{j}]", media))
+                from nanoinfer.multimodal.media import MAX_REQUEST_PIXELS
+                pixels = [0] if pixels is None else pixels
+                left = MAX_REQUEST_PIXELS - pixels[0]
+                image = image_of_part(part, f"messages[{i}]['content'][{j}]", media, left)
+                pixels[0] += image.width * image.height
+                if pixels[0] > MAX_REQUEST_PIXELS:  # (an image_pil part, already decoded)
+                    raise ValueError(f"messages[{i}]['content'][{j}]: the conversation's images hold more than "
+                                     f"{MAX_REQUEST_PIXELS} pixels in all")
+                found.append(image)
                 ordered.append({"type": "image"})
             else:
                 texts.append(_text_part(part, i, j))
