@@ -470,6 +470,33 @@ def test_images_with_speculative_decoding_equal_plain(make_vl_checkpoint, seed):
     assert outs["spec"] == outs["plain"]
 
 
+def test_a_draft_equal_to_its_target_is_always_accepted_whatever_shapes_greedy_logits(tiny_qwen3):
+    """Greedy requests whose logits are changed before the argmax (penalties, logit bias, allowed
+    tokens, bad words, min_tokens) propose through their sampling plan: a draft equal to the target
+    proposes exactly what the target picks (the raw argmax was mostly rejected), with the tokens
+    of plain decoding."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 30))] for _ in range(6)]
+    greedy = dict(temperature=0, max_tokens=30, ignore_eos=True)
+    params = [SamplingParams(**greedy, repetition_penalty=1.3, presence_penalty=0.4),
+              SamplingParams(**greedy, logit_bias={p: 4.0 for p in prompts[1][:4]}),
+              SamplingParams(**greedy, allowed_token_ids=sorted(set(prompts[2]))),
+              SamplingParams(**dict(greedy, ignore_eos=False), min_tokens=20),
+              SamplingParams(**greedy, bad_words=["the", "a"]),
+              SamplingParams(**greedy, frequency_penalty=0.5, logprobs=2)]
+    outs = {}
+    for spec in (None, {"model": tiny_qwen3, "num_speculative_tokens": 3}):
+        llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=256, speculative_config=spec)
+        try:
+            outs[spec is None] = [summary(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+            if spec:
+                stats = llm.spec_stats
+                assert stats.num_draft_tokens > 50 and stats.num_accepted_tokens == stats.num_draft_tokens
+        finally:
+            llm.exit()
+    assert outs[True] == outs[False]
+
+
 def test_stream_with_speculative_rows_and_stop_strings(tiny_qwen3):
     """stream(): a speculative row appends several tokens a step; the deltas still add up to the
     final output, and a stop string inside an accepted run ends the text and tokens there."""
