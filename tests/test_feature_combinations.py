@@ -25,7 +25,6 @@ from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
 from nanoinfer.engine.step_message import StepResult
 from nanoinfer.spec.config import SpeculativeConfig
-from nanoinfer.spec.rows import sampling_rows
 from nanoinfer.spec.speculator import Speculator
 
 BS = 16
@@ -441,7 +440,8 @@ def test_images_with_speculative_decoding_equal_plain(make_vl_checkpoint, seed):
     placeholder = "<|vision_start|><|image_pad|><|vision_end|> "
     prompts, params = [], []
     for _ in range(rng.randrange(4, 9)):
-        words = " ".join(rng.choice(["cat", "dog", "the", "a", "sat", "on", "mat"]) for _ in range(rng.randrange(1, 12)))
+        words = " ".join(rng.choice(["cat", "dog", "the", "a", "sat", "on", "mat"])
+                         for _ in range(rng.randrange(1, 12)))
         k = rng.randrange(4)
         prompt = {"prompt": placeholder * k + words + " " + words}
         if k:
