@@ -95,8 +95,7 @@ class BlockManager:
         when the pool cannot hold it now."""
         assert not seq.block_table
         hits = self._prefix_hits(seq) if use_cache else []
-        revived = sum(1 for block_id, _ in hits if self.blocks[block_id].ref_count == 0)
-        if seq.num_blocks - len(hits) + revived > self.num_free_blocks:
+        if self._blocks_taken(seq, hits) > self.num_free_blocks:
             return False
         self.num_hits += len(hits)
         self.num_queried_tokens += seq.num_tokens if use_cache and self.prefix_caching else 0
@@ -111,6 +110,15 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         return True
+
+    def blocks_to_allocate(self, seq: Sequence, use_cache: bool = True) -> int:
+        """How many free blocks `allocate` would take for the waiting sequence now: its blocks less
+        the prefix-cache hits that other sequences hold (a hit on a free cached block takes it)."""
+        return self._blocks_taken(seq, self._prefix_hits(seq) if use_cache else [])
+
+    def _blocks_taken(self, seq: Sequence, hits: list[tuple[int, int]]) -> int:
+        revived = sum(1 for block_id, _ in hits if self.blocks[block_id].ref_count == 0)
+        return seq.num_blocks - len(hits) + revived
 
     def free(self, seq: Sequence):
         # Tail blocks are freed first so they are evicted before the prefix blocks they extend.

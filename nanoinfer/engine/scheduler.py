@@ -174,7 +174,8 @@ class Scheduler:
     def _preempt_for_waiting(self):
         """Priority policy: while the first waiting sequence ranks strictly above the lowest-priority
         running one and cannot be admitted now (no sequence slot, or too few free blocks for its
-        prompt and this step's decode tokens), preempt that running one."""
+        prompt, less the prefix-cache hits running sequences hold, and this step's decode tokens),
+        preempt that running one."""
         head, bm = self.waiting[0], self.block_manager
 
         def needs_block(s: Sequence) -> bool:  # its next decode token starts a block
@@ -182,7 +183,8 @@ class Scheduler:
 
         growth = sum(map(needs_block, self.running))
         while self.running and not head.num_inflight and head.priority < self.running[-1].priority:
-            if len(self.running) < self.max_num_seqs and bm.num_free_blocks >= head.num_blocks + growth:
+            if len(self.running) < self.max_num_seqs and \
+                    bm.num_free_blocks >= bm.blocks_to_allocate(head, self._uses_cache(head)) + growth:
                 return
             victim = self.running[-1]
             growth -= needs_block(victim)
@@ -192,8 +194,12 @@ class Scheduler:
         """Blocks for a waiting sequence. The sequence that computes a request's prompt_logprobs
         takes no prefix-cache hit: every prompt position must be computed (as vLLM does); so does
         an embedding that pools every position (mean) or the first (CLS)."""
-        uses_cache = seq.sampling_params.prompt_logprobs is None and (seq.pooling is None or seq.pooling.uses_prefix_cache)
-        return self.block_manager.allocate(seq, use_cache=seq.index or uses_cache)
+        return self.block_manager.allocate(seq, use_cache=self._uses_cache(seq))
+
+    @staticmethod
+    def _uses_cache(seq: Sequence) -> bool:
+        return bool(seq.index) or (seq.sampling_params.prompt_logprobs is None and
+                                   (seq.pooling is None or seq.pooling.uses_prefix_cache))
 
     def unschedule(self, batch: ScheduledBatch):
         """Undo a step that could not be launched (an exception, e.g. in a user's logits processor):
@@ -275,7 +281,9 @@ class Scheduler:
                 appended.append(row)
                 continue
             if seq.status == SequenceStatus.RUNNING:
-                self.block_manager.commit(seq, batch.starts[row] + batch.query_lens[row])
+                # (at most what its current blocks hold: a prefill chunk's sequence may have been
+                # preempted and re-admitted since, with new blocks the chunk never wrote)
+                self.block_manager.commit(seq, min(batch.starts[row] + batch.query_lens[row], seq.num_computed_tokens))
             if not samples:
                 continue
             seq.append_token(token_id)

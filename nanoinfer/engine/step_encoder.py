@@ -47,11 +47,11 @@ class StepEncoder:
         """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any."""
         step = encode_rows(batch, prev_rows)
         step.rope_positions, step.multi_modal = self.multimodal.plan(batch)
+        if self.adapter_slots is not None:  # (embeddings too: a request's adapter shapes its hidden states)
+            step.lora = self.adapter_slots.assign(batch.seqs)
         if batch.seqs[0].pooling is not None:  # an embedding engine's step: every row pools
             step.pooling = pooling_rows(batch)
             return step, SampleInput(SamplingPlan([0.0] * len(batch.seqs), True, True))  # (unused)
-        if self.adapter_slots is not None:
-            step.lora = self.adapter_slots.assign(batch.seqs)
         seqs, samples = batch.seqs, batch.samples
         if batch.drafts:  # speculative rows: one sampling row per query position (nanoinfer/spec)
             seqs, samples, step.sample_rows = sampling_rows(batch)

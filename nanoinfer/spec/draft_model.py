@@ -5,8 +5,10 @@ the target's block tables, so it needs no block bookkeeping of its own.
 Per engine step, for the speculative rows: one forward catches each sequence's draft KV up to its
 last token and proposes the first token, then k - 1 one-token forwards propose the rest. Greedy
 requests propose the draft's argmax, each forward reading the previous one's tokens on the device
-(no host round trip between them); with sampled requests each proposal is drawn with the request's
-own sampling options and noise (`_sample_input`), the proposals so far read on the host. Its KV
+(no host round trip between them); with sampled requests, or greedy ones whose options change the
+logits (penalties, logit bias, allowed tokens, bad words, min_tokens: `proposes_argmax`), each
+proposal is drawn with the request's own sampling options and noise (`_sample_input`), the proposals
+so far read on the host. Its KV
 stays valid for the tokens the target accepted; past them it is overwritten next time (a sequence
 re-allocated after a preemption starts over).
 """
@@ -32,6 +34,15 @@ class DraftState:
     num_tokens: int
     proposals: list[int]
     num_preemptions: int
+
+
+def proposes_argmax(sp) -> bool:
+    """Whether the request's next token is the draft's plain argmax: greedy, and nothing changes
+    the logits before it (a greedy request with penalties, logit bias, allowed tokens, bad words or
+    min_tokens proposes through its sampling plan, as the target will verify it; else its proposals
+    are mostly rejected)."""
+    return sp.temperature < SAMPLING_EPS and not sp.has_token_constraints and not sp.min_tokens and \
+        sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0 and sp.repetition_penalty == 1.0
 
 
 def draft_config(config: Config, spec, num_blocks: int) -> Config:
@@ -99,7 +110,7 @@ class DraftModelProposer(Proposer):
     def propose(self, seqs: list, max_lens: list[int]) -> list[list[int]]:
         n = [seq.num_tokens for seq in seqs]
         starts = [self._valid(seq) for seq in seqs]
-        sampled = any(seq.sampling_params.temperature >= SAMPLING_EPS for seq in seqs)
+        sampled = not all(proposes_argmax(seq.sampling_params) for seq in seqs)
         proposals = [[] for _ in seqs]
         rows = list(range(len(seqs)))
         first = StepInput(0, starts, [ni - s for ni, s in zip(n, starts)],
@@ -124,7 +135,7 @@ class DraftModelProposer(Proposer):
         return proposals
 
     def _sample_input(self, seqs, rows: list[int], proposals, sampled: bool) -> SampleInput:
-        """Greedy rows propose their argmax. With sampled rows, every row draws its proposal with
+        """Greedy rows propose their argmax. Otherwise (`sampled`), every row draws its proposal with
         the options the target will verify that position with (sampling/plan.py on the same
         DraftViews), seeded noise included: a draft equal to its target then proposes exactly the
         target's sample, and any other draft draws either that same noise or independent noise,
