@@ -117,3 +117,31 @@ def test_priority_reaches_the_engine_and_stats_are_logged(tiny_qwen3, tmp_path, 
         assert re.search(r"Avg generation throughput: [\d.]+ tokens/s, Running: \d+ reqs", server.log())
     finally:
         server.stop()
+
+
+def test_an_adapter_name_embeds_under_its_adapter(tiny_qwen3, tmp_path):
+    """`model` naming a --lora-modules adapter embeds under that adapter, as the offline
+    embed(..., lora_request=) does; the base name gives the base model's embeddings."""
+    from lora_reference import make_adapter
+
+    from nanoinfer import LoRARequest
+    path = make_adapter(tiny_qwen3, str(tmp_path / "ad"), r=8, seed=4)
+    lora = dict(enable_lora=True, max_loras=1, max_lora_rank=8)
+    offline_llm = LLM(tiny_qwen3, runner="pooling", **OPTIONS, **lora)
+    try:
+        base = [o.outputs.embedding for o in offline_llm.embed(TEXTS, use_tqdm=False)]
+        adapted = [o.outputs.embedding for o in offline_llm.embed(TEXTS, use_tqdm=False,
+                                                                   lora_request=LoRARequest("ad", 1, path))]
+    finally:
+        offline_llm.exit()
+    assert not np.allclose(base[0], adapted[0], atol=1e-3)  # the adapter changes the embedding
+    server = Server(tiny_qwen3, tmp_path / "server.log", runner="pooling", extra_args=("--lora-modules", f"ad={path}"),
+                    **lora)
+    try:
+        client = server.client()
+        for model, want in ((NAME, base), ("ad", adapted)):
+            got = client.embeddings.create(model=model, input=TEXTS, encoding_format="float")
+            for d, w in zip(got.data, want):
+                assert np.allclose(d.embedding, w, atol=1e-5), model
+    finally:
+        server.stop()

@@ -68,7 +68,8 @@ def add_embedding_routes(app: FastAPI, engine, served_model_name: str, model_nam
         try:
             params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
             prompts = await renderer.tokenize(body.prompts())
-            sub = await engine.submit(prompts, params, False, priority=body.priority)
+            sub = await engine.submit(prompts, params, False, priority=body.priority,
+                                      lora_request=model_names.adapter(body.model))  # (None: the base)
         except (ValueError, TypeError) as e:  # they name the field
             name = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), name if name in EmbeddingRequest.model_fields else "input") from e
