@@ -27,6 +27,8 @@ from nanoinfer.engine.step_message import StepResult
 from nanoinfer.spec.config import SpeculativeConfig
 from nanoinfer.spec.speculator import Speculator
 
+from test_spec_scheduling import FakeProposer  # proposes the fake model's tokens (same next_token), one wrong
+
 BS = 16
 EOS = 3
 
@@ -85,28 +87,6 @@ class KVDevice:
                 entry = self.kv[block_id][j]
                 assert entry is not None and entry[0] == t and entry[1] % BS == j, \
                     f"block {block_id} is in the prefix cache but slot {j} holds {entry}, not token {t}"
-
-
-class OracleProposer:
-    """Proposes the fake model's tokens with one wrong at a random position (or proposes none)."""
-
-    def __init__(self, rng):
-        self.rng = rng
-
-    def propose(self, seqs, max_lens):
-        out = []
-        for seq, k in zip(seqs, max_lens):
-            tokens, proposal = list(seq.token_ids), []
-            wrong = self.rng.randrange(k + 2)
-            for j in range(self.rng.choice([0, k, k, self.rng.randrange(k + 1)])):
-                t = next_token(tokens) if j != wrong else (next_token(tokens) + 1) % 50
-                proposal.append(t)
-                tokens.append(t)
-            out.append(proposal)
-        return out
-
-    def exit(self):
-        pass
 
 
 def oracle(prompt, sp) -> list[int]:
@@ -168,7 +148,7 @@ def run_random_workload(seed: int):
                            prefix_caching=rng.random() < 0.85)
     speculator = None
     if rng.random() < 0.5:
-        speculator = Speculator(SpeculativeConfig("ngram", rng.randrange(1, 5)), 512, OracleProposer(rng))
+        speculator = Speculator(SpeculativeConfig("ngram", rng.randrange(1, 5)), 512, FakeProposer(rng))
     loop = Loop(sched, KVDevice(num_blocks), speculator, overlap=rng.random() < 0.7)
     shared = [rng.randrange(4, 50) for _ in range(64)]
     pending = []
