@@ -89,7 +89,7 @@ def test_float32_mixed_batches_match_hf(make_checkpoint, make_llm, overlap):
         mixed = sum(1 for r in llm.step_log if 0 < r.num_decode < len(r.rows))
         assert mixed >= 5, f"only {mixed} mixed steps"
         info = llm.model_runner.info()  # every step with prompt chunks (<= 96 tokens) replayed a graph
-        assert info["mixed_graph_sizes"] == [96]
+        assert sorted(info["mixed_graph_sizes"]) == [4, 8, 16, 32, 64, 96]
         assert info["mixed_graph_replays"] == sum(1 for r in llm.step_log if r.num_decode < len(r.rows))
         for p, rid in zip(prompts, rids):
             assert_greedy_matches_hf(path, p, llm.pop_output(rid)["token_ids"], tol=1e-3)

@@ -16,14 +16,18 @@ logger = logging.getLogger("nanoinfer")
 
 MIXED_GRAPH_MAX_TOKENS = 2048  # larger steps with prompt chunks run eagerly
 MIXED_GRAPH_STRIDE = 256
+MIXED_GRAPH_SMALLEST = 4
 
 
 def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Token buckets of the graphs for steps that carry prompt chunks: every MIXED_GRAPH_STRIDE
-    tokens up to MIXED_GRAPH_MAX_TOKENS (or the token budget). An eager step at these sizes spends
-    longer launching its kernels than running them."""
+    """Token buckets of the graphs for steps that carry prompt chunks (or several tokens a row, as a
+    speculative verify step or a draft's catch-up does): powers of two from MIXED_GRAPH_SMALLEST
+    below MIXED_GRAPH_STRIDE, so that a small step does not pay a large bucket's GEMMs, then every
+    MIXED_GRAPH_STRIDE tokens up to MIXED_GRAPH_MAX_TOKENS (or the token budget). An eager step at
+    these sizes spends longer launching its kernels than running them."""
     top = min(max_num_batched_tokens, MIXED_GRAPH_MAX_TOKENS)
-    return sorted({*range(MIXED_GRAPH_STRIDE, top, MIXED_GRAPH_STRIDE), top})
+    small = {1 << i for i in range(MIXED_GRAPH_SMALLEST.bit_length() - 1, MIXED_GRAPH_STRIDE.bit_length() - 1)}
+    return sorted({t for t in small if t < top} | set(range(MIXED_GRAPH_STRIDE, top, MIXED_GRAPH_STRIDE)) | {top})
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
