@@ -327,7 +327,8 @@ def test_fp8_gemv_matches_torch(n, k, gk, kb_many, prologue):
 
 
 @pytest.mark.parametrize("m,n,k,gk,kb_many", [(5, 40, 96, 96, False), (33, 48, 80, 32, True),
-                                              (17, 24, 256, 128, True), (3, 16, 64, 48, True)])
+                                              (17, 24, 256, 128, True), (3, 16, 64, 48, True),
+                                              (70, 136, 256, 128, True), (70, 40, 96, 96, False)])
 def test_fp8_gemm_matches_torch(m, n, k, gk, kb_many):
     from nanoinfer.kernels.fp8_gemm import fp8_gemm
     from nanoinfer.quant.fp8_math import dequantize, quantize_activations

@@ -62,10 +62,43 @@ def calls(m, n, k):
             "fp8 Triton (128x128 blocks)": [lambda q=q, b=b: triton_blocks(q, b) for _, q, _, b in ws]}
 
 
+TUNE_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+                for bm in (16, 32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (3, 4)
+                if not (bm == 128 and bn == 128 and st == 4)]
+
+
+def tune(tokens):
+    """The Triton GEMM (row-wise and 128x128-block scales) at every config of TUNE_CONFIGS: the
+    default's time and the best three per shape."""
+    from nanoinfer.kernels.fp8_gemm import default_config
+    for m in tokens:
+        for name, n, k in SHAPES:
+            ws = weights(n, k, min(8, max(2, -(-(256 << 20) // (n * k)))))
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for label, gk, pick in (("row-wise", k, 2), ("128x128 blocks", 128, 3)):
+                xq, xs = quantize_fp8(x, None if gk == k else 128)
+                timed = []
+                for cfg in TUNE_CONFIGS:
+                    try:
+                        fns = [lambda q=w[1], s=w[pick], c=cfg: fp8_gemm(xq, xs, q, s, gk, torch.bfloat16, c) for w in ws]
+                        timed.append((bench_graph(fns, calls=8 if m >= 4096 else 24, replays=5), cfg))
+                    except Exception as e:  # (a config out of shared memory)
+                        print(f"  skipped {cfg}: {type(e).__name__}")
+                timed.sort(key=lambda t: t[0])
+                default = dict(default_config(m, n, 1 if gk == k else -(-k // 128)))
+                d = next((ms for ms, c in timed if c == default), None)
+                best = ", ".join(f"{ms * 1e3:.1f} us {c}" for ms, c in timed[:3])
+                print(f"M={m:<5} {name:8} {label:15} default {d * 1e3 if d else float('nan'):.1f} us; best: {best}",
+                      flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096, 8192])
+    p.add_argument("--tune", action="store_true", help="time the Triton GEMM's tile configs instead, the best per row")
     args = p.parse_args()
+    if args.tune:
+        return tune(args.tokens)
     copy_bw, bf16_rate = measure_ceilings("cuda")
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s, bf16 matmul {bf16_rate / 1e12:.0f} TFLOP/s")
     for m in args.tokens:

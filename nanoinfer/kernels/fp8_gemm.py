@@ -5,8 +5,8 @@ features (KA is 1 for per-token or static activations, else KB).
 
 With block scales (KB > 1) each BLOCK_K tile lies inside one group: its FP8 tensor-core product is
 scaled by its group's scales and added to the float32 accumulator. With one scale column the scales
-multiply the finished sum. The layer picks torch._scaled_mm instead where it can (row-wise scales on
-sm90+); this kernel covers block scales and the rest. No kernel is specialised on M."""
+multiply the finished sum. The layer picks torch._scaled_mm instead for row-wise scales on sm90+
+past a few rows; this kernel covers block scales, small M and the rest. No kernel is specialised on M."""
 import torch
 import triton
 import triton.language as tl
@@ -56,12 +56,15 @@ def block_k_for(group_k: int, kb: int) -> int | None:
     return tile if tile >= 16 else None
 
 
-def default_config(m: int) -> dict:
-    """Tiles by row count (a shape, never the data): small M wastes the least padding."""
-    if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
+def default_config(m: int, n: int, kb: int) -> dict:
+    """Tiles by shape (never the data). Small M streams the weight: narrow column tiles so that
+    there are enough programs to keep every SM reading. Large M with block scales keeps a second
+    accumulator tile (each group's product is scaled before it is added), so its tiles are half the
+    size of the row-wise ones, which would spill registers (vLLM's block-FP8 default is alike)."""
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=32 if n <= 8192 else 64, num_warps=4, num_stages=4)
+    if kb > 1:
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
@@ -82,7 +85,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, w_sca
     block_k = block_k_for(group_k, kb)
     if block_k is None:
         raise ValueError(f"fp8_gemm: block scales over group_k={group_k} features need a power-of-two divisor >= 16")
-    cfg = dict(default_config(m), BLOCK_K=block_k, **(config or {}))
+    cfg = dict(default_config(m, n, kb), BLOCK_K=block_k, **(config or {}))
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return c

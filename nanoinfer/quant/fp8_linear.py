@@ -8,8 +8,8 @@ tensor (shard) at a time.
 - CUDA, one row (decode at batch 1): the FP8 GEMV (kernels/fp8_gemv.py) reads the FP8 weight and its
   scales, activations in the model's dtype, and can fuse the RMSNorm / SiLU * mul before it.
 - CUDA, more rows: W8A8. Activations are quantized per token (kernels/fp8_quant.py; static: the
-  checkpoint's per-tensor input_scale); one scale column runs torch._scaled_mm with row-wise scales,
-  block scales (per token and block_k group activations) the Triton block-scaled GEMM
+  checkpoint's per-tensor input_scale); one scale column runs torch._scaled_mm with row-wise scales
+  past SCALED_MM_MIN_ROWS rows (fewer rows: the Triton GEMM), block scales (per token and block_k group activations) the Triton block-scaled GEMM
   (kernels/fp8_gemm.py).
 Every step is shape-only (no host sync, no data-dependent allocation): CUDA graphs capture it."""
 import torch
@@ -25,6 +25,11 @@ from nanoinfer.utils.loader import check_shape
 def keeps_fp8(device: torch.device) -> bool:
     """Whether FP8 weights stay FP8 on `device` (CUDA), else are dequantized at load (CPU)."""
     return device.type == "cuda"
+
+
+# Up to this many rows the Triton GEMM (narrow tiles that stream the weight) beats cuBLASLt's
+# row-wise FP8 GEMM, which picks tiles made for large M (`python -m nanoinfer.bench.fp8`).
+SCALED_MM_MIN_ROWS = 64
 
 
 def scaled_mm_ok(device: torch.device, n: int, k: int) -> bool:
@@ -156,7 +161,7 @@ class Fp8LinearMethod(LinearMethod):
         else:
             from nanoinfer.kernels.fp8_quant import quantize_fp8
             xq, x_scale = quantize_fp8(x if x.stride(-1) == 1 else x.contiguous(), gk)
-        if layer.use_scaled_mm:  # row-wise scales need a bf16 output
+        if layer.use_scaled_mm and x.shape[0] > SCALED_MM_MIN_ROWS:  # row-wise scales need a bf16 output
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale_row,
                                  out_dtype=torch.bfloat16)
             return y if dtype == torch.bfloat16 else y.to(dtype)
