@@ -39,3 +39,20 @@ def test_a_block_of_one_slot_reads_only_that_slot():
     y = torch.zeros(20, 32, device=DEV)
     out = lora_expand(t, b, torch.zeros(20, dtype=torch.int64, device=DEV), y, 2)
     torch.testing.assert_close(out, t[:, :16] @ b[:, :16].t(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 37])
+def test_expand_from_a_joint_product_into_out(rows):
+    """The fused shrink's layout (lora/linear.py over a dense base): y and t are column blocks of one
+    [rows, n + S * W] product, rows strided; the sum goes to a contiguous `out`, the product stays."""
+    num_slots, width, n = 3, 16, 72
+    g = torch.Generator().manual_seed(rows)
+    both = torch.randn(rows, n + num_slots * width, generator=g).to(DEV)
+    b = torch.randn(n, num_slots * width, generator=g).to(DEV)
+    slots = torch.randint(-1, num_slots, (rows,), generator=g).to(DEV)
+    y, t = both[:, :n], both[:, n:]
+    kept = both.clone()
+    out = torch.full((rows, n), float("nan"), device=DEV)
+    got = lora_expand(t, b, slots, y, num_slots, out=out)
+    assert got is out and torch.equal(both, kept)
+    torch.testing.assert_close(out, torch_expand(t.contiguous(), b, slots, y, num_slots), rtol=1e-4, atol=1e-4)

@@ -64,7 +64,11 @@ def test_the_expand_kernel_path_gives_the_torch_paths_result(monkeypatch):
     monkeypatch.setattr("nanoinfer.lora.linear.expand_kernel_for", lambda y: True)
     got = run(layer, x, slots)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got[[0, 5]], (x @ layer.weight.t())[[0, 5]])
+    # rows of the base model get the layer's base product + exactly 0 (over a dense base the product
+    # is the joint one, base columns and shrink together)
+    base = (x @ layer.weight_and_lora_a.t())[:, :layer.weight.shape[0]]
+    assert torch.equal(got[[0, 5]], base[[0, 5]])
+    torch.testing.assert_close(base, x @ layer.weight.t(), rtol=1e-6, atol=1e-6)
 
 
 def test_a_deferred_row_reaches_the_shrink_normalised():
@@ -102,7 +106,7 @@ def test_a_row_parallel_layer_adds_its_adapter_into_the_given_output():
         reset_context()
     assert y.data_ptr() == out.data_ptr()
     torch.testing.assert_close(y[0], x[0] @ layer.weight.t() + (x[0] @ a.t()) @ b.t() * 1.5)
-    assert torch.equal(y[1], x[1] @ layer.weight.t())
+    assert torch.equal(y[1], (x @ layer.weight_and_lora_a.t())[1, :6]), "the base row: its product + exactly 0"
 
 
 def test_each_token_of_a_mixed_step_gets_its_rows_slot():

@@ -2,8 +2,8 @@
 seven projections of each decoder layer (written as PEFT directories for the model's shape), rows
 using the adapters in turn, decode at each batch size (128-token prompts, 512 output tokens), then
 the same workload on the base model alone. Prints tok/s of both, their ratio, and the adapters'
-shrink + expand share of a decode step (the LoRA products of every layer at that batch, timed on
-their own, over the measured decode step). NANOINFER_LORA_TRITON=0 runs the torch expand on
+share of a decode step (every LoRA layer's product less its base product, replayed from CUDA
+graphs on their own, over the measured decode step). NANOINFER_LORA_TRITON=0 runs the torch expand on
 CUDA instead of the Triton kernel.
 
     python3 bench.py --lora 4 --lora-rank 16 --config 8b        (issue 30's run, on the H200)
@@ -74,35 +74,55 @@ def decode_run(llm: LLM, batch: int, input_len: int, output_len: int, loras) -> 
 
 @torch.inference_mode()
 def adapter_time(llm: LLM, batch: int, num_adapters: int, reps: int = 20) -> float | None:
-    """Seconds the shrink + expand of every LoRA layer take for one decode step of `batch` rows
-    (rows in the adapters' slots in turn), timed alone (tp=1 only: the layers live in this process)."""
+    """Seconds the adapters add to one decode step of `batch` rows (rows in the adapters' slots in
+    turn): every LoRA layer's product less its base product alone (over a dense base the shrink is
+    part of the layer's product: what is timed is the whole difference). On CUDA both run replayed
+    from a CUDA graph, as in the engine (no launch cost in the figure). tp=1 only: the layers live in
+    this process."""
     from nanoinfer.lora.linear import LoRALinearMethod
-    from nanoinfer.utils.context import Context
+    from nanoinfer.utils.context import reset_context, set_context
     runner = llm.model_runner
     if not hasattr(runner, "model"):
         return None
     device, dtype = runner.device, llm.config.torch_dtype
     layers = [m for m in runner.model.modules() if isinstance(getattr(m, "method", None), LoRALinearMethod)]
-    ctx = Context(lora_slots=torch.arange(batch, device=device) % num_adapters)
-    inputs = [(layer, torch.randn(batch, layer.in_features, device=device, dtype=dtype),
-               torch.zeros(batch, layer.out_features, device=device, dtype=dtype)) for layer in layers]
+    inputs = [(layer, torch.randn(batch, layer.in_features, device=device, dtype=dtype)) for layer in layers]
 
-    def once():
-        for layer, x, y in inputs:
-            layer.method.add_adapters(layer, x, y, ctx)
-    once()
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    def with_adapters():
+        for layer, x in inputs:
+            layer.method.apply(layer, x)
+
+    def base_only():
+        for layer, x in inputs:
+            layer.method.base.apply(layer, x)
+
+    set_context(lora_slots=torch.arange(batch, device=device) % num_adapters)
+    try:
+        return timed(with_adapters, device, reps) - timed(base_only, device, reps)
+    finally:
+        reset_context()
+
+
+def timed(fn, device: torch.device, reps: int) -> float:
+    """Seconds a call of fn takes: replayed from a CUDA graph on CUDA, else called."""
+    fn()
+    if device.type != "cuda":
+        t = time.perf_counter()
         for _ in range(reps):
-            once()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
-    t = time.perf_counter()
+            fn()
+        return (time.perf_counter() - t) / reps
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(reps):
-        once()
-    return (time.perf_counter() - t) / reps
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
 
 
 def compare(model: str, num_adapters: int, rank: int, batches: list[int], input_len: int, output_len: int,
@@ -128,7 +148,7 @@ def compare(model: str, num_adapters: int, rank: int, batches: list[int], input_
     print(f"LoRA: {num_adapters} adapters of rank {rank} on all seven projections, rows using them in turn; "
           f"{input_len}-token prompts, {output_len} output tokens")
     print(f"{'batch':>6} {'base tok/s':>11} {'LoRA tok/s':>11} {'LoRA/base':>10} {'decode step base':>17} "
-          f"{'decode step LoRA':>17} {'shrink+expand share':>20}")
+          f"{'decode step LoRA':>17} {'adapters share':>20}")
     for batch in batches:
         base, lora = results[("base", batch)], results[("lora", batch)]
         share = f"{lora[2] / lora[1] * 100:19.1f}%" if lora[2] is not None and lora[1] else f"{'-':>20}"

@@ -15,7 +15,7 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["M"])
-def _lora_expand_kernel(t_ptr, b_ptr, slots_ptr, y_ptr, M, N, stride_t, stride_b, stride_y,
+def _lora_expand_kernel(t_ptr, b_ptr, slots_ptr, y_ptr, o_ptr, M, N, stride_t, stride_b, stride_y, stride_o,
                         S: tl.constexpr, W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_W: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -34,23 +34,25 @@ def _lora_expand_kernel(t_ptr, b_ptr, slots_ptr, y_ptr, M, N, stride_t, stride_b
                 b = tl.load(b_ptr + cols[:, None] * stride_b + ws[None, :], mask=col_ok[:, None] & w_ok[None, :],
                             other=0.0)
                 acc += tl.dot(t, tl.trans(b), input_precision="ieee")
-    out = y_ptr + rows[:, None] * stride_y + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
-    y = tl.load(out, mask=ok, other=0.0)
-    tl.store(out, (y.to(tl.float32) + acc).to(y.dtype), mask=ok)
+    y = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=ok, other=0.0)
+    tl.store(o_ptr + rows[:, None] * stride_o + cols[None, :], (y.to(tl.float32) + acc).to(y.dtype), mask=ok)
 
 
-def lora_expand(t: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """y += each row's slot block of t times that slot's block of b, in place (t: [M, S * W],
-    b: [N, S * W], slots: [M] int, -1 for none, y: [M, N]); returns y."""
+def lora_expand(t: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.Tensor, num_slots: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """y + each row's slot block of t times that slot's block of b (t: [M, S * W], b: [N, S * W],
+    slots: [M] int, -1 for none, y: [M, N], rows strided, columns contiguous), written into `out`
+    ([M, N], columns contiguous) or, without it, into y in place; returns what it wrote."""
+    out = y if out is None else out
     rows, n = y.shape
     width = t.shape[1] // num_slots
     if rows == 0:
-        return y
+        return out
     block_m = 16 if rows <= 16 else 64
     block_n = 64
     block_w = min(64, max(16, triton.next_power_of_2(width)))
     grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
-    _lora_expand_kernel[grid](t, b, slots, y, rows, n, t.stride(0), b.stride(0), y.stride(0), S=num_slots, W=width,
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w)
-    return y
+    _lora_expand_kernel[grid](t, b, slots, y, out, rows, n, t.stride(0), b.stride(0), y.stride(0), out.stride(0),
+                              S=num_slots, W=width, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w)
+    return out

@@ -13,8 +13,13 @@ once per forward), then one expand: no host sync and no data-dependent shape, so
 capture it with the slots in a static buffer, each slot's weights are read once per step, and rows
 of the base model get exactly base(x) + 0. The cost is the adapters' FLOPs times the number of
 slots, small against the base product at decode. On CUDA the expand is one Triton kernel
-(kernels/lora_expand.py) that multiplies only the slots a block of rows uses, and a one-row
-shrink is a GEMV that applies a Deferred input's pending RMSNorm or SiLU * mul, as the base's does.
+(kernels/lora_expand.py) that multiplies only the slots a block of rows uses.
+
+Over a dense base, `lora_a`'s rows sit right below the base weight's in one buffer, so one product
+(GEMM, or the one-row GEMV with a Deferred input's pending RMSNorm or SiLU * mul) computes the base
+output and the shrink together: at decode, where each kernel costs more to run than its bytes, the
+adapters then add one kernel per layer, the expand, which writes base + adapter into a contiguous
+output. Over another base (FP8) the shrink is its own product.
 
 Tensor parallelism: A is cut like the layer's input features and B like its output features (its
 ShardSlice), so a row-parallel layer's partial product plus its partial LoRA product sum to the
@@ -25,7 +30,7 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
-from nanoinfer.layers.linear_method import Deferred, LinearMethod, linear
+from nanoinfer.layers.linear_method import Deferred, DenseLinearMethod, LinearMethod, linear, linear_parameter
 from nanoinfer.lora.targets import layer_shards
 from nanoinfer.utils.context import Context, get_context
 
@@ -52,7 +57,17 @@ class LoRALinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool):
         self.base.create_weights(layer, input_size, output_size, bias)
         total = self.num_slots * self.width
-        layer.register_buffer("lora_a", torch.zeros(total, input_size), persistent=False)
+        self.fused = type(self.base) is DenseLinearMethod
+        if not self.fused:
+            layer.register_buffer("lora_a", torch.zeros(total, input_size), persistent=False)
+        else:  # the base weight and bias are views of the first output_size rows of the joint buffers
+            layer.weight_and_lora_a = torch.zeros(output_size + total, input_size)
+            layer.weight = linear_parameter(layer.weight_and_lora_a[:output_size], 0, 1)
+            layer.register_buffer("lora_a", layer.weight_and_lora_a[output_size:], persistent=False)
+            layer.bias_and_zeros = None
+            if bias:
+                layer.bias_and_zeros = torch.zeros(output_size + total)
+                layer.bias = linear_parameter(layer.bias_and_zeros[:output_size], 0, None)
         layer.register_buffer("lora_b", torch.zeros(output_size, total), persistent=False)
 
     def load_weight(self, layer, param, loaded, where):
@@ -62,21 +77,34 @@ class LoRALinearMethod(LinearMethod):
         self.base.process_weights_after_loading(layer)
 
     def apply(self, layer, x, bias=None, out=None):
-        y = self.base.apply(layer, x, bias, out)
         ctx = get_context()
-        return y if ctx.lora_slots is None else self.add_adapters(layer, x, y, ctx)
+        if ctx.lora_slots is None:
+            return self.base.apply(layer, x, bias, out)
+        if not self.fused:
+            return self.add_adapters(layer, x, self.base.apply(layer, x, bias, out), None, ctx, out)
+        n = layer.weight.shape[0]
+        both = linear(x, layer.weight_and_lora_a, None if bias is None else layer.bias_and_zeros)
+        return self.add_adapters(layer, x, both[:, :n], both[:, n:], ctx, out)
 
-    def add_adapters(self, layer, x: "torch.Tensor | Deferred", y: torch.Tensor, ctx: Context) -> torch.Tensor:
-        """y += each row's adapter product, in place: the shrink over every slot, then the expand of
-        each row's slot (ctx.lora_slots): the Triton kernel on CUDA, else a mask and an addmm."""
-        shrunk = linear(x, layer.lora_a)  # (one row on CUDA: the GEMV; it rewrites a Deferred's residual alike)
+    def add_adapters(self, layer, x: "torch.Tensor | Deferred", y: torch.Tensor, shrunk: torch.Tensor | None,
+                     ctx: Context, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y + each row's adapter product: the shrink over every slot (unless given: computed with
+        y), then the expand of each row's slot (ctx.lora_slots), the Triton kernel on CUDA, else a
+        mask and an addmm. Written into `out` if given, else into y when y is contiguous (a new
+        tensor otherwise)."""
+        if shrunk is None:  # (one row on CUDA: the GEMV; it rewrites a Deferred's residual alike)
+            shrunk = linear(x, layer.lora_a)
+        if out is None:
+            out = y if y.is_contiguous() else torch.empty(y.shape, dtype=y.dtype, device=y.device)
         if expand_kernel_for(y):
             from nanoinfer.kernels.lora_expand import lora_expand
-            return lora_expand(shrunk, layer.lora_b, ctx.lora_slots, y, self.num_slots)
+            return lora_expand(shrunk, layer.lora_b, ctx.lora_slots, y, self.num_slots, out=out)
         if ctx.lora_mask is None:  # the forward's first LoRA layer (inside a CUDA graph: captured too)
             ctx.lora_mask = slot_mask(ctx.lora_slots, self.num_slots, shrunk.dtype)
-        shrunk.view(-1, self.num_slots, self.width).mul_(ctx.lora_mask.unsqueeze(-1))
-        return y.addmm_(shrunk, layer.lora_b.t())
+        shrunk = shrunk * ctx.lora_mask.repeat_interleave(self.width, 1)
+        if out is y:
+            return y.addmm_(shrunk, layer.lora_b.t())
+        return torch.addmm(y, shrunk, layer.lora_b.t(), out=out)
 
     # ---- slots ----------------------------------------------------------------------------------
     def clear_slot(self, layer, slot: int):
