@@ -246,9 +246,7 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: flo
     d_pad = max(16, triton.next_power_of_2(head_dim))
     use_dot = group >= cfg["dot_min_group"]
     group_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
-    # an FP8 cache moves half the bytes a token: twice the tokens a tile keep as many bytes in flight
-    tile = cfg["block_n"] * (2 if is_fp8_cache(k_cache) and "block_n" not in (config or {}) else 1)
-    block_n = min(tile, triton.next_power_of_2(block_tables.shape[1] * block_size))
+    block_n = min(cfg["block_n"], triton.next_power_of_2(block_tables.shape[1] * block_size))
     block_n = max(block_n, 16)
     max_tiles = triton.cdiv(block_tables.shape[1] * block_size, block_n)
     if num_splits is None:
