@@ -58,6 +58,8 @@ class Config:
     # them), http(s):// URLs of these hosts (None refuses them); data: URLs always
     allowed_local_media_path: str = ""
     allowed_media_domains: list[str] | None = None
+    # vLLM's {"image": N}: at most N images a prompt (multimodal/limits.py; JSON on the command line)
+    limit_mm_per_prompt: str | dict | None = None
     # vLLM's speculative_config dict (nanoinfer/spec/config.py), parsed into a SpeculativeConfig
     speculative_config: str | dict | None = None  # (a JSON string on the command line)
     # Filled in by __post_init__, not user options.
@@ -126,6 +128,8 @@ class Config:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         from nanoinfer.multimodal.media import MediaLoader
         MediaLoader(self.allowed_local_media_path, self.allowed_media_domains)  # raises on a bad path or host list
+        from nanoinfer.multimodal.limits import parse_mm_limits
+        self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):

@@ -354,3 +354,44 @@ def test_batch_with_a_bad_image_queues_none(llm):
     outs = llm.generate([good, good], GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == \
         gen(llm, f"{P} one", random_image(60, 60, seed=1)).outputs[0].token_ids
+
+
+@pytest.mark.parametrize("value, error, match", [
+    ('{"image": -1}', ValueError, r"limit_mm_per_prompt\['image'\] must be >= 0"),
+    ({"image": 1.5}, TypeError, r"limit_mm_per_prompt\['image'\] must be an int"),
+    ({"image": True}, TypeError, r"limit_mm_per_prompt\['image'\] must be an int"),
+    ({"picture": 1}, ValueError, "unknown modality 'picture'"),
+    ("{image: 1}", ValueError, "not valid JSON"),
+    ([1], TypeError, "must be a dict"),
+])
+def test_limit_mm_per_prompt_checked(make_vl_checkpoint, value, error, match):
+    from nanoinfer.config import Config
+    with pytest.raises(error, match=match):
+        Config.from_options(make_vl_checkpoint(), limit_mm_per_prompt=value)
+
+
+def test_limit_mm_per_prompt_bounds_a_prompts_images(make_vl_checkpoint):
+    """vLLM's option: at most N images a prompt (JSON text as on the command line, or a dict; its
+    {"count": N} form too); a prompt over it is a ValueError and queues nothing; 0 refuses images;
+    the video key is taken (and videos stay unsupported)."""
+    image = random_image(50, 50, seed=2)
+    llm = LLM(make_vl_checkpoint(), device="cpu", kvcache_block_size=16, max_model_len=256,
+              limit_mm_per_prompt='{"image": {"count": 1}, "video": 0}')
+    try:
+        assert llm.config.limit_mm_per_prompt == {"image": 1, "video": 0}
+        assert len(gen(llm, f"{P} one", image).outputs[0].token_ids) == 5
+        with pytest.raises(ValueError, match=r"the prompt has 2 image\(s\); limit_mm_per_prompt allows at most 1"):
+            llm.generate([{"prompt": f"{P} ok", "multi_modal_data": {"image": image}},
+                          {"prompt": f"{P}{P} two", "multi_modal_data": {"image": [image, image]}}], GREEDY,
+                         use_tqdm=False)
+        assert llm.is_finished(), "the batch with a prompt over the limit queues none of its prompts"
+    finally:
+        llm.exit()
+    llm = LLM(make_vl_checkpoint(), device="cpu", kvcache_block_size=16, max_model_len=256,
+              limit_mm_per_prompt={"image": 0})
+    try:
+        with pytest.raises(ValueError, match="allows at most 0"):
+            gen(llm, f"{P} none", image)
+        assert len(llm.generate("text only", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 5
+    finally:
+        llm.exit()

@@ -67,7 +67,8 @@ class InputProcessor:
         self.multimodal = None  # a vision-language model's image intake
         if getattr(config.hf_config, "vision_config", None) is not None:
             from nanoinfer.multimodal.processor import MultiModalProcessor
-            self.multimodal = MultiModalProcessor(config.model, config.hf_config, vocab_size)
+            self.multimodal = MultiModalProcessor(config.model, config.hf_config, vocab_size,
+                                                  config.limit_mm_per_prompt)
 
     def process_all(self, prompts: list, sampling_params: list, max_tokens_must_fit: bool = False,
                     lora_requests: list | None = None) -> list[PreparedRequest]:

@@ -13,6 +13,7 @@ import numpy as np
 import xxhash
 
 from nanoinfer.multimodal.inputs import ImageItem, MultiModalInputs
+from nanoinfer.multimodal.limits import check_item_count
 from nanoinfer.multimodal.mrope import mrope_positions
 
 # mm_processor_kwargs the processor takes (vLLM's names for Qwen2-VL's pixel bounds)
@@ -34,8 +35,8 @@ def check_images(images) -> list:
 
 
 class MultiModalProcessor:
-    def __init__(self, model_path: str, hf_config, vocab_size: int):
-        self.model_path = model_path
+    def __init__(self, model_path: str, hf_config, vocab_size: int, limits: dict[str, int] | None = None):
+        self.model_path, self.limits = model_path, limits
         self.image_token_id = hf_config.image_token_id
         self.video_token_id = getattr(hf_config, "video_token_id", None)
         self.merge = hf_config.vision_config.spatial_merge_size
@@ -78,6 +79,7 @@ class MultiModalProcessor:
             raise ValueError(f"multi_modal_data takes 'image' (a PIL image or a list of them); "
                              f"{unknown} are not supported")
         images = check_images(data["image"]) if data and data.get("image") is not None else []
+        check_item_count(self.limits, "image", len(images))
         placeholders = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if self.video_token_id is not None and self.video_token_id in token_ids:
             raise ValueError("the prompt holds a video placeholder (<|video_pad|>); videos are not supported")

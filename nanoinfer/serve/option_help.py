@@ -31,6 +31,7 @@ OPTION_HELP = {
     "disable_log_stats": "do not log the engine's statistics every few seconds (default: logged by the server)",
     "enable_lora": "serve LoRA adapters per request (--lora-modules) (default: off)",
     "max_loras": "adapters on the device at once, and most distinct adapters in a batch (default: 1)",
+    "limit_mm_per_prompt": "vLLM's JSON: '{\"image\": 2}' allows at most 2 images a prompt (0 refuses images; default: no limit)",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' or '{\"model\": DRAFT_PATH, \"num_speculative_tokens\": 3}' (default: off)",
     "max_lora_rank": "highest adapter rank accepted (default: 16)",
     "max_cpu_loras": "adapters cached in host memory (default: max_loras)",
