@@ -148,3 +148,24 @@ def test_bad_requests_and_options(llm, base, good, tmp_path):
         LLM(base, enable_lora=True, max_lora_rank=0, **OPTIONS)
     with pytest.raises(ValueError, match="enable_lora: adapters are supported for"):
         check_lora_model(PretrainedConfig(architectures=["Qwen3MoeForCausalLM"]))
+
+
+def test_tensor_names_without_peft_prefix_load_the_same_adapter(llm, good, tmp_path):
+    """Adapters written by other tools name their tensors without PEFT's base_model.model. prefix,
+    over a base saved without "model.", or with PEFT's adapter name (lora_A.default.weight): they
+    are the same adapter (same greedy tokens as the PEFT-named one). One module named twice is refused."""
+    renames = {"bare": lambda k: k.replace("base_model.model.", ""),
+               "base": lambda k: k.replace("base_model.model.model.", "base_model.model."),
+               "default": lambda k: k.replace(".weight", ".default.weight")}
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate(["Hello there"], sp, use_tqdm=False, lora_request=LoRARequest("good", 1, good))
+    for i, (name, rename) in enumerate(renames.items()):
+        def change(w, rename=rename):
+            renamed = {rename(k): v for k, v in w.items()}
+            w.clear()
+            w.update(renamed)
+        path = variant(good, tmp_path, name, tensors=change)
+        got = llm.generate(["Hello there"], sp, use_tqdm=False, lora_request=LoRARequest(name, 10 + i, path))
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids, name
+    twice = variant(good, tmp_path, "twice", tensors=lambda w: w.update({KEY.replace("base_model.model.", ""): w[KEY].clone()}))
+    expect_refused(llm, twice, r"names the same module and half as another tensor", 20)

@@ -17,7 +17,11 @@ from nanoinfer.lora.targets import TARGET_MODULES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_TENSOR = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.([a-z_]+\.[a-z_]+))\.lora_([AB])\.weight")
+# PEFT's names (base_model.model.model.layers.N.<module>.lora_A.weight), and the forms other tools
+# write: without the PEFT prefix, over a base model saved without "model." (embedding models), or
+# with PEFT's adapter name left in (lora_A.default.weight)
+_TENSOR = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.([a-z_]+\.[a-z_]+)"
+                     r"\.lora_([AB])(?:\.default)?\.weight")
 
 
 @dataclass
@@ -98,6 +102,9 @@ def read_peft_adapter(path: str, limits: AdapterLimits, dtype: torch.dtype = tor
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
                 module, half = _parse_name(name, limits)
+                if half in halves.get(module, {}):
+                    raise ValueError(f"adapter tensor {name!r} names the same module and half as another tensor "
+                                     f"of the file (lora_{half} of {module})")
                 halves.setdefault(module, {})[half] = _checked_tensor(name, f.get_tensor(name))
     except ValueError:
         raise
@@ -112,14 +119,14 @@ def read_peft_adapter(path: str, limits: AdapterLimits, dtype: torch.dtype = tor
 def _parse_name(name: str, limits: AdapterLimits) -> tuple[str, str]:
     """(checkpoint module name, "A" or "B") of an adapter tensor name."""
     m = _TENSOR.fullmatch(name)
-    if m is None or m.group(3) not in TARGET_MODULES:
+    if m is None or m.group(2) not in TARGET_MODULES:
         raise ValueError(f"adapter tensor {name!r}: unsupported target module (LoRA applies to "
                          f"{', '.join(t.split('.')[1] for t in TARGET_MODULES)} of the decoder layers, "
-                         "as lora_A.weight / lora_B.weight)")
-    if int(m.group(2)) >= limits.num_layers:
-        raise ValueError(f"adapter tensor {name!r}: layer {m.group(2)} does not exist "
+                         "as base_model.model.model.layers.N.<module>.lora_A.weight / lora_B.weight)")
+    if int(m.group(1)) >= limits.num_layers:
+        raise ValueError(f"adapter tensor {name!r}: layer {m.group(1)} does not exist "
                          f"(the model has {limits.num_layers} layers)")
-    return m.group(1), m.group(4)
+    return f"model.layers.{m.group(1)}.{m.group(2)}", m.group(3)
 
 
 def _checked_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
