@@ -24,7 +24,7 @@ from nanoinfer.serve.limits import ServerLimits
 from nanoinfer import __version__
 from nanoinfer.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from nanoinfer.serve.metrics import ServerMetrics
-from nanoinfer.serve.lora_modules import ServedModels
+from nanoinfer.serve.lora_modules import ServedModels, check_adapter_files
 from nanoinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest,
                                       UnloadLoRAAdapterRequest)
@@ -199,10 +199,13 @@ def add_lora_updating_routes(app: FastAPI, models: ServedModels):
     """vLLM's runtime LoRA updating: add or remove an adapter name while serving."""
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
-        try:
-            models.load(body.lora_name, body.lora_path)
+        try:  # the files are read in a worker thread; the name is taken on the event loop
+            models.check_name(body.lora_name)
+            await asyncio.to_thread(check_adapter_files, body.lora_path)
+            models.add(body.lora_name, body.lora_path)
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), "lora_path" if "already" not in str(e) else "lora_name") from e
+            raise APIError(400, str(e), "lora_name" if "already" in str(e) or "lora_name" in str(e)
+                           else "lora_path") from e
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -46,16 +46,21 @@ class ServedModels:
         return self.adapters.get(name)
 
     def load(self, name: str, path: str) -> LoRARequest:
-        """Offer the adapter at `path` as `name`: its directory and config are checked now, its
-        tensors against the model on its first request."""
-        from nanoinfer.lora.peft_adapter import WEIGHTS_FILE, read_adapter_config
-        if not name or not path:
-            raise ValueError("both lora_name and lora_path must be non-empty")
+        """Offer the adapter at `path` as `name`: its directory and config are checked now
+        (check_adapter_files), its tensors against the model on its first request."""
+        self.check_name(name)
+        check_adapter_files(path)
+        return self.add(name, path)
+
+    def check_name(self, name: str):
+        if not name:
+            raise ValueError("lora_name must be non-empty")
         if name in self:
             raise ValueError(f"The lora adapter '{name}' has already been loaded.")
-        read_adapter_config(path)
-        if not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
-            raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")
+
+    def add(self, name: str, path: str) -> LoRARequest:
+        """`name` for the adapter at `path`, whose files check_adapter_files has checked."""
+        self.check_name(name)
         lora = self.adapters[name] = LoRARequest(name, self._next_id, path)
         self._next_id += 1
         return lora
@@ -64,3 +69,14 @@ class ServedModels:
         if name not in self.adapters:
             raise KeyError(f"The lora adapter '{name}' cannot be found.")
         del self.adapters[name]  # (requests already queued under it finish under it)
+
+
+def check_adapter_files(path: str):
+    """The adapter directory holds a readable config and the weights file (file reads: the server
+    calls this in a worker thread)."""
+    from nanoinfer.lora.peft_adapter import WEIGHTS_FILE, read_adapter_config
+    if not path:
+        raise ValueError("lora_path must be non-empty")
+    read_adapter_config(path)
+    if not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+        raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")
