@@ -158,6 +158,53 @@ def round_tripped(src: str, ref: str) -> str:
     return ref
 
 
+@pytest.mark.parametrize("kind", ["block", "channel", "tensor-static", "online"])
+def test_the_loader_writes_every_fp8_parameter(monkeypatch, base, tmp_path, kind):
+    """Every parameter is written while the checkpoint loads (torch.empty's leftovers are garbage on
+    CUDA, often finite on CPU): each one is poisoned with NaN before loading, and the loader's NaN
+    check must pass. A static input_scale of a fused layer (q/k/v, gate/up) is the max of its shards'."""
+    from nanoinfer.utils import loader
+    load_model = loader.load_model
+
+    def poisoned_load(model, *args, **kwargs):
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dtype.is_floating_point and not getattr(p, "optional_in_checkpoint", False):
+                    p.fill_(float("nan"))
+        return load_model(model, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "load_model", poisoned_load)
+    if kind == "online":
+        dst, options = base, dict(quantization="fp8")
+    else:
+        qc = {"block": block_qc([24, 48]), "channel": compressed_qc("channel"),
+              "tensor-static": compressed_qc("tensor", static=True)}[kind]
+        scales = {f"model.layers.1.mlp.{name}.input_scale": torch.tensor([s])
+                  for name, s in (("gate_proj", 0.03), ("up_proj", 0.07))}
+        dst, _ = quantize_checkpoint(base, str(tmp_path / "q"), str(tmp_path / "ref"), qc, kind.split("-")[0],
+                                     block=(24, 48), reshape=scales if kind == "tensor-static" else None)
+        options = {}
+    seen = {}
+    if kind == "tensor-static":  # the scale the layer holds once loaded (CPU then drops it, dequantized)
+        from nanoinfer.quant import fp8_linear
+        after = fp8_linear.Fp8LinearMethod.process_weights_after_loading
+
+        def record(self, layer):
+            seen[layer] = layer.input_scale.item()
+            return after(self, layer)
+
+        monkeypatch.setattr(fp8_linear.Fp8LinearMethod, "process_weights_after_loading", record)
+    llm = LLM(dst, **SMALL, **options)
+    try:
+        assert len(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"]) == GREEDY.max_tokens
+        if kind == "tensor-static":
+            gate_up = llm.model_runner.model.model.layers[1].mlp.gate_up_proj
+            assert seen[gate_up] == pytest.approx(0.07)
+            assert all(v == pytest.approx(0.05) for layer, v in seen.items() if layer is not gate_up)
+    finally:
+        llm.exit()
+
+
 def test_online_fp8_equals_hf_on_round_tripped_weights(base, tmp_path):
     assert_matches(base, round_tripped(base, str(tmp_path / "ref")), quantization="fp8")
     with pytest.raises(AssertionError):  # the round trip matters: plain HF differs somewhere
