@@ -2,10 +2,14 @@
 tests): x [M, K] -> float8_e4m3fn [M, K] and float32 scales [M, G], one scale per row and group of
 GROUP_K features (G = ceil(K / GROUP_K); per-token scales are one group of all K). One program per
 (row, group) reads its values twice (max |x|, then x / scale), the second time from L1/L2; the
-torch version (quant/fp8_math.py quantize_activations) takes five passes and kernels."""
+torch version (quant/fp8_math.py quantize_activations) takes five passes and kernels. Both round
+as kernels/fp8_round.py defines (correctly rounded float32 divisions, then e4m3 to nearest even):
+the same scales and bytes."""
 import torch
 import triton
 import triton.language as tl
+
+from nanoinfer.kernels.fp8_round import e4m3_rounded
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
@@ -23,21 +27,21 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, stride_xm, K, G, GROUP_K: tl.constexpr, B
         rk = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + rk, mask=rk < end, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+    # div_rn: Triton's float32 `/` is approximate on the GPU
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), MIN_SCALE)
     tl.store(s_ptr + row * G + group, scale)
     for k0 in range(start, end, BLOCK):
         rk = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + rk, mask=rk < end, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        q = e4m3_rounded(tl.math.div_rn(x, scale))  # (saturated to +-448)
         tl.store(q_row + rk, q.to(q_ptr.dtype.element_ty), mask=rk < end)
 
 
 def quantize_fp8(x: torch.Tensor, group_k: int | None = None, min_scale: float = 1.0 / (FP8_MAX * 512.0),
                  out_dtype: torch.dtype = torch.float8_e4m3fn):
     """x [M, K] (rows contiguous) -> (float8 [M, K], float32 scales [M, ceil(K / group_k)]); group_k
-    None: one scale per row. scale = max(max |group| / 448, min_scale); q = clamp(x / scale).
-    out_dtype=float32 stores q before the cast to FP8 (tests: Triton's interpreter rounds float32 to
-    float8 wrongly at ties and exponent carries; the GPU's conversion rounds to nearest even)."""
+    None: one scale per row. scale = max(max |group| / 448, min_scale); q = e4m3(clamp(x / scale)).
+    out_dtype=float32 stores the e4m3 values before the cast to FP8."""
     m, k = x.shape
     if x.stride(1) != 1:
         raise ValueError("quantize_fp8 needs contiguous rows")

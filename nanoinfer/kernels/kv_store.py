@@ -9,14 +9,15 @@ store K/V in kernels/qkv_epilogue.py instead, fused with the q/k norms and RoPE.
 FP8 cache (kv_cache_dtype="fp8", a float8_e4m3fn cache): a value x is stored as x / scale rounded
 to the nearest e4m3 value (ties to even), saturated to +-448, and read back as fp8 * scale, with
 one float32 scale per layer for K and one for V (vLLM's k_scale / v_scale). Every path rounds the
-same way: `quantize_kv` in torch, `e4m3_rounded` in Triton.
+same way (kernels/fp8_round.py): `quantize_kv` in torch, `to_cache` in Triton.
 """
 import torch
 import triton
 import triton.language as tl
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_E4M3_MAX = 448.0
+from nanoinfer.kernels.fp8_round import FP8_E4M3_DTYPE, div_rn, e4m3_rounded, to_e4m3
+
+FP8_KV_DTYPE = FP8_E4M3_DTYPE
 
 
 def is_fp8_cache(cache: torch.Tensor) -> bool:
@@ -24,8 +25,9 @@ def is_fp8_cache(cache: torch.Tensor) -> bool:
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """x (any float dtype) -> float8_e4m3fn holding x / scale, rounded to nearest even, saturated."""
-    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_KV_DTYPE)
+    """x (any float dtype) -> float8_e4m3fn holding x / scale (float32, correctly rounded), rounded to
+    nearest even, saturated."""
+    return to_e4m3(div_rn(x, scale))
 
 
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
@@ -40,21 +42,6 @@ def scale_or_unit(scale: torch.Tensor | None, device: torch.device) -> torch.Ten
     if device not in _UNIT_SCALES:
         _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
     return _UNIT_SCALES[device]
-
-
-@triton.jit
-def e4m3_rounded(x):
-    """float32 x -> the nearest e4m3 value (ties to even, saturated to +-448), still float32, so the
-    conversion to float8e4nv that follows is exact (the Triton interpreter's own fp8 rounding is
-    not round-to-nearest-even). The step between e4m3 values at |x| is 2^(exponent - 3), and 2^-9
-    below 2^-6 (subnormals); adding and subtracting 1.5 * 2^23 rounds |x| / step to an integer."""
-    bits = x.to(tl.int32, bitcast=True)
-    a = tl.minimum(tl.abs(x), 448.0)
-    biased = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
-    step = ((biased - 3) << 23).to(tl.float32, bitcast=True)
-    inv_step = ((254 - (biased - 3)) << 23).to(tl.float32, bitcast=True)  # exact, unlike a division
-    r = ((a * inv_step + 12582912.0) - 12582912.0) * step
-    return tl.where(bits < 0, -r, r)  # the sign bit: -0.0 stays -0.0, as torch stores it
 
 
 @triton.jit

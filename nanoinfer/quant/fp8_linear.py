@@ -59,7 +59,7 @@ class Fp8LinearMethod(LinearMethod):
         if s.static_input:
             layer.input_scale = nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=False)
             layer.input_scale.dummy_value = 1.0 / 16
-            layer.input_scale_parts = {}  # shard id -> its scale; the max is taken once all are in
+            layer.input_scale_parts = {}  # shard id -> its scale, while the layer loads
         layer.register_parameter("bias", linear_parameter(torch.empty(output_size), 0, None) if bias else None)
 
     def load_weight(self, layer, param, loaded, where: ShardSlice):
@@ -79,7 +79,11 @@ class Fp8LinearMethod(LinearMethod):
             if loaded.numel() != 1 or loaded.dim() > 1:
                 raise ValueError(f"size mismatch: expected one per-tensor input_scale (shape [] or [1]), "
                                  f"found {list(loaded.shape)}")
+            # one activation tensor feeds every shard of a fused layer (q/k/v, gate/up): the largest
+            # scale fits them all (vLLM). Written at every shard, so the parameter holds what was
+            # loaded when the loader checks it (never torch.empty's leftovers)
             layer.input_scale_parts[where.shard_id] = loaded.float().reshape(1)
+            param.data.copy_(torch.stack(list(layer.input_scale_parts.values())).amax(0))
             return
         super().load_weight(layer, param, loaded, where)  # the bias
 
@@ -107,10 +111,6 @@ class Fp8LinearMethod(LinearMethod):
         s = self.scheme
         scale = getattr(layer, s.scale_name)
         if s.static_input:
-            parts = list(layer.input_scale_parts.values())
-            if parts:  # (load_format="dummy" fills input_scale itself)
-                # one activation tensor feeds every shard of a fused layer: the largest scale fits all
-                layer.input_scale.data.copy_(torch.stack(parts).amax(0).to(layer.input_scale.device))
             layer.input_scale_parts = {}
         if not keeps_fp8(layer.weight.device):
             # CPU: the dequantized model, as dense weights

@@ -1,10 +1,13 @@
 """FP8 arithmetic in torch: the checkpoint scales turned into one row of scales per output feature
 (and their tensor-parallel share), online per-channel quantization, dequantization, and the dynamic
-activation scales of W8A8 (per token, or per token and K group). e4m3 has no inf: values are clamped
-to +-448 before the cast, which would otherwise give NaN."""
+activation scales of W8A8 (per token, or per token and K group). Every division and rounding to
+e4m3 is kernels/fp8_round.py's (clamped to +-448, correctly rounded divisions), so the Triton
+activation quantization (kernels/fp8_quant.py) writes the same bytes as these on the GPU."""
 import torch
 
-from nanoinfer.quant.fp8_scheme import FP8_DTYPE, FP8_MAX, Fp8Scheme
+from nanoinfer.kernels.fp8_round import div_rn, to_e4m3
+
+from nanoinfer.quant.fp8_scheme import FP8_MAX, Fp8Scheme
 from nanoinfer.utils.loader import check_shape
 
 # the smallest scale: an all-zero row (or group) divides by this instead of by zero
@@ -53,8 +56,8 @@ def check_block_cut(scheme: Fp8Scheme, start: int, size: int, full: int, dim: in
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Online per-output-channel FP8: (float8 [N, K], float32 scales [N, 1]), scale = max |row| / 448."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
-    return (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    scale = div_rn(w.abs().amax(dim=1, keepdim=True), FP8_MAX).clamp_(min=MIN_SCALE)
+    return to_e4m3(div_rn(w, scale)), scale
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, gk: int, dtype: torch.dtype) -> torch.Tensor:
@@ -69,15 +72,15 @@ def quantize_activations(x: torch.Tensor, gk: int | None) -> tuple[torch.Tensor,
     one per token (gk None) or per token and gk-feature group (the last one partial)."""
     m, k = x.shape
     if gk is None or gk >= k:
-        scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_(min=MIN_SCALE)
-        return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+        scale = div_rn(x.abs().amax(dim=1, keepdim=True), FP8_MAX).clamp_(min=MIN_SCALE)
+        return to_e4m3(div_rn(x, scale)), scale
     groups = cdiv(k, gk)
     padded = torch.nn.functional.pad(x.float(), (0, groups * gk - k)).view(m, groups, gk)
-    scale = (padded.abs().amax(dim=2) / FP8_MAX).clamp_(min=MIN_SCALE)
-    q = (padded / scale[:, :, None]).clamp_(-FP8_MAX, FP8_MAX).view(m, groups * gk)[:, :k].to(FP8_DTYPE)
+    scale = div_rn(padded.abs().amax(dim=2), FP8_MAX).clamp_(min=MIN_SCALE)
+    q = to_e4m3(div_rn(padded, scale[:, :, None]).view(m, groups * gk)[:, :k])
     return q, scale
 
 
 def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] with a checkpoint's per-tensor activation scale (a 1-element float32 tensor)."""
-    return (x.float() / input_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return to_e4m3(div_rn(x, input_scale))
