@@ -125,14 +125,22 @@ def test_runs_end_where_plain_decoding_ends(tiny_qwen3, reference):
 
 @pytest.mark.parametrize("name", ["ngram", "draft_same"])
 def test_tight_pool_and_chunked_prefill(tiny_qwen3, draft_other, reference, name):
-    """Preemption (the draft's KV starts over) and prompts in chunks: the same greedy output."""
+    """Preemption (the draft's KV starts over) and prompts in chunks: the same greedy output; a
+    draft's catch-up over a prompt or a preempted sequence runs in chunks of the token budget too."""
     prompts, expected = reference
     spec = proposers(tiny_qwen3, draft_other)[name]
     llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=10,
               max_num_batched_tokens=24, speculative_config=spec)
+    sizes = []
+    runner = getattr(llm.speculator.proposer, "runner", None)
+    if runner is not None:
+        launch = runner.launch
+        runner.launch = lambda step, *a: (sizes.append(sum(step.query_lens)), launch(step, *a))[1]
     try:
         assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
         assert llm.scheduler.num_preemptions > 0 and llm.spec_stats.num_drafts > 0
+        if runner is not None:
+            assert sizes and max(sizes) <= 24, f"a draft forward of {max(sizes)} tokens"
         bm = llm.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
     finally:

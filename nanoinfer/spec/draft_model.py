@@ -109,7 +109,7 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def propose(self, seqs: list, max_lens: list[int]) -> list[list[int]]:
         n = [seq.num_tokens for seq in seqs]
-        starts = [self._valid(seq) for seq in seqs]
+        starts = self._catch_up(seqs, n, [self._valid(seq) for seq in seqs])
         sampled = not all(proposes_argmax(seq.sampling_params) for seq in seqs)
         proposals = [[] for _ in seqs]
         rows = list(range(len(seqs)))
@@ -133,6 +133,35 @@ class DraftModelProposer(Proposer):
         for seq, ni, p in zip(seqs, n, proposals):
             self._states[seq] = DraftState(ni, p, seq.num_preemptions)
         return proposals
+
+    def _catch_up(self, seqs: list, n: list[int], starts: list[int]) -> list[int]:
+        """The rows' draft K/V from `starts` on, forwarded (its samples unused) in chunks of at most
+        max_num_batched_tokens until what is left, each row's last token included, fits the
+        proposing forward's budget too: a long prompt, or a sequence back from preemption, would
+        else be one forward over all of it. Returns the new starts."""
+        budget = self.runner.config.max_num_batched_tokens
+        starts = list(starts)
+        left = sum(ni - s for ni, s in zip(n, starts))
+        while left > budget:
+            rows, lens, room = [], [], budget
+            for i, (ni, s) in enumerate(zip(n, starts)):
+                take = min(ni - 1 - s, room)  # (each row's last token stays for the proposing forward)
+                if take > 0:
+                    rows.append(i)
+                    lens.append(take)
+                    room -= take
+                if not room:
+                    break
+            if not rows:
+                break
+            step = StepInput(0, [starts[i] for i in rows], lens,
+                             [t for i, k in zip(rows, lens) for t in seqs[i].token_ids[starts[i]:starts[i] + k]],
+                             [seqs[i].block_table for i in rows])
+            self.runner.collect(self.runner.launch(step, self._sample_input(seqs, rows, None, False), None))
+            for i, k in zip(rows, lens):
+                starts[i] += k
+                left -= k
+        return starts
 
     def _sample_input(self, seqs, rows: list[int], proposals, sampled: bool) -> SampleInput:
         """Greedy rows propose their argmax. Otherwise (`sampled`), every row draws its proposal with
