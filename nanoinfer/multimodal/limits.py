@@ -2,9 +2,10 @@
 {"image": 2}; 0 refuses that modality. Given as a dict, or as its JSON text on the command line.
 Videos and audio are not supported whatever their limit; their keys are accepted so that vLLM
 scripts that set them (often to 0) run unchanged."""
-import json
 from collections.abc import Mapping
 from numbers import Integral
+
+from nanoinfer.utils.dict_option import dict_option
 
 MODALITIES = ("image", "video", "audio")
 
@@ -14,13 +15,7 @@ def parse_mm_limits(value) -> dict[str, int] | None:
     limit_mm_per_prompt and the key."""
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"limit_mm_per_prompt is not valid JSON: {e}") from e
-    if not isinstance(value, Mapping):
-        raise TypeError(f"limit_mm_per_prompt must be a dict like {{'image': 2}}, got {type(value).__name__}")
+    value = dict_option("limit_mm_per_prompt", value, "{'image': 2}")
     limits = {}
     for key, n in value.items():
         if key not in MODALITIES:

@@ -1,7 +1,8 @@
 """`speculative_config`, vLLM's dict, validated once: every field named in its error."""
-import json
 from dataclasses import dataclass
 from numbers import Integral, Real
+
+from nanoinfer.utils.dict_option import dict_option
 
 MAX_SPECULATIVE_TOKENS = 16  # a verify row is k + 1 query tokens; more is never worth it
 DEFAULT_PROMPT_LOOKUP = 5
@@ -28,13 +29,7 @@ class SpeculativeConfig:
         """A dict (or its JSON text, as the server flag gives it), or None: no speculation."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
+        value = dict_option("speculative_config", value, "{'method': 'ngram', 'num_speculative_tokens': 3}")
         unknown = sorted(set(value) - set(FIELDS))
         if unknown:
             raise ValueError(f"speculative_config has unknown field(s) {unknown}; valid fields are {list(FIELDS)}")
