@@ -451,6 +451,30 @@ def test_bitmask_matches_xgrammar(vocab, width):
     assert torch.equal(ours[[1, 3]], logits[[1, 3]])  # the other rows untouched
 
 
+@pytest.mark.parametrize("vocab, width, dtype", [(70, 70, torch.float32), (64, 96, torch.float32),
+                                                 (9000, 8999, torch.bfloat16), (384, 400, torch.float16)])
+def test_bitmask_kernel_matches_the_torch_path(vocab, width, dtype):
+    """The Triton kernel (the interpreter on CPU) equals the torch path: rows in any order, a row
+    stride wider than the row, logits narrower or wider than the bitmask's vocabulary."""
+    from nanoinfer.kernels.token_bitmask import apply_token_bitmask_triton
+    from nanoinfer.structured.bitmask import apply_token_bitmask
+    from nanoinfer.structured.grammar_state import bitmask_width
+
+    g = torch.Generator().manual_seed(1)
+    words = torch.randint(-2**31, 2**31 - 1, (3, bitmask_width(vocab)), dtype=torch.int32, generator=g)
+    words[1] = 0  # nothing allowed
+    wide = torch.randn(5, width + 7, generator=g).to(dtype)
+    logits, ours_wide = wide[:, :width], wide.clone()
+    ours = ours_wide[:, :width]  # (a row stride of width + 7)
+    rows = torch.tensor([4, 0, 2])
+    ref = logits.float().clone()
+    apply_token_bitmask_triton(ours, rows, words)
+    apply_token_bitmask(ref, rows, words)
+    assert torch.equal(ours.float(), ref) and torch.equal(ours_wide[:, width:], wide[:, width:])
+    assert torch.isneginf(ours[0]).all() and torch.equal(ours[[1, 3]], logits[[1, 3]])
+    apply_token_bitmask_triton(ours, rows[:0], words[:0])  # no rows: nothing to do
+
+
 @pytest.mark.cuda
 def test_structured_outputs_on_cuda(make_checkpoint, make_llm):
     """On the GPU (the bitmask copied and unpacked on the device, every sampling path): every kind
