@@ -6,7 +6,8 @@
 
 A step is launched without waiting for the device; `collect` waits for it and brings its results
 to the host. A step whose plan awaits its grammar bitmask (SamplingPlan.grammar_bitmask None) is
-launched up to its logits; `sample_launched` gives the bitmask and samples (structured/step_masks.py). Runners never see a Sequence: they take the step message (engine/step_message.py)."""
+launched up to its logits; `sample_launched` gives the bitmask and samples (structured/step_masks.py).
+Runners never see a Sequence: they take the step message (engine/step_message.py)."""
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +122,8 @@ class ModelRunner:
         args.set_grammar_bitmask(bitmask, self.device)
         sampled = self.sampler.sample(step, sample, args, logits)
         done = self._copy_to_host(sampled, sampled.tokens.clamp_min(0), None)
-        inflight.sampled, inflight.tokens, inflight.host, inflight.event = done.sampled, done.tokens, done.host, done.event
+        inflight.sampled, inflight.tokens = done.sampled, done.tokens
+        inflight.host, inflight.event = done.host, done.event
 
     def _copy_to_host(self, sampled: Sampled, inputs: torch.Tensor, pooled: torch.Tensor | None) -> InFlight:
         tokens = sampled.tokens

@@ -20,9 +20,9 @@ scheduled again; one that stops on EOS or a stop string meanwhile wastes one row
 ignores. A request whose next step needs all its tokens on the host (`logits_processors`, bad
 words of several tokens: SamplingParams.needs_host_tokens_to_launch) is not scheduled while it has
 a token in flight, so it runs every other step while the rest of the batch overlaps; a grammar's
-mask is filled after the launch (structured/step_masks.py; with tensor parallelism it waits too). With LoRA, the running
-sequences use at most max_loras distinct adapters (lora/admission.py), so no step needs more
-adapters than the device has slots.
+mask is filled after the launch (structured/step_masks.py; with tensor parallelism it waits too).
+With LoRA, the running sequences use at most max_loras distinct adapters (lora/admission.py), so
+no step needs more adapters than the device has slots.
 """
 from bisect import insort
 from dataclasses import dataclass, field

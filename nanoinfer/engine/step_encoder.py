@@ -62,7 +62,6 @@ class StepEncoder:
             seqs, samples, step.sample_rows = sampling_rows(batch)
         plan = build_sampling_plan(seqs, self.vocab_size, self.eos_token_ids, samples, prev_rows, self.seeds,
                                    self.masks_later)
-        self.awaiting_masks = None
         if plan.grammar_rows and plan.grammar_bitmask is None:
             self.awaiting_masks = AwaitingMasks([seqs[i] for i in plan.grammar_rows], plan.processors is not None)
         sample = SampleInput(plan, prompt_logprobs_request(batch))

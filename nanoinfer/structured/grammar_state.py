@@ -3,12 +3,12 @@ completion tokens it has consumed.
 
 Each of a request's n samples has its own (set on its Sequence at intake, as `seq.grammar`), so it
 lives exactly as long as the sequence: a finished or aborted sequence that the engine drops takes
-its matcher with it. It advances lazily, when the next token's bitmask is filled: by the engine once a step's forward
-is launched and the step before it has been processed (engine/grammar_masks.py), so the host
-has every earlier token (or, with tensor parallelism, where the scheduler runs a structured
-request only with no token in flight, when the sampling plan is built: sampling/plan.py). The
-matcher is fed the tokens it has not seen. Preemption (recompute) keeps the tokens, so it keeps
-the state.
+its matcher with it. It advances lazily, when its next token's bitmask is filled: by the engine
+once the step is launched up to its logits and the step before it has been processed
+(structured/step_masks.py), so the host has every earlier token; with tensor parallelism, when
+the sampling plan is built (sampling/plan.py), the scheduler running a structured request only
+with no token in flight. It is fed the tokens it has not seen. Preemption (recompute) keeps the
+tokens, so it keeps the state.
 """
 import logging
 
