@@ -221,8 +221,16 @@ class SamplingParams:
         """Building this request's next step needs every earlier token on the host (logits
         processors read them; a bad word of several tokens is matched against them; a grammar
         advances over them before it masks the next token), so with overlapped steps it runs every
-        other step. Single-token bad words need nothing."""
-        return bool(self.logits_processors) or self.structured_outputs is not None or \
+        other step, unless only its grammar needs them (needs_host_tokens_to_launch). Single-token
+        bad words need nothing."""
+        return self.needs_host_tokens_to_launch or self.structured_outputs is not None
+
+    @property
+    def needs_host_tokens_to_launch(self) -> bool:
+        """needs_host_tokens, less a grammar: the engine fills a grammar's mask after launching the
+        step's forward, once the previous step's token has reached the host
+        (structured/step_masks.py), so a structured request alone runs every step."""
+        return bool(self.logits_processors) or \
             (self.bad_words_token_ids is not None and any(len(w) > 1 for w in self.bad_words_token_ids))
 
     def with_bad_words_token_ids(self, tokenizer) -> "SamplingParams":

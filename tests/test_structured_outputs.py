@@ -173,7 +173,8 @@ def test_length_limit_and_ignore_eos(engines):
 
 def test_structured_request_waits_for_its_tokens_not_the_batch(engines):
     """With overlapped steps, a structured request needs its previous token on the host before its
-    next mask: it runs every other step while the unconstrained ones run every step."""
+    next mask, which the engine fills after launching the step's forward: the unconstrained
+    request beside it is not slowed."""
     llm = engines(True)
     llm.step_log = []
     plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -182,6 +183,108 @@ def test_structured_request_waits_for_its_tokens_not_the_batch(engines):
     steps = len(llm.step_log)
     llm.step_log = None
     assert steps <= 20 + 2, steps  # the plain request was not slowed to every other step
+
+
+def test_structured_requests_run_every_step_with_overlap(engines):
+    """With overlapped steps, structured requests (alone, or all of a batch) run every step: their
+    masks are filled after the forward's launch, not a step later. Seeded sampled outputs and
+    greedy ones equal those without overlap."""
+    runs = []
+    for overlap in (True, False):
+        llm = engines(overlap)
+        params = [SamplingParams(temperature=t, seed=seed, max_tokens=40, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(**spec))
+                  for t, seed, spec in [(0.0, None, KINDS["regex"][0]), (1.0, 3, KINDS["choice"][0]),
+                                        (0.7, 4, UNBOUNDED["json_object"][0])]]
+        rids = [llm.add_request(p, sp, keep_output=True) for p, sp in zip(PROMPTS, params)]
+        steps = 0
+        while not llm.is_finished():
+            llm.step()
+            steps += 1
+        assert steps <= 40 + 2, steps  # (every other step: about 80)
+        outs = [llm.pop_output(rid).outputs[0] for rid in rids]
+        assert all(len(c.token_ids) == 40 for c in outs)
+        KINDS["regex"][1](outs[0].text)
+        KINDS["choice"][1](outs[1].text)
+        check_json_object(outs[2].text, "length")
+        runs.append([c.token_ids for c in outs])
+        assert_released(llm)
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_raising_logits_processor_beside_a_structured_request(tiny_qwen3, overlap):
+    """A logits processor that raises in a step whose grammar masks are filled after the forward's
+    launch: generate() raises it, the engine is left clean, and a structured request run by hand
+    beside it goes on to the tokens it gets alone once the failing request is aborted."""
+    llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=256, async_scheduling=overlap)
+    try:
+        json_sp = structured(temperature=0, max_tokens=30, **KINDS["json"][0])
+        expected = llm.generate(PROMPTS[0], json_sp, use_tqdm=False)[0].outputs[0].token_ids
+        calls = []
+
+        def flaky(output_token_ids, logits):
+            calls.append(len(output_token_ids))
+            if len(calls) == 4:
+                raise RuntimeError("processor failed")
+            return logits
+
+        bad = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logits_processors=[flaky])
+        with pytest.raises(RuntimeError, match="processor failed"):
+            llm.generate(PROMPTS[:2], [json_sp, bad], use_tqdm=False)
+        assert_released(llm)
+        assert not llm.requests
+        calls.clear()
+        rid = llm.add_request(PROMPTS[0], json_sp, keep_output=True)
+        bad_id = llm.add_request(PROMPTS[1], bad)
+        with pytest.raises(RuntimeError, match="processor failed"):
+            while not llm.is_finished():
+                llm.step()
+        llm.abort_request(bad_id)
+        while not llm.is_finished():
+            llm.step()
+        assert llm.pop_output(rid).outputs[0].token_ids == expected
+        assert_released(llm)
+    finally:
+        llm.exit()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_failed_sampling_after_the_forward_leaves_the_engine_clean(tiny_qwen3, monkeypatch, overlap):
+    """A step launched up to its logits whose sampling fails later (before the next step's forward,
+    or when collected): generate() raises, every block is free, and the next generate gives the
+    same tokens as before; stepping on by hand after the error, the requests get those tokens."""
+    llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=256, async_scheduling=overlap)
+    try:
+        params = [structured(temperature=0, max_tokens=16, **KINDS["json"][0]),
+                  SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+        real, calls = llm.model_runner.sample_launched, []
+
+        def flaky(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("sampling failed")
+            return real(*args)
+
+        monkeypatch.setattr(llm.model_runner, "sample_launched", flaky)
+        with pytest.raises(RuntimeError, match="sampling failed"):
+            llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        assert_released(llm)
+        assert not llm.requests
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)] == expected
+        # by hand: after the error, stepping on gives both requests their tokens
+        calls.clear()
+        rids = [llm.add_request(p, sp, keep_output=True) for p, sp in zip(PROMPTS, params)]
+        with pytest.raises(RuntimeError, match="sampling failed"):
+            while not llm.is_finished():
+                llm.step()
+        while not llm.is_finished():
+            llm.step()
+        assert [llm.pop_output(rid).outputs[0].token_ids for rid in rids] == expected
+        assert_released(llm)
+    finally:
+        llm.exit()
 
 
 @pytest.mark.parametrize("spec, field", [
@@ -346,6 +449,30 @@ def test_bitmask_matches_xgrammar(vocab, width):
     ref[rows[:, None], torch.arange(min(vocab, width), width)[None, :]] = float("-inf")
     assert torch.equal(ours, ref)
     assert torch.equal(ours[[1, 3]], logits[[1, 3]])  # the other rows untouched
+
+
+@pytest.mark.parametrize("vocab, width, dtype", [(70, 70, torch.float32), (64, 96, torch.float32),
+                                                 (9000, 8999, torch.bfloat16), (384, 400, torch.float16)])
+def test_bitmask_kernel_matches_the_torch_path(vocab, width, dtype):
+    """The Triton kernel (the interpreter on CPU) equals the torch path: rows in any order, a row
+    stride wider than the row, logits narrower or wider than the bitmask's vocabulary."""
+    from nanoinfer.kernels.token_bitmask import apply_token_bitmask_triton
+    from nanoinfer.structured.bitmask import apply_token_bitmask
+    from nanoinfer.structured.grammar_state import bitmask_width
+
+    g = torch.Generator().manual_seed(1)
+    words = torch.randint(-2**31, 2**31 - 1, (3, bitmask_width(vocab)), dtype=torch.int32, generator=g)
+    words[1] = 0  # nothing allowed
+    wide = torch.randn(5, width + 7, generator=g).to(dtype)
+    logits, ours_wide = wide[:, :width], wide.clone()
+    ours = ours_wide[:, :width]  # (a row stride of width + 7)
+    rows = torch.tensor([4, 0, 2])
+    ref = logits.float().clone()
+    apply_token_bitmask_triton(ours, rows, words)
+    apply_token_bitmask(ref, rows, words)
+    assert torch.equal(ours.float(), ref) and torch.equal(ours_wide[:, width:], wide[:, width:])
+    assert torch.isneginf(ours[0]).all() and torch.equal(ours[[1, 3]], logits[[1, 3]])
+    apply_token_bitmask_triton(ours, rows[:0], words[:0])  # no rows: nothing to do
 
 
 @pytest.mark.cuda

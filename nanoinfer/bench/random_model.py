@@ -14,6 +14,9 @@ SHAPES = {
                     intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                     head_dim=128, tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
                     moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # the full vocabulary on a toy body: the host's and the sampler's per-step work on a CPU
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
 }
 
 

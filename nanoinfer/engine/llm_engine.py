@@ -10,8 +10,11 @@ new text completed; the engine finishes those sequences through the scheduler. W
 ModelRunner in this process (one rank) or a TensorParallelExecutor driving worker processes; both
 take the step as encoded by engine/step_encoder.py. Embeddings (runner="pooling", nanoinfer/pooling)
 take the same path: their steps return hidden-state sums instead of tokens, recorded before the
-scheduler finishes the request. With disable_log_stats=False, processing also counts the engine's
-statistics (engine/stats.py), logged between steps.
+scheduler finishes the request. A step with structured-output rows is launched up to its logits;
+their grammar masks are filled once the step before it is processed, and it samples before the
+next step's forward (structured/step_masks.py): the host's mask work overlaps the device. With
+disable_log_stats=False, processing also counts the engine's statistics (engine/stats.py), logged
+between steps.
 
 Requests enter through the InputProcessor (engine/input_processor.py) and live in one registry,
 `requests` (request id -> Request). One thread drives the engine (advance, step, generate,
@@ -48,6 +51,7 @@ from nanoinfer.pooling.params import PoolingParams
 from nanoinfer.pooling.outputs import pooling_output
 from nanoinfer.pooling.rows import record_pooled
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.structured.step_masks import AwaitingMasks, StepMasks
 from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
 from nanoinfer.utils.main_guard import check_main_guard
 
@@ -92,9 +96,14 @@ class LLMEngine:
             self.speculator.allocate(num_blocks)
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids, config.enable_prefix_caching)
         self.scheduler.speculator = self.speculator
+        # grammar masks after the forward's launch: one rank (tensor parallel: filled with the plan)
+        masks_later = config.tensor_parallel_size == 1
+        self.scheduler.masks_after_launch = masks_later
+        self.step_masks = StepMasks(self.vocab_size, config.device == "cuda") if masks_later else None
         self.step_encoder = StepEncoder(self.vocab_size, eos_token_ids, self._seeds,
                                         config.tensor_parallel_size > 1 and config.device == "cuda",
-                                        AdapterSlotTable(config.max_loras) if config.enable_lora else None)
+                                        AdapterSlotTable(config.max_loras) if config.enable_lora else None,
+                                        masks_later)
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size,
                                               num_blocks * config.kvcache_block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -189,6 +198,7 @@ class LLMEngine:
         if self.inflight is not None and all(s.is_finished for s in self.inflight.batch.seqs):
             launched, self.inflight = self.inflight, None
             try:
+                self._sample(launched)
                 self.model_runner.collect(launched.handle)
             except RuntimeError:  # the runner failed (raised where it happened; it refuses further use)
                 pass
@@ -283,16 +293,13 @@ class LLMEngine:
             if batch is None:
                 raise RuntimeError("the scheduler cannot make progress (a request does not fit the KV cache)")
         t1 = time.perf_counter()
-        try:
-            launched = self._launch(batch) if batch is not None else None
-        except BaseException:
-            self.scheduler.unschedule(batch)  # the engine stays consistent; the caller sees the error
-            self.step_encoder.unschedule()
-            raise
+        launched = self._launch(batch) if batch is not None else None
         t2 = time.perf_counter()
         prev, self.inflight = self.inflight, launched
         if prev is not None:
             self._process(prev)
+        if launched is not None and launched.masks is not None:
+            self._fill_masks(launched)
         if launched is not None and not self.overlap:
             self.inflight = None
             self._process(launched)
@@ -316,16 +323,57 @@ class LLMEngine:
         return pairs, num_tokens
 
     def _launch(self, batch: ScheduledBatch) -> "Launched":
-        prev = self.inflight
-        if batch.drafts:
-            self.speculator.propose(batch)
-        step, sample = self.step_encoder.encode(batch, prev.rows if prev else None)
-        handle = self.model_runner.launch(step, sample, prev.handle if prev else None)
-        return Launched(batch, sampled_rows(batch), handle)
+        """Launch the batch; if that fails, the engine stays consistent (the batch, and a step in
+        flight whose sampling failed with it, are unscheduled) and the caller sees the error."""
+        prev, prev_failed = self.inflight, False
+        try:
+            if batch.drafts:
+                self.speculator.propose(batch)
+            step, sample = self.step_encoder.encode(batch, prev.rows if prev else None)
+            masks, self.step_encoder.awaiting_masks = self.step_encoder.awaiting_masks, None  # (the step's alone)
+            if prev is not None and prev.masks is not None:
+                prev_failed = True
+                self._sample(prev)  # (its forward ran while this step was scheduled and encoded)
+                prev_failed = False
+            handle = self.model_runner.launch(step, sample, prev.handle if prev else None)
+        except BaseException:
+            self.scheduler.unschedule(batch)  # (the newest first: a row of both starts at prev's start)
+            self.step_encoder.unschedule()
+            if prev_failed:
+                self.inflight = None
+                self.scheduler.unschedule(prev.batch)
+            raise
+        return Launched(batch, sampled_rows(batch), handle, masks)
+
+    def _fill_masks(self, launched: "Launched"):
+        """The grammar masks of a step launched up to its logits: its rows' tokens of the step before
+        are on the host now. A step with user logits processors (or without overlap) samples now:
+        if that raises, it is undone, as a failed launch."""
+        try:
+            self.step_masks.fill(launched.masks)
+            if launched.masks.eager or not self.overlap:
+                self._sample(launched)
+        except BaseException:
+            if self.inflight is launched:
+                self.inflight = None
+            self.scheduler.unschedule(launched.batch)
+            self.step_encoder.unschedule()
+            raise
+
+    def _sample(self, launched: "Launched"):
+        """A step launched up to its logits samples under its grammar masks."""
+        masks, launched.masks = launched.masks, None
+        if masks is not None:
+            self.step_masks.sample(self.model_runner, launched.handle, masks)
 
     def _process(self, launched: "Launched"):
         """The one path of a step's tokens: the scheduler appends them and decides EOS, stop ids and
         length; the output processor records them and returns stop-string hits; those finish here."""
+        try:
+            self._sample(launched)
+        except BaseException:  # (no step was launched after it: nothing else to undo)
+            self.scheduler.unschedule(launched.batch)
+            raise
         result = self.model_runner.collect(launched.handle)
         now = time.time()
         seqs = launched.batch.seqs
@@ -422,4 +470,5 @@ class Launched:
     batch: ScheduledBatch
     rows: dict[int, int]
     handle: object  # the runner's: an InFlight (one rank) or a step id (tensor parallel)
+    masks: AwaitingMasks | None = None  # launched up to its logits: its sampling awaits grammar masks
 

@@ -5,7 +5,9 @@
     -> copy (the tokens start for the host)
 
 A step is launched without waiting for the device; `collect` waits for it and brings its results
-to the host. Runners never see a Sequence: they take the step message (engine/step_message.py)."""
+to the host. A step whose plan awaits its grammar bitmask (SamplingPlan.grammar_bitmask None) is
+launched up to its logits; `sample_launched` gives the bitmask and samples (structured/step_masks.py).
+Runners never see a Sequence: they take the step message (engine/step_message.py)."""
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +33,13 @@ from nanoinfer.utils.threads import cpu_threads
 class InFlight:
     """A launched step whose results the host has not collected yet (on a rank that does not
     sample, only its tokens: the next step's in-flight rows read them on every rank)."""
-    sampled: Sampled                      # the tokens [rows] on the device, and what logprobs need
-    tokens: torch.Tensor                  # them as the next step's inputs: NON_FINITE rows read token 0
+    sampled: Sampled | None               # the tokens [rows] on the device, and what logprobs need
+    tokens: torch.Tensor | None           # them as the next step's inputs: NON_FINITE rows read token 0
     host: torch.Tensor | None = None      # [rows] pinned host copy, valid once `event` has completed
     event: "torch.cuda.Event | None" = None
     pooled: torch.Tensor | None = None    # an embedding step's sums, on the host once `event` has completed
+    awaiting: tuple | None = None         # (step, sample, args, logits): launched up to the logits, until
+    #                                       sample_launched gives the grammar bitmask
 
 
 class ModelRunner:
@@ -98,6 +102,8 @@ class ModelRunner:
                 pooled = None
                 args = self.sampler.prepare(sample, prev_tokens)
                 logits = self.graph_runner.forward(input_ids, positions, step.is_decode_only)  # this rank's shard
+                if args is not None and args.grammar_rows is not None and args.grammar_bitmask is None:
+                    return InFlight(None, None, awaiting=(step, sample, args, logits))
                 sampled = self.sampler.sample(step, sample, args, logits)
         finally:
             reset_context()
@@ -106,6 +112,18 @@ class ModelRunner:
         if sample is None:
             return InFlight(sampled, inputs)
         return self._copy_to_host(sampled, inputs, pooled)
+
+    @torch.inference_mode()
+    def sample_launched(self, inflight: InFlight, bitmask: torch.Tensor) -> None:
+        """Sample a step launched up to its logits, its grammar rows under `bitmask` ([G, W] int32
+        on the host), and start the tokens' copy to the host; `inflight` becomes a launched step."""
+        step, sample, args, logits = inflight.awaiting
+        inflight.awaiting = None
+        args.set_grammar_bitmask(bitmask, self.device)
+        sampled = self.sampler.sample(step, sample, args, logits)
+        done = self._copy_to_host(sampled, sampled.tokens.clamp_min(0), None)
+        inflight.sampled, inflight.tokens = done.sampled, done.tokens
+        inflight.host, inflight.event = done.host, done.event
 
     def _copy_to_host(self, sampled: Sampled, inputs: torch.Tensor, pooled: torch.Tensor | None) -> InFlight:
         tokens = sampled.tokens
@@ -121,6 +139,8 @@ class ModelRunner:
 
     def collect(self, inflight: InFlight) -> StepResult:
         """Rank 0: wait for a launched step and bring its results to the host."""
+        if inflight.awaiting is not None:
+            raise RuntimeError("a step launched up to its logits was collected before sample_launched")
         if inflight.event is not None:
             inflight.event.synchronize()
         tokens = inflight.host.tolist()

@@ -18,10 +18,11 @@ Steps may overlap: step N+1 is scheduled before step N's tokens reach the host. 
 are appended when it is processed. A sequence whose in-flight token reaches a length limit is not
 scheduled again; one that stops on EOS or a stop string meanwhile wastes one row, which `update`
 ignores. A request whose next step needs all its tokens on the host (`logits_processors`, bad
-words of several tokens: SamplingParams.needs_host_tokens) is not scheduled while it has a token in
-flight, so it runs every other step while the rest of the batch overlaps. With LoRA, the running
-sequences use at most max_loras distinct adapters (lora/admission.py), so no step needs more
-adapters than the device has slots.
+words of several tokens: SamplingParams.needs_host_tokens_to_launch) is not scheduled while it has
+a token in flight, so it runs every other step while the rest of the batch overlaps; a grammar's
+mask is filled after the launch (structured/step_masks.py; with tensor parallelism it waits too).
+With LoRA, the running sequences use at most max_loras distinct adapters (lora/admission.py), so
+no step needs more adapters than the device has slots.
 """
 from bisect import insort
 from dataclasses import dataclass, field
@@ -90,6 +91,9 @@ class Scheduler:
         # speculative decoding (nanoinfer/spec/speculator.py): whether a sequence speculates (it then
         # waits for its tokens in flight) and how many tokens its next row may propose
         self.speculator = None
+        # the engine fills grammar masks after launching a step's forward (structured/step_masks.py):
+        # a structured request need not wait for its token in flight (False: it waits, tensor parallel)
+        self.masks_after_launch = False
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running and not self.held
@@ -126,7 +130,7 @@ class Scheduler:
             i += 1
             sp = seq.sampling_params
             if seq.num_computed_tokens != seq.num_tokens + seq.num_inflight - 1 or self._reaches_limit(seq) or \
-                    (seq.num_inflight and ((sp.has_token_constraints and sp.needs_host_tokens) or
+                    (seq.num_inflight and ((sp.has_token_constraints and self._waits_for_host(sp)) or
                                            (self.speculator and self.speculator.speculates(seq, len(self.running))))):
                 continue  # mid-prefill (step 2) or a speculative row in flight (its length is unknown),
                 # its in-flight token ends it, or the host must see that token (to propose, too)
@@ -170,6 +174,10 @@ class Scheduler:
                 self.running.append(seq)
             budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
         return batch if batch.seqs else None
+
+    def _waits_for_host(self, sp) -> bool:
+        """Whether a request with a token in flight must wait for it before its next row."""
+        return sp.needs_host_tokens_to_launch or (sp.structured_outputs is not None and not self.masks_after_launch)
 
     def _preempt_for_waiting(self):
         """Priority policy: while the first waiting sequence ranks strictly above the lowest-priority

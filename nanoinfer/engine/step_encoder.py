@@ -9,6 +9,7 @@ from nanoinfer.multimodal.step_planner import MultiModalStepPlanner
 from nanoinfer.pooling.rows import pooling_rows
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.spec.rows import sampling_rows
+from nanoinfer.structured.step_masks import AwaitingMasks
 
 
 def sampled_rows(batch: ScheduledBatch) -> dict[int, int]:
@@ -28,15 +29,18 @@ class StepEncoder:
     """vocab_size and eos_token_ids: what the sampling plan checks against. seeds: the generator
     plain steps draw their noise seed from (seeded from the config). sample_on_shards: the ranks
     can sample their vocabulary shards (tensor parallelism on CUDA). adapter_slots: places the
-    step's LoRA adapters in device slots (None: LoRA off)."""
+    step's LoRA adapters in device slots (None: LoRA off). masks_later: a plan leaves its grammar
+    bitmask to the engine, which fills it after the forward's launch (structured/step_masks.py)."""
 
     def __init__(self, vocab_size: int, eos_token_ids, seeds: torch.Generator | None = None,
-                 sample_on_shards: bool = False, adapter_slots=None):
+                 sample_on_shards: bool = False, adapter_slots=None, masks_later: bool = False):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.seeds = seeds
         self.sample_on_shards = sample_on_shards
         self.adapter_slots = adapter_slots  # a lora.slot_table.AdapterSlotTable with enable_lora
+        self.masks_later = masks_later
+        self.awaiting_masks: AwaitingMasks | None = None  # the last step's, with masks_later
         self.multimodal = MultiModalStepPlanner()  # requests with images: their rows' positions and images
 
     def unschedule(self):
@@ -49,13 +53,17 @@ class StepEncoder:
         step.rope_positions, step.multi_modal = self.multimodal.plan(batch)
         if self.adapter_slots is not None:  # (embeddings too: a request's adapter shapes its hidden states)
             step.lora = self.adapter_slots.assign(batch.seqs)
+        self.awaiting_masks = None
         if batch.seqs[0].pooling is not None:  # an embedding engine's step: every row pools
             step.pooling = pooling_rows(batch)
             return step, SampleInput(SamplingPlan([0.0] * len(batch.seqs), True, True))  # (unused)
         seqs, samples = batch.seqs, batch.samples
         if batch.drafts:  # speculative rows: one sampling row per query position (nanoinfer/spec)
             seqs, samples, step.sample_rows = sampling_rows(batch)
-        plan = build_sampling_plan(seqs, self.vocab_size, self.eos_token_ids, samples, prev_rows, self.seeds)
+        plan = build_sampling_plan(seqs, self.vocab_size, self.eos_token_ids, samples, prev_rows, self.seeds,
+                                   self.masks_later)
+        if plan.grammar_rows and plan.grammar_bitmask is None:
+            self.awaiting_masks = AwaitingMasks([seqs[i] for i in plan.grammar_rows], plan.processors is not None)
         sample = SampleInput(plan, prompt_logprobs_request(batch))
         if sample.prompt_logprobs is not None:
             step.prompt_logit_rows = prompt_logit_rows(batch, sample.prompt_logprobs)

@@ -124,6 +124,7 @@ class SamplingPlan:
     processors: list | None = None             # (row, callables, prompt ids, output ids)
     grammar_rows: list[int] | None = None      # structured outputs: the rows a grammar constrains
     grammar_bitmask: bytes | None = None       # their next-token bitmasks, [G, ceil(V / 32)] int32 words
+    #                                            (None with grammar rows: given after the forward's launch)
     seed: int | None = None                    # fused plans: the fused kernel's noise seed, in [0, 2^31)
 
     @property

@@ -4,7 +4,8 @@ It runs on the host every step, so it is one Python loop over the batch that app
 lists, with no object per row; options no row uses stay None, so the plan stays small to pickle and
 the rank that samples (sampling/tensors.py) skips them. Here too, since they read the host's token
 history: which tokens bad words ban, and the grammar bitmasks of structured outputs (each row's
-matcher advances over its new tokens, then fills its next-token mask: structured/grammar_state.py).
+matcher advances over its new tokens, then fills its next-token mask: structured/grammar_state.py),
+unless the engine fills those after launching the forward (`masks_later`: structured/step_masks.py).
 """
 from array import array
 
@@ -19,14 +20,16 @@ TOP_K_OFF = 1 << 62  # larger than any vocabulary (logits may be wider than the 
 
 
 def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev_row_of=None,
-                        seeds: torch.Generator | None = None) -> SamplingPlan:
+                        seeds: torch.Generator | None = None, masks_later: bool = False) -> SamplingPlan:
     """One per step: a Python loop over the batch reading each request's options.
     `seeds`: where a plain plan draws its seed (the engine's generator, seeded from the
     config; None: torch's default generator).
     `samples[i]`: row i's sample is counted in its sequence's num_inflight (a scheduled step).
     `prev_row_of`: seq_id -> row of the step still in flight, for rows that sampled: such a
     token is not on the host yet, so it counts for seeds and min_tokens, and joins the penalty
-    history on the device."""
+    history on the device.
+    `masks_later`: the plan names its grammar rows and leaves their bitmask None; the engine fills it
+    once the forward is launched (structured/step_masks.py), when their tokens in flight are in."""
     counted = samples or [False] * len(seqs)
     temps, top_ks, top_ps, min_ps = [], [], [], []
     pen, supp_rows, supp_toks, seeded, keys, lp_rows, lp_counts = [], [], [], [], [], [], []
@@ -61,7 +64,8 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
             lp_counts.append(sp.logprobs)
         if sp.has_token_constraints:
             sampled = samples is None or samples[i]
-            _add_token_constraints(i, seq, generated, sampled, allowed, bias, procs, supp_rows, supp_toks)
+            _add_token_constraints(i, seq, generated, sampled, masks_later, allowed, bias, procs, supp_rows,
+                                   supp_toks)
             if sp.structured_outputs is not None and sampled:
                 grammar_rows.append(i)
                 grammar_seqs.append(seq)
@@ -86,13 +90,15 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
         p.lp_counts, p.lp_max = lp_counts, min(max(lp_counts), vocab_size)
     p.allowed, p.bias, p.processors = allowed or None, bias or None, procs or None
     if grammar_rows:
-        p.grammar_rows, p.grammar_bitmask = grammar_rows, fill_bitmasks(grammar_seqs, vocab_size)
+        p.grammar_rows = grammar_rows
+        if not masks_later:
+            p.grammar_bitmask = fill_bitmasks(grammar_seqs, vocab_size)
     if p.fused:
         p.seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seeds))
     return p
 
 
-def _add_token_constraints(i, seq, generated, sampled, allowed, bias, procs, supp_rows, supp_toks):
+def _add_token_constraints(i, seq, generated, sampled, masks_later, allowed, bias, procs, supp_rows, supp_toks):
     """Row i's allowed_token_ids, logit_bias, bad words and logits processors (a row without any
     never calls this)."""
     sp = seq.sampling_params
@@ -100,7 +106,8 @@ def _add_token_constraints(i, seq, generated, sampled, allowed, bias, procs, sup
         allowed.append((i, sp.allowed_token_ids))
     if sp.logit_bias:
         bias.append((i, sp.logit_bias))
-    if sp.needs_host_tokens and generated != seq.num_completion_tokens:
+    needs = sp.needs_host_tokens_to_launch if masks_later else sp.needs_host_tokens
+    if needs and generated != seq.num_completion_tokens:
         raise RuntimeError("a request with logits_processors, multi-token bad_words or structured outputs "
                            "was scheduled before the host saw its previous token")
     if sp.bad_words_token_ids:

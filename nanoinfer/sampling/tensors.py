@@ -110,9 +110,15 @@ class SamplingTensors:
             t.bias_tokens = dev([tok for _, b in p.bias for tok in b], torch.int64)
             t.bias_values = dev([v for _, b in p.bias for v in b.values()], torch.float32)
         if p.grammar_rows:
-            words = torch.frombuffer(bytearray(p.grammar_bitmask), dtype=torch.int32).view(len(p.grammar_rows), -1)
             t.grammar_rows = dev(p.grammar_rows, torch.int64)
-            t.grammar_bitmask = words.pin_memory().to(device, non_blocking=True) if pin else words
+            if p.grammar_bitmask is not None:  # (None: set_grammar_bitmask, after the forward's launch)
+                words = torch.frombuffer(bytearray(p.grammar_bitmask), dtype=torch.int32).view(len(p.grammar_rows), -1)
+                t.grammar_bitmask = words.pin_memory().to(device, non_blocking=True) if pin else words
         if p.processors:
             t.processors = p.processors
         return t
+
+    def set_grammar_bitmask(self, bitmask: torch.Tensor, device: torch.device) -> None:
+        """The grammar rows' [G, W] int32 bitmask, from a host tensor (pinned on CUDA: the copy does
+        not block; its memory is not rewritten before the step has been collected)."""
+        self.grammar_bitmask = bitmask.to(device, non_blocking=True) if device.type == "cuda" else bitmask

@@ -4,6 +4,7 @@ to the unconstrained run.
 
     python -m nanoinfer.structured.bench                       # Qwen3-0.6B shape, random weights
     python -m nanoinfer.structured.bench --model Qwen/Qwen3-0.6B --num-seqs 256 --output-len 256
+    python -m nanoinfer.structured.bench --shape tiny --num-seqs 64 --output-len 64   # the host's side, on a CPU
 
 A constrained request asks for any JSON object (xgrammar's JSON grammar, the one that walks the
 most grammar states on random output) and, like the others, ignores EOS, so every run makes the
@@ -35,6 +36,7 @@ def params_for(num_seqs: int, fraction: float, output_len: int) -> list[Sampling
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a real checkpoint (its tokenizer makes the host's mask work real)")
+    p.add_argument("--shape", default="0.6b", help="random weights of this shape (nanoinfer/bench/random_model.py)")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-input-len", type=int, default=100)
     p.add_argument("--max-input-len", type=int, default=512)
@@ -46,7 +48,7 @@ def main():
     options = dict(max_model_len=args.max_model_len, async_scheduling=not args.no_async_scheduling)
     if args.model is None:
         from nanoinfer.bench.random_model import make_random_model_dir
-        path, options["load_format"] = make_random_model_dir("0.6b"), "dummy"
+        path, options["load_format"] = make_random_model_dir(args.shape), "dummy"
     else:
         path = args.model
     llm = LLM(path, **options)
@@ -57,16 +59,19 @@ def main():
         for fraction in args.fractions:
             params = params_for(args.num_seqs, fraction, args.output_len)
             llm.generate(prompts[:16], params[:16], use_tqdm=False)
+            llm.step_log = []
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             dt = time.perf_counter() - t0
+            steps, llm.step_log = len(llm.step_log), None
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             rate = tokens / dt
             base = rate if base is None else base
-            rows.append((fraction, sum(sp.structured_outputs is not None for sp in params), rate, rate / base))
-        print(f"{'constrained':>12} {'requests':>9} {'output tok/s':>13} {'vs first':>9}")
-        for fraction, n, rate, rel in rows:
-            print(f"{fraction:>12.3f} {n:>9d} {rate:>13,.0f} {rel:>9.2f}")
+            rows.append((fraction, sum(sp.structured_outputs is not None for sp in params), rate, rate / base,
+                         steps, 1e3 * dt / steps))
+        print(f"{'constrained':>12} {'requests':>9} {'output tok/s':>13} {'vs first':>9} {'steps':>6} {'ms/step':>8}")
+        for fraction, n, rate, rel, steps, ms in rows:
+            print(f"{fraction:>12.3f} {n:>9d} {rate:>13,.0f} {rel:>9.2f} {steps:>6d} {ms:>8.2f}")
     finally:
         llm.exit()
 

@@ -3,10 +3,12 @@ completion tokens it has consumed.
 
 Each of a request's n samples has its own (set on its Sequence at intake, as `seq.grammar`), so it
 lives exactly as long as the sequence: a finished or aborted sequence that the engine drops takes
-its matcher with it. It advances lazily, when a step's sampling plan is built (sampling/plan.py):
-the scheduler runs a structured request only once the host has every earlier token
-(SamplingParams.needs_host_tokens), so the plan feeds the matcher the tokens it has not seen and
-fills the next token's bitmask. Preemption (recompute) keeps the tokens, so it keeps the state.
+its matcher with it. It advances lazily, when its next token's bitmask is filled: by the engine
+once the step is launched up to its logits and the step before it has been processed
+(structured/step_masks.py), so the host has every earlier token; with tensor parallelism, when
+the sampling plan is built (sampling/plan.py), the scheduler running a structured request only
+with no token in flight. It is fed the tokens it has not seen. Preemption (recompute) keeps the
+tokens, so it keeps the state.
 """
 import logging
 
@@ -70,6 +72,14 @@ def fill_bitmasks(seqs: list, vocab_size: int) -> bytes:
     """Advance each sequence's grammar over its new completion tokens, then fill its next token's
     bitmask: one [len(seqs), bitmask_width] int32 block, as bytes (for the step message)."""
     bitmask = torch.empty((len(seqs), bitmask_width(vocab_size)), dtype=torch.int32)
+    fill_bitmask_rows(seqs, bitmask)
+    return bitmask.numpy().tobytes()
+
+
+def fill_bitmask_rows(seqs: list, bitmask: torch.Tensor) -> None:
+    """fill_bitmasks into rows 0 .. len(seqs) - 1 of `bitmask` (a CPU int32 tensor, maybe pinned):
+    the live matchers' masks filled in one batched call (on several threads from
+    BATCH_FILL_MIN_ROWS on)."""
     live, rows = [], []
     for j, seq in enumerate(seqs):
         state = seq.grammar
@@ -85,7 +95,6 @@ def fill_bitmasks(seqs: list, vocab_size: int) -> bytes:
     else:
         for matcher, j in zip(live, rows):
             matcher.fill_next_token_bitmask(bitmask, j)
-    return bitmask.numpy().tobytes()
 
 
 def _batch_fill():
