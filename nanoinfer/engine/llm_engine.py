@@ -111,6 +111,7 @@ class LLMEngine:
         self._aborts: deque[int] = deque()  # abort_request ids not applied yet
         self._finished_ids: list[int] = []  # requests finished outside a step, for the next advance()
         self._unreported: list[tuple[int, list[int]]] = []  # step()'s pairs not returned yet
+        self._waited = 0.0  # seconds the running advance() spent in the runner's collect()
         atexit.register(self.exit)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -189,7 +190,7 @@ class LLMEngine:
         if self.inflight is not None and all(s.is_finished for s in self.inflight.batch.seqs):
             launched, self.inflight = self.inflight, None
             try:
-                self.model_runner.collect(launched.handle)
+                self._collect(launched.handle)
             except RuntimeError:  # the runner failed (raised where it happened; it refuses further use)
                 pass
 
@@ -276,6 +277,7 @@ class LLMEngine:
     def _advance(self):
         """advance()'s step, under the step lock."""
         self._apply_aborts()
+        self._waited = 0.0
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None and self.inflight is None and not self.scheduler.is_finished():
@@ -298,7 +300,7 @@ class LLMEngine:
             self._process(launched)
         self._drop_wasted_step()
         if self.step_log is not None and batch is not None:
-            self.step_log.append(StepRecord.of(batch, t0, t1, t2, time.perf_counter()))
+            self.step_log.append(StepRecord.of(batch, t0, t1, t2, time.perf_counter(), self._waited))
         if self.stats is not None:
             self.stats.maybe_log(self.scheduler)
         finished, self._finished_ids = self._finished_ids, []
@@ -323,10 +325,18 @@ class LLMEngine:
         handle = self.model_runner.launch(step, sample, prev.handle if prev else None)
         return Launched(batch, sampled_rows(batch), handle)
 
+    def _collect(self, handle):
+        """The runner's collect(), timed: the step record's wait for the device (bench.py)."""
+        t = time.perf_counter()
+        try:
+            return self.model_runner.collect(handle)
+        finally:
+            self._waited += time.perf_counter() - t
+
     def _process(self, launched: "Launched"):
         """The one path of a step's tokens: the scheduler appends them and decides EOS, stop ids and
         length; the output processor records them and returns stop-string hits; those finish here."""
-        result = self.model_runner.collect(launched.handle)
+        result = self._collect(launched.handle)
         now = time.time()
         seqs = launched.batch.seqs
         if result.prompt_logprobs:

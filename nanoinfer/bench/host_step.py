@@ -1,0 +1,118 @@
+"""The engine's host work per decode step, apart from the model's compute: the real engine
+(scheduler, step encoder, runner's input preparation and sampling, output processing,
+detokenization) on a tiny random model whose forward costs next to nothing, at batch 1, 8, 64 and
+256 (16-token prompts, --output-len tokens each, temperature 0.6, ignore_eos, on the CPU).
+
+Prints microseconds per decode-only step: schedule, encode + launch (less the forward), process
+(less the wait in collect()), their sum, and the forward excluded from it. --profile BATCH runs
+cProfile over that batch's run and prints its top functions.
+
+    python -m nanoinfer.bench.host_step [--batches 1,8,64,256] [--output-len 128] [--profile 64]
+"""
+import argparse
+import cProfile
+import os
+import pstats
+import random
+import tempfile
+import time
+
+import torch
+
+
+def tiny_checkpoint() -> str:
+    """A one-layer, 32-wide Qwen3 with the built-in tokenizer, built once into a cache directory."""
+    from nanoinfer.utils.tiny_model import build_tiny_checkpoint
+    cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    path = os.path.join(cache, "nanoinfer", "host-step-qwen3-v1")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:  # (atomic: a half-built one is never used)
+            build_tiny_checkpoint(tmp, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  intermediate_size=32)
+            for name in os.listdir(tmp):
+                os.replace(os.path.join(tmp, name), os.path.join(path, name))
+    return path
+
+
+class ForwardTimer:
+    """Wraps the runner's forward, adding up the seconds it takes (excluded from the host's work)."""
+
+    def __init__(self, graph_runner):
+        self.inner, self.seconds = graph_runner.forward, 0.0
+        graph_runner.forward = self
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+def run_batch(llm, timer: ForwardTimer, batch: int, output_len: int, rng: random.Random):
+    """One run of `batch` requests; per decode-only step (the first two skipped): seconds of
+    schedule, encode + launch less the forward, process less the wait, and the forward."""
+    from nanoinfer import SamplingParams
+    prompts = [[rng.randrange(3, llm.vocab_size) for _ in range(16)] for _ in range(batch)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=output_len)] * batch
+    rids = llm.add_requests(prompts, params, keep_output=True)
+    llm.step_log, forwards = [], []
+    while not llm.is_finished():
+        before = timer.seconds
+        llm.advance()
+        forwards.append(timer.seconds - before)
+    for rid in rids:
+        llm.pop_output(rid)
+    steps, llm.step_log = llm.step_log, None
+    rows = [(s.scheduled - s.start, s.launched - s.scheduled - f, s.end - s.launched - s.waited, f)
+            for s, f in zip(steps, forwards) if s.num_decode == len(s.rows) == batch]
+    return rows[2:]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,8,64,256")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="runs per batch; the fastest mean is printed")
+    p.add_argument("--no-overlap", action="store_true", help="async_scheduling=False")
+    p.add_argument("--profile", type=int, metavar="BATCH", help="cProfile one run at this batch size instead")
+    args = p.parse_args()
+    from nanoinfer import LLM
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.profile:
+        batches = [args.profile]
+    llm = LLM(tiny_checkpoint(), device="cpu", max_num_seqs=max(batches), max_model_len=16 + args.output_len + 16,
+              max_num_batched_tokens=max(4096, 32 * max(batches)), async_scheduling=not args.no_overlap,
+              num_kvcache_blocks=max(batches) * (-(-(32 + args.output_len) // 16) + 1), enable_prefix_caching=True)
+    timer = ForwardTimer(llm.model_runner.graph_runner)
+    rng = random.Random(0)
+    run_batch(llm, timer, min(batches), 8, rng)  # warm-up
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        run_batch(llm, timer, args.profile, args.output_len, rng)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof).sort_stats("cumtime").print_stats(40)
+        return llm.exit()
+    print(f"host work per decode step, us (tiny model on the CPU, torch threads {torch.get_num_threads()}, "
+          f"overlap {not args.no_overlap}, {args.output_len} tokens a request, best of {args.repeats} runs)")
+    print(f"{'batch':>6} {'schedule':>9} {'encode+launch':>14} {'process':>9} {'host total':>11} "
+          f"{'(forward)':>10}")
+    for batch in batches:
+        best = None
+        for _ in range(args.repeats):
+            rows = run_batch(llm, timer, batch, args.output_len, rng)
+            means = [sum(col) / len(rows) * 1e6 for col in zip(*rows)]
+            if best is None or sum(means[:3]) < sum(best[:3]):
+                best = means
+        sched, launch, process, forward = best
+        print(f"{batch:6d} {sched:9.0f} {launch:14.0f} {process:9.0f} {sched + launch + process:11.0f} "
+              f"{forward:10.0f}")
+    print("encode+launch excludes the model's forward (its own column); process excludes the wait in collect()")
+    llm.exit()
+
+
+if __name__ == "__main__":
+    main()
