@@ -3,8 +3,9 @@
 detokenization) on a tiny random model whose forward costs next to nothing, at batch 1, 8, 64 and
 256 (16-token prompts, --output-len tokens each, temperature 0.6, ignore_eos, on the CPU).
 
-Prints microseconds per decode-only step: schedule, encode + launch (less the forward), process
-(less the wait in collect()), their sum, and the forward excluded from it. --profile BATCH runs
+Prints microseconds per decode-only step: schedule, encode + launch (less the compute: the forward
+and the sampling pipeline, the device's work on CUDA), process (less the wait in collect()), their
+sum, and the compute excluded from it. --profile BATCH runs
 cProfile over that batch's run and prints its top functions.
 
     python -m nanoinfer.bench.host_step [--batches 1,8,64,256] [--output-len 128] [--profile 64]
@@ -35,33 +36,34 @@ def tiny_checkpoint() -> str:
     return path
 
 
-class ForwardTimer:
-    """Wraps the runner's forward, adding up the seconds it takes (excluded from the host's work)."""
+class ComputeTimer:
+    """Wraps a method doing the device's work (the forward, the sampling pipeline), adding up the
+    seconds it takes: on the CPU it computes in line, and it is excluded from the host's work."""
 
-    def __init__(self, graph_runner):
-        self.inner, self.seconds = graph_runner.forward, 0.0
-        graph_runner.forward = self
+    def __init__(self, obj, name: str, total: list[float]):
+        self.inner, self.total = getattr(obj, name), total
+        setattr(obj, name, self)
 
     def __call__(self, *args, **kwargs):
         t = time.perf_counter()
         try:
             return self.inner(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - t
+            self.total[0] += time.perf_counter() - t
 
 
-def run_batch(llm, timer: ForwardTimer, batch: int, output_len: int, rng: random.Random):
+def run_batch(llm, timer: list[float], batch: int, output_len: int, rng: random.Random):
     """One run of `batch` requests; per decode-only step (the first two skipped): seconds of
-    schedule, encode + launch less the forward, process less the wait, and the forward."""
+    schedule, encode + launch less the compute, process less the wait, and the compute."""
     from nanoinfer import SamplingParams
     prompts = [[rng.randrange(3, llm.vocab_size) for _ in range(16)] for _ in range(batch)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=output_len)] * batch
     rids = llm.add_requests(prompts, params, keep_output=True)
     llm.step_log, forwards = [], []
     while not llm.is_finished():
-        before = timer.seconds
+        before = timer[0]
         llm.advance()
-        forwards.append(timer.seconds - before)
+        forwards.append(timer[0] - before)
     for rid in rids:
         llm.pop_output(rid)
     steps, llm.step_log = llm.step_log, None
@@ -85,7 +87,9 @@ def main():
     llm = LLM(tiny_checkpoint(), device="cpu", max_num_seqs=max(batches), max_model_len=16 + args.output_len + 16,
               max_num_batched_tokens=max(4096, 32 * max(batches)), async_scheduling=not args.no_overlap,
               num_kvcache_blocks=max(batches) * (-(-(32 + args.output_len) // 16) + 1), enable_prefix_caching=True)
-    timer = ForwardTimer(llm.model_runner.graph_runner)
+    timer = [0.0]  # seconds of compute so far
+    ComputeTimer(llm.model_runner.graph_runner, "forward", timer)
+    ComputeTimer(llm.model_runner.sampler, "sample", timer)
     rng = random.Random(0)
     run_batch(llm, timer, min(batches), 8, rng)  # warm-up
     if args.profile:
@@ -99,7 +103,7 @@ def main():
     print(f"host work per decode step, us (tiny model on the CPU, torch threads {torch.get_num_threads()}, "
           f"overlap {not args.no_overlap}, {args.output_len} tokens a request, best of {args.repeats} runs)")
     print(f"{'batch':>6} {'schedule':>9} {'encode+launch':>14} {'process':>9} {'host total':>11} "
-          f"{'(forward)':>10}")
+          f"{'(compute)':>10}")
     for batch in batches:
         best = None
         for _ in range(args.repeats):
@@ -110,7 +114,8 @@ def main():
         sched, launch, process, forward = best
         print(f"{batch:6d} {sched:9.0f} {launch:14.0f} {process:9.0f} {sched + launch + process:11.0f} "
               f"{forward:10.0f}")
-    print("encode+launch excludes the model's forward (its own column); process excludes the wait in collect()")
+    print("encode+launch excludes the compute (the forward and the sampling pipeline: device work on CUDA; "
+          "its own column); process excludes the wait in collect()")
     llm.exit()
 
 
