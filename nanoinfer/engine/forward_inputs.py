@@ -56,21 +56,30 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
 
 
 class StepArrays:
-    """The step's rows as numpy arrays: starts, query lengths, their cumulative sums, and the
-    block tables padded with -1 into one [rows, width] int32 array."""
+    """The step's rows as numpy arrays: starts, query lengths, and the block tables padded with -1
+    into one [rows, width] int32 array."""
 
     def __init__(self, step: StepInput, block_size: int):
         self.step, self.block_size = step, block_size
         n = step.num_rows
-        self.starts = np.fromiter(step.starts, np.int64, n)
-        self.query_lens = np.fromiter(step.query_lens, np.int64, n)
-        self.cu_q = np.zeros(n + 1, np.int64)
-        np.cumsum(self.query_lens, out=self.cu_q[1:])
-        self.num_tokens = int(self.cu_q[-1])
-        lens = np.fromiter(map(len, step.block_tables), np.int64, n)
-        flat = np.fromiter(chain.from_iterable(step.block_tables), np.int32, int(lens.sum()))
-        self.block_tables = np.full((n, int(lens.max())), -1, np.int32)
-        self.block_tables[np.arange(self.block_tables.shape[1]) < lens[:, None]] = flat
+        self.starts = np.array(step.starts, np.int64)
+        self.query_lens = np.array(step.query_lens, np.int64)
+        self.num_tokens = n if step.is_decode_only else len(step.input_ids)
+        lens = list(map(len, step.block_tables))
+        width = max(lens)
+        flat = np.fromiter(chain.from_iterable(step.block_tables), np.int32, sum(lens))
+        if min(lens) == width:  # no padding (a single row, say)
+            self.block_tables = flat.reshape(n, width)
+        else:
+            self.block_tables = np.full((n, width), -1, np.int32)
+            self.block_tables[np.arange(width) < np.array(lens)[:, None]] = flat
+
+    @property
+    def cu_q(self) -> np.ndarray:
+        """[rows + 1] cumulative query lengths, from 0."""
+        cu = np.zeros(len(self.query_lens) + 1, np.int64)
+        np.cumsum(self.query_lens, out=cu[1:])
+        return cu
 
     def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The cache slots of positions of the given rows."""
@@ -92,14 +101,14 @@ def _decode_context(rows: StepArrays, staged: Staging, sort_rows: bool) -> tuple
 
 
 def _prefill_context(rows: StepArrays, staged: Staging) -> tuple[dict[str, int], dict]:
-    n, q = len(rows.starts), rows.query_lens
+    n, q, cu_q = len(rows.starts), rows.query_lens, rows.cu_q
     token_rows = np.repeat(np.arange(n), q)
-    positions = np.arange(rows.num_tokens) + np.repeat(rows.starts - rows.cu_q[:-1], q)
+    positions = np.arange(rows.num_tokens) + np.repeat(rows.starts - cu_q[:-1], q)
     context_lens = rows.starts + q
     cu_k = np.zeros(n + 1, np.int64)
     np.cumsum(context_lens, out=cu_k[1:])
     names = dict(input_ids=staged.add(rows.step.input_ids), positions=staged.add(positions),
-                 cu_seqlens_q=staged.add(rows.cu_q, np.int32), cu_seqlens_k=staged.add(cu_k, np.int32),
+                 cu_seqlens_q=staged.add(cu_q, np.int32), cu_seqlens_k=staged.add(cu_k, np.int32),
                  slot_mapping=staged.add(rows.slots(token_rows, positions)),
                  context_lens=staged.add(context_lens, np.int32), block_tables=staged.add(rows.block_tables, np.int32))
     return names, dict(is_prefill=True, max_seqlen_q=int(q.max()), max_seqlen_k=int(context_lens.max()),

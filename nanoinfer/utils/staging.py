@@ -3,7 +3,9 @@
 Each input of a step (token ids, positions, slots, block tables, ...) sent on its own costs a host
 allocation, a pinned copy and a launch; packed into one buffer they cost one of each. The buffer is
 new every step (the caching host allocator recycles it once its copy has completed), written in
-place through a numpy view: on CUDA it is pinned and the copy does not block the host."""
+place through numpy views: on CUDA it is pinned and the copy does not block the host."""
+import math
+
 import numpy as np
 import torch
 
@@ -13,28 +15,31 @@ _DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.
 
 class Staging:
     def __init__(self):
-        self.parts: list[np.ndarray] = []
+        self.parts: list[tuple[object, np.dtype, tuple[int, ...]]] = []
 
     def add(self, data, dtype=np.int64) -> int:
-        """Queue an array (or a list) to send; returns its index in send()'s list."""
-        self.parts.append(np.ascontiguousarray(data, dtype=dtype))
+        """Queue a flat list or a numpy array to send as `dtype`; returns its index in send()'s list."""
+        shape = (len(data),) if isinstance(data, list) else data.shape
+        self.parts.append((data, np.dtype(dtype), shape))
         return len(self.parts) - 1
 
     def send(self, device: torch.device) -> list[torch.Tensor]:
         """Every queued part on `device`, in order, with its shape and dtype, after one copy."""
-        offsets, total = [], 0
-        for a in self.parts:
-            offsets.append(total)
-            total += -(-a.nbytes // _ALIGN) * _ALIGN
+        places, total = [], 0
+        for _, dt, shape in self.parts:
+            size = math.prod(shape)
+            places.append((total // dt.itemsize, size))
+            total += -(-size * dt.itemsize // _ALIGN) * _ALIGN
         buf = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=device.type == "cuda")
         host = buf.numpy()
-        for a, off in zip(self.parts, offsets):
-            host[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+        dtypes = {dt for _, dt, _ in self.parts}
+        host_views = {dt: host.view(dt) for dt in dtypes}
+        for (data, dt, _), (start, size) in zip(self.parts, places):  # (numpy converts lists and casts here)
+            host_views[dt][start:start + size] = data if isinstance(data, list) else data.reshape(-1)
         dev = buf.to(device, non_blocking=True)
-        typed = {dt: dev.view(_DTYPES[dt]) for dt in {a.dtype for a in self.parts}}  # (one view per dtype)
+        dev_views = {dt: dev.view(_DTYPES[dt]) for dt in dtypes}
         out = []
-        for a, off in zip(self.parts, offsets):
-            start = off // a.itemsize
-            t = typed[a.dtype][start:start + a.size]
-            out.append(t if a.ndim == 1 else t.view(a.shape))
+        for (_, dt, shape), (start, size) in zip(self.parts, places):
+            t = dev_views[dt][start:start + size]
+            out.append(t if len(shape) == 1 else t.view(shape))
         return out
