@@ -57,7 +57,7 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
 
 class StepArrays:
     """The step's rows as numpy arrays: starts, query lengths, and the block tables padded with -1
-    into one [rows, width] int32 array."""
+    into one [rows, width] array (int64 here; staged as int32)."""
 
     def __init__(self, step: StepInput, block_size: int):
         self.step, self.block_size = step, block_size
@@ -67,11 +67,11 @@ class StepArrays:
         self.num_tokens = n if step.is_decode_only else len(step.input_ids)
         lens = list(map(len, step.block_tables))
         width = max(lens)
-        flat = np.fromiter(chain.from_iterable(step.block_tables), np.int32, sum(lens))
+        flat = np.fromiter(chain.from_iterable(step.block_tables), np.int64, sum(lens))
         if min(lens) == width:  # no padding (a single row, say)
             self.block_tables = flat.reshape(n, width)
         else:
-            self.block_tables = np.full((n, width), -1, np.int32)
+            self.block_tables = np.full((n, width), -1, np.int64)
             self.block_tables[np.arange(width) < np.array(lens)[:, None]] = flat
 
     @property
@@ -83,17 +83,17 @@ class StepArrays:
 
     def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The cache slots of positions of the given rows."""
-        bs = self.block_size
-        return self.block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        block, offset = np.divmod(positions, self.block_size)
+        return self.block_tables[rows, block] * self.block_size + offset
 
 
 def _decode_context(rows: StepArrays, staged: Staging, sort_rows: bool) -> tuple[dict[str, int], dict]:
     """The staged arrays' indices by context field, and the context's other fields."""
     positions = rows.starts
-    context_lens = (positions + 1).astype(np.int32)
+    context_lens = positions + 1
     names = dict(input_ids=staged.add(rows.step.input_ids), positions=staged.add(positions),
                  slot_mapping=staged.add(rows.slots(np.arange(len(positions)), positions)),
-                 context_lens=staged.add(context_lens),
+                 context_lens=staged.add(context_lens, np.int32),
                  block_tables=staged.add(rows.block_tables, np.int32))
     if sort_rows:  # the decode kernel starts the longest contexts first (ties in row order)
         names["decode_order"] = staged.add(np.argsort(-context_lens, kind="stable"), np.int32)
