@@ -148,7 +148,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.num_computed_tokens < seq.num_tokens - 1:  # (from num_tokens - 1 on, a sequence decodes: step 1)
+            if seq.num_computed_tokens < len(seq.token_ids) - 1:  # (from num_tokens - 1 on, a sequence decodes: step 1)
                 budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
         adapters = running_adapters(self.running) if self.max_loras else None
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
