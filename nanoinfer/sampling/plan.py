@@ -2,8 +2,9 @@
 
 It runs on the host every step, so it reads the options that do not depend on a row's progress
 once per SamplingParams object, and visits one by one only the rows whose options do (seeds,
-penalties, min_tokens, logprobs, token constraints), appending to column lists, no object per row; options no row uses stay None, so the plan stays small to pickle and
-the rank that samples (sampling/tensors.py) skips them. Here too, since they read the host's token
+penalties, min_tokens, logprobs, token constraints), appending to column lists, no object per
+row; options no row uses stay None, so the plan stays small to pickle and the rank that samples
+(sampling/tensors.py) skips them. Here too, since they read the host's token
 history: which tokens bad words ban, and the grammar bitmasks of structured outputs (each row's
 matcher advances over its new tokens, then fills its next-token mask: structured/grammar_state.py).
 """
