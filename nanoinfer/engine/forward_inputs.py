@@ -3,7 +3,7 @@
 Decode rows (one query token each) come first. A decode-only step sets a decode context (and can
 replay a CUDA graph); any other step runs every row as a prefill, a decode row being a query of
 length 1. Padded block-table entries are -1."""
-from itertools import chain
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
@@ -18,25 +18,30 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
     """(input_ids, positions) on the device, with the step's context set. In-flight rows read
     their token from `prev_tokens`, the tokens of the step launched before this one.
     sort_decode_rows: the attention backend wants a decode step's rows longest context first.
-    Every per-step index array goes in one staging buffer, sent in one copy (utils/staging.py),
-    and is computed with numpy over the whole batch."""
+    Every per-step index array goes in one staging buffer, sent in one copy (utils/staging.py). A
+    decode step's (a value per row) are Python lists; a prefill's (a value per token) are
+    computed with numpy over the whole step."""
     staged = Staging()
-    rows = StepArrays(step, block_size)
     if step.is_decode_only:
-        names, context = _decode_context(rows, staged, sort_decode_rows)
+        names, context = _decode_context(step, block_size, staged, sort_decode_rows)
+        num_tokens = step.num_rows
     else:
+        rows = StepArrays(step, block_size)
         names, context = _prefill_context(rows, staged)
+        num_tokens = rows.num_tokens
     if step.prompt_logit_rows or step.sample_rows is not None:
         # the sampling rows' logits (each row's last token, unless named), then those prompt positions'
-        sampled = step.sample_rows if step.sample_rows is not None else rows.cu_q[1:] - 1
-        names["logits_indices"] = staged.add(np.concatenate([np.asarray(sampled, np.int64),
-                                                             np.asarray(step.prompt_logit_rows or [], np.int64)]))
+        if step.sample_rows is not None:
+            sampled = list(step.sample_rows)
+        else:
+            sampled = list(accumulate(step.query_lens, initial=-1))[1:]
+        names["logits_indices"] = staged.add(sampled + (step.prompt_logit_rows or []))
     if step.lora is not None:  # each token's adapter slot: its row's
-        slots = np.asarray(step.lora.row_slots, dtype=np.int64)
-        names["lora_slots"] = staged.add(slots if step.is_decode_only else np.repeat(slots, rows.query_lens))
+        slots = step.lora.row_slots
+        names["lora_slots"] = staged.add(slots if step.is_decode_only else np.repeat(slots, step.query_lens))
     if step.inflight_rows:
         names["inflight_sources"] = staged.add(step.inflight_sources)
-        if len(step.inflight_rows) != rows.num_tokens:
+        if len(step.inflight_rows) != num_tokens:
             names["inflight_rows"] = staged.add(step.inflight_rows)
     sent = staged.send(device)
     t = {name: sent[i] for name, i in names.items()}
@@ -55,31 +60,29 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
     return input_ids, positions
 
 
+def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
+    """The rows' block tables padded with -1 into one [rows, width] int64 array."""
+    lens = list(map(len, tables))
+    width = max(lens)
+    flat = np.fromiter(chain.from_iterable(tables), np.int64, sum(lens))
+    if min(lens) == width:  # no padding (a single row, say)
+        return flat.reshape(len(tables), width)
+    padded = np.full((len(tables), width), -1, np.int64)
+    padded[np.arange(width) < np.array(lens)[:, None]] = flat
+    return padded
+
+
 class StepArrays:
-    """The step's rows as numpy arrays: starts, query lengths, and the block tables padded with -1
-    into one [rows, width] array (int64 here; staged as int32)."""
+    """A prefill step's rows as numpy arrays: starts, query lengths and padded block tables."""
 
     def __init__(self, step: StepInput, block_size: int):
         self.step, self.block_size = step, block_size
-        n = step.num_rows
         self.starts = np.array(step.starts, np.int64)
         self.query_lens = np.array(step.query_lens, np.int64)
-        self.num_tokens = n if step.is_decode_only else len(step.input_ids)
-        lens = list(map(len, step.block_tables))
-        width = max(lens)
-        flat = np.fromiter(chain.from_iterable(step.block_tables), np.int64, sum(lens))
-        if min(lens) == width:  # no padding (a single row, say)
-            self.block_tables = flat.reshape(n, width)
-        else:
-            self.block_tables = np.full((n, width), -1, np.int64)
-            self.block_tables[np.arange(width) < np.array(lens)[:, None]] = flat
-
-    @property
-    def cu_q(self) -> np.ndarray:
-        """[rows + 1] cumulative query lengths, from 0."""
-        cu = np.zeros(len(self.query_lens) + 1, np.int64)
-        np.cumsum(self.query_lens, out=cu[1:])
-        return cu
+        self.num_tokens = len(step.input_ids)
+        self.block_tables = padded_block_tables(step.block_tables)
+        self.cu_q = np.zeros(len(self.query_lens) + 1, np.int64)  # cumulative query lengths, from 0
+        np.cumsum(self.query_lens, out=self.cu_q[1:])
 
     def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The cache slots of positions of the given rows."""
@@ -87,17 +90,18 @@ class StepArrays:
         return self.block_tables[rows, block] * self.block_size + offset
 
 
-def _decode_context(rows: StepArrays, staged: Staging, sort_rows: bool) -> tuple[dict[str, int], dict]:
+def _decode_context(step: StepInput, bs: int, staged: Staging, sort_rows: bool) -> tuple[dict[str, int], dict]:
     """The staged arrays' indices by context field, and the context's other fields."""
-    positions = rows.starts
-    context_lens = positions + 1
-    names = dict(input_ids=staged.add(rows.step.input_ids), positions=staged.add(positions),
-                 slot_mapping=staged.add(rows.slots(np.arange(len(positions)), positions)),
-                 context_lens=staged.add(context_lens, np.int32),
-                 block_tables=staged.add(rows.block_tables, np.int32))
+    positions = step.starts
+    context_lens = [start + 1 for start in positions]
+    slots = [table[start // bs] * bs + start % bs for start, table in zip(positions, step.block_tables)]
+    names = dict(input_ids=staged.add(step.input_ids), positions=staged.add(positions),
+                 slot_mapping=staged.add(slots), context_lens=staged.add(context_lens, np.int32),
+                 block_tables=staged.add(padded_block_tables(step.block_tables), np.int32))
     if sort_rows:  # the decode kernel starts the longest contexts first (ties in row order)
-        names["decode_order"] = staged.add(np.argsort(-context_lens, kind="stable"), np.int32)
-    return names, dict(is_prefill=False, context_lens_cpu=context_lens.tolist())
+        order = sorted(range(len(positions)), key=context_lens.__getitem__, reverse=True)
+        names["decode_order"] = staged.add(order, np.int32)
+    return names, dict(is_prefill=False, context_lens_cpu=context_lens)
 
 
 def _prefill_context(rows: StepArrays, staged: Staging) -> tuple[dict[str, int], dict]:
