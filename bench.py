@@ -333,13 +333,18 @@ def sweep(llm: LLM, args, bound_of):
         rows.append((f"batch {batch} (128 in, {args.sweep_output_len} out)", steps, t, batch * args.sweep_output_len))
     steps, t, out_tokens = nano_vllm_workload(llm, args, bound_of, verbose=False)
     rows.append((f"nano-vllm workload ({args.num_seqs} seqs)", steps, t, out_tokens))
-    print(f"{'workload':<34} {'tok/s':>9} {'ms a decode step':>17} {'bound tok/s':>12} {'% of bound':>11}")
+    print(f"{'workload':<34} {'tok/s':>9} {'ms a decode step':>17} {'host ms':>8} {'bound tok/s':>12} "
+          f"{'% of bound':>11}")
     for name, steps, t, out_tokens in rows:
         walls = step_walls(steps)
-        decode = [w for s, w in zip(steps, walls) if s.num_decode == len(s.rows)]
+        decode = [(s, w) for s, w in zip(steps, walls) if s.num_decode == len(s.rows)]
+        n = max(len(decode), 1)
         bound = bound_of(steps) if bound_of else None
-        print(f"{name:<34} {out_tokens / t:9.0f} {sum(decode) / max(len(decode), 1) * 1e3:17.2f} "
+        print(f"{name:<34} {out_tokens / t:9.0f} {sum(w for _, w in decode) / n * 1e3:17.2f} "
+              f"{sum(s.host_s for s, _ in decode) / n * 1e3:8.2f} "
               + (f"{out_tokens / bound:12.0f} {bound / t * 100:10.1f}%" if bound else f"{'-':>12} {'-':>11}"))
+    print("host ms: the engine process's own work per decode step (schedule, encode and launch, process the "
+          "previous step), less its blocking waits for the device's results")
 
 
 def plot(steps, path: str):

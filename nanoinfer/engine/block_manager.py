@@ -139,7 +139,7 @@ class BlockManager:
         and `lookahead` more (speculative tokens: blocks beyond what is accepted stay in the table,
         unhashed, and are used by later tokens). Returns False (and changes nothing) when that
         needs more blocks than are free."""
-        end = seq.num_tokens + seq.num_inflight + lookahead
+        end = len(seq.token_ids) + seq.num_inflight + lookahead  # (num_tokens, read once per row and step)
         needed = -(-end // self.block_size) - len(seq.block_table)
         if needed <= 0:
             return True

@@ -3,89 +3,117 @@
 Decode rows (one query token each) come first. A decode-only step sets a decode context (and can
 replay a CUDA graph); any other step runs every row as a prefill, a decode row being a query of
 length 1. Padded block-table entries are -1."""
-from itertools import accumulate
+from itertools import accumulate, chain
 
+import numpy as np
 import torch
 
 from nanoinfer.engine.step_message import StepInput
-from nanoinfer.utils.context import get_context, set_context
-from nanoinfer.utils.device_copy import to_device
-
-
-def slots_of(table: list[int], block_size: int, start: int, end: int) -> list[int]:
-    """The cache slots of positions start..end-1 of a sequence with this block table."""
-    bs, slots = block_size, []
-    for i in range(start // bs, (end - 1) // bs + 1):
-        lo, hi = max(start, i * bs), min(end, (i + 1) * bs)
-        base = table[i] * bs - i * bs
-        slots.extend(range(base + lo, base + hi))
-    return slots
-
-
-def padded(tables: list[list[int]]) -> list[list[int]]:
-    width = max(len(t) for t in tables)
-    return [t + [-1] * (width - len(t)) for t in tables]
+from nanoinfer.utils.context import set_context
+from nanoinfer.utils.staging import Staging
 
 
 def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_decode_rows: bool,
                    prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, positions) on the device, with the step's context set. In-flight rows read
     their token from `prev_tokens`, the tokens of the step launched before this one.
-    sort_decode_rows: the attention backend wants a decode step's rows longest context first."""
+    sort_decode_rows: the attention backend wants a decode step's rows longest context first.
+    Every per-step index array goes in one staging buffer, sent in one copy (utils/staging.py). A
+    decode step's (a value per row) are Python lists; a prefill's (a value per token) are
+    computed with numpy over the whole step."""
+    staged = Staging()
     if step.is_decode_only:
-        input_ids, positions = _decode_context(step, block_size, device, sort_decode_rows)
+        names, context = _decode_context(step, block_size, staged, sort_decode_rows)
+        num_tokens = step.num_rows
     else:
-        input_ids, positions = _prefill_context(step, block_size, device)
+        rows = StepArrays(step, block_size)
+        names, context = _prefill_context(rows, staged)
+        num_tokens = rows.num_tokens
     if step.prompt_logit_rows or step.sample_rows is not None:
         # the sampling rows' logits (each row's last token, unless named), then those prompt positions'
-        rows = step.sample_rows if step.sample_rows is not None else [end - 1 for end in accumulate(step.query_lens)]
-        get_context().logits_indices = to_device(rows + (step.prompt_logit_rows or []), torch.int64, device)
+        if step.sample_rows is not None:
+            sampled = list(step.sample_rows)
+        else:
+            sampled = list(accumulate(step.query_lens, initial=-1))[1:]
+        names["logits_indices"] = staged.add(sampled + (step.prompt_logit_rows or []))
     if step.lora is not None:  # each token's adapter slot: its row's
         slots = step.lora.row_slots
-        if not step.is_decode_only:
-            slots = [s for s, q in zip(slots, step.query_lens) for _ in range(q)]
-        get_context().lora_slots = to_device(slots, torch.int64, device)
+        names["lora_slots"] = staged.add(slots if step.is_decode_only else np.repeat(slots, step.query_lens))
+    if step.inflight_rows:
+        names["inflight_sources"] = staged.add(step.inflight_sources)
+        if len(step.inflight_rows) != num_tokens:
+            names["inflight_rows"] = staged.add(step.inflight_rows)
+    sent = staged.send(device)
+    t = {name: sent[i] for name, i in names.items()}
+    input_ids, positions = t.pop("input_ids"), t.pop("positions")
+    sources, inflight_rows = t.pop("inflight_sources", None), t.pop("inflight_rows", None)
+    set_context(**context, **t)  # block tables, slots, lengths (and logits_indices, lora_slots)
     if step.rope_positions is not None:  # M-RoPE: [N], or [3, N] in a step with image tokens
         rope = torch.tensor(step.rope_positions, dtype=torch.int64)
         positions = (rope[0] if rope.shape[0] == 1 else rope).to(device, non_blocking=True)
-    if step.inflight_rows:
-        tokens = prev_tokens.index_select(0, to_device(step.inflight_sources, torch.int64, device))
-        if len(step.inflight_rows) == input_ids.shape[0]:  # every row: one gather
+    if sources is not None:
+        tokens = prev_tokens.index_select(0, sources)
+        if inflight_rows is None:  # every row: one gather
             input_ids = tokens
         else:
-            input_ids[to_device(step.inflight_rows, torch.int64, device)] = tokens
+            input_ids[inflight_rows] = tokens
     return input_ids, positions
 
 
-def _decode_context(step: StepInput, block_size: int, device: torch.device, sort_rows: bool):
-    bs = block_size
+def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
+    """The rows' block tables padded with -1 into one [rows, width] int64 array."""
+    lens = list(map(len, tables))
+    width = max(lens)
+    flat = np.fromiter(chain.from_iterable(tables), np.int64, sum(lens))
+    if min(lens) == width:  # no padding (a single row, say)
+        return flat.reshape(len(tables), width)
+    padded = np.full((len(tables), width), -1, np.int64)
+    padded[np.arange(width) < np.array(lens)[:, None]] = flat
+    return padded
+
+
+class StepArrays:
+    """A prefill step's rows as numpy arrays: starts, query lengths and padded block tables."""
+
+    def __init__(self, step: StepInput, block_size: int):
+        self.step, self.block_size = step, block_size
+        self.starts = np.array(step.starts, np.int64)
+        self.query_lens = np.array(step.query_lens, np.int64)
+        self.num_tokens = len(step.input_ids)
+        self.block_tables = padded_block_tables(step.block_tables)
+        self.cu_q = np.zeros(len(self.query_lens) + 1, np.int64)  # cumulative query lengths, from 0
+        np.cumsum(self.query_lens, out=self.cu_q[1:])
+
+    def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The cache slots of positions of the given rows."""
+        block, offset = np.divmod(positions, self.block_size)
+        return self.block_tables[rows, block] * self.block_size + offset
+
+
+def _decode_context(step: StepInput, bs: int, staged: Staging, sort_rows: bool) -> tuple[dict[str, int], dict]:
+    """The staged arrays' indices by context field, and the context's other fields."""
     positions = step.starts
-    slots = [table[start // bs] * bs + start % bs for start, table in zip(positions, step.block_tables)]
     context_lens = [start + 1 for start in positions]
-    order = None
-    if sort_rows:  # the decode kernel starts the longest contexts first
-        order = to_device(sorted(range(len(positions)), key=context_lens.__getitem__, reverse=True), torch.int32,
-                          device)
-    set_context(is_prefill=False, slot_mapping=to_device(slots, torch.int64, device),
-                context_lens=to_device(context_lens, torch.int32, device),
-                block_tables=to_device(padded(step.block_tables), torch.int32, device),
-                decode_order=order, context_lens_cpu=context_lens)
-    return to_device(step.input_ids, torch.int64, device), to_device(positions, torch.int64, device)
+    slots = [table[start // bs] * bs + start % bs for start, table in zip(positions, step.block_tables)]
+    names = dict(input_ids=staged.add(step.input_ids), positions=staged.add(positions),
+                 slot_mapping=staged.add(slots), context_lens=staged.add(context_lens, np.int32),
+                 block_tables=staged.add(padded_block_tables(step.block_tables), np.int32))
+    if sort_rows:  # the decode kernel starts the longest contexts first (ties in row order)
+        order = sorted(range(len(positions)), key=context_lens.__getitem__, reverse=True)
+        names["decode_order"] = staged.add(order, np.int32)
+    return names, dict(is_prefill=False, context_lens_cpu=context_lens)
 
 
-def _prefill_context(step: StepInput, block_size: int, device: torch.device):
-    positions, slots, context_lens = [], [], []
-    for start, q, table in zip(step.starts, step.query_lens, step.block_tables):
-        end = start + q
-        positions.extend(range(start, end))
-        slots.extend(slots_of(table, block_size, start, end))
-        context_lens.append(end)
-    i32 = torch.int32
-    cu_q = [0, *accumulate(step.query_lens)]
-    cu_k = [0, *accumulate(context_lens)]
-    set_context(is_prefill=True, cu_seqlens_q=to_device(cu_q, i32, device), cu_seqlens_k=to_device(cu_k, i32, device),
-                max_seqlen_q=max(step.query_lens), max_seqlen_k=max(context_lens),
-                slot_mapping=to_device(slots, torch.int64, device), context_lens=to_device(context_lens, i32, device),
-                block_tables=to_device(padded(step.block_tables), i32, device),
-                query_lens_cpu=list(step.query_lens), context_lens_cpu=context_lens)
-    return to_device(step.input_ids, torch.int64, device), to_device(positions, torch.int64, device)
+def _prefill_context(rows: StepArrays, staged: Staging) -> tuple[dict[str, int], dict]:
+    n, q, cu_q = len(rows.starts), rows.query_lens, rows.cu_q
+    token_rows = np.repeat(np.arange(n), q)
+    positions = np.arange(rows.num_tokens) + np.repeat(rows.starts - cu_q[:-1], q)
+    context_lens = rows.starts + q
+    cu_k = np.zeros(n + 1, np.int64)
+    np.cumsum(context_lens, out=cu_k[1:])
+    names = dict(input_ids=staged.add(rows.step.input_ids), positions=staged.add(positions),
+                 cu_seqlens_q=staged.add(cu_q, np.int32), cu_seqlens_k=staged.add(cu_k, np.int32),
+                 slot_mapping=staged.add(rows.slots(token_rows, positions)),
+                 context_lens=staged.add(context_lens, np.int32), block_tables=staged.add(rows.block_tables, np.int32))
+    return names, dict(is_prefill=True, max_seqlen_q=int(q.max()), max_seqlen_k=int(context_lens.max()),
+                       query_lens_cpu=list(rows.step.query_lens), context_lens_cpu=context_lens.tolist())

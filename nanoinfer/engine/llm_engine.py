@@ -120,6 +120,7 @@ class LLMEngine:
         self._aborts: deque[int] = deque()  # abort_request ids not applied yet
         self._finished_ids: list[int] = []  # requests finished outside a step, for the next advance()
         self._unreported: list[tuple[int, list[int]]] = []  # step()'s pairs not returned yet
+        self._waited = 0.0  # seconds the running advance() spent in the runner's collect()
         atexit.register(self.exit)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -199,7 +200,7 @@ class LLMEngine:
             launched, self.inflight = self.inflight, None
             try:
                 self._sample(launched)
-                self.model_runner.collect(launched.handle)
+                self._collect(launched.handle)
             except RuntimeError:  # the runner failed (raised where it happened; it refuses further use)
                 pass
 
@@ -286,6 +287,7 @@ class LLMEngine:
     def _advance(self):
         """advance()'s step, under the step lock."""
         self._apply_aborts()
+        self._waited = 0.0
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None and self.inflight is None and not self.scheduler.is_finished():
@@ -305,7 +307,7 @@ class LLMEngine:
             self._process(launched)
         self._drop_wasted_step()
         if self.step_log is not None and batch is not None:
-            self.step_log.append(StepRecord.of(batch, t0, t1, t2, time.perf_counter()))
+            self.step_log.append(StepRecord.of(batch, t0, t1, t2, time.perf_counter(), self._waited))
         if self.stats is not None:
             self.stats.maybe_log(self.scheduler)
         finished, self._finished_ids = self._finished_ids, []
@@ -366,6 +368,14 @@ class LLMEngine:
         if masks is not None:
             self.step_masks.sample(self.model_runner, launched.handle, masks)
 
+    def _collect(self, handle):
+        """The runner's collect(), timed: the step record's wait for the device (bench.py)."""
+        t = time.perf_counter()
+        try:
+            return self.model_runner.collect(handle)
+        finally:
+            self._waited += time.perf_counter() - t
+
     def _process(self, launched: "Launched"):
         """The one path of a step's tokens: the scheduler appends them and decides EOS, stop ids and
         length; the output processor records them and returns stop-string hits; those finish here."""
@@ -374,7 +384,7 @@ class LLMEngine:
         except BaseException:  # (no step was launched after it: nothing else to undo)
             self.scheduler.unschedule(launched.batch)
             raise
-        result = self.model_runner.collect(launched.handle)
+        result = self._collect(launched.handle)
         now = time.time()
         seqs = launched.batch.seqs
         if result.prompt_logprobs:

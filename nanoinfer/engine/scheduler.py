@@ -124,16 +124,13 @@ class Scheduler:
         if self.by_priority and self.waiting and self.running:
             self._preempt_for_waiting()
         # 1. one decode token for every running sequence that generates (oldest first)
-        i = 0
+        i, decode = 0, []
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
-            sp = seq.sampling_params
-            if seq.num_computed_tokens != seq.num_tokens + seq.num_inflight - 1 or self._reaches_limit(seq) or \
-                    (seq.num_inflight and ((sp.has_token_constraints and self._waits_for_host(sp)) or
-                                           (self.speculator and self.speculator.speculates(seq, len(self.running))))):
-                continue  # mid-prefill (step 2) or a speculative row in flight (its length is unknown),
-                # its in-flight token ends it, or the host must see that token (to propose, too)
+            if seq.num_computed_tokens != len(seq.token_ids) + seq.num_inflight - 1 or \
+                    (seq.num_inflight and self._waits_for_inflight(seq)):
+                continue  # mid-prefill (step 2), or its token in flight keeps it out of this step
             k = self._lookahead(seq, budget, len(self.running) - i) if self.speculator else 0
             while not self.block_manager.append_slot(seq):
                 victim = self.running[-1]
@@ -145,9 +142,9 @@ class Scheduler:
                 if k:
                     speculative.append((seq, k))
                 else:
-                    self._add_row(batch, seq, 1)
+                    decode.append(seq)
                 budget -= 1 + k
-        batch.num_decode = len(batch.seqs)
+        self._add_decode_rows(batch, decode)
         for seq, k in speculative:  # (preempted meanwhile: dropped; its blocks are gone)
             if seq.status == SequenceStatus.RUNNING:
                 self._add_speculative_row(batch, seq, k)
@@ -155,7 +152,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.num_computed_tokens < seq.num_tokens - 1:  # (from num_tokens - 1 on, a sequence decodes: step 1)
+            if seq.num_computed_tokens < len(seq.token_ids) - 1:  # (from num_tokens - 1 on, a sequence decodes: step 1)
                 budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
         adapters = running_adapters(self.running) if self.max_loras else None
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -216,14 +213,27 @@ class Scheduler:
             seq.num_computed_tokens = start
             seq.num_inflight -= samples
 
-    def _reaches_limit(self, seq: Sequence) -> bool:
-        """Whether the sequence's tokens in flight already end it by length (it will not be scheduled
-        again; processing finishes it)."""
-        if not seq.num_inflight:
-            return False
+    def _waits_for_inflight(self, seq: Sequence) -> bool:
+        """Whether a running sequence with a token in flight is left out of the decode rows: a
+        speculative row in flight (its length is unknown), its in-flight tokens end it by length (it
+        will not be scheduled again; processing finishes it), or the host must see that token
+        (to propose, too)."""
         sp = seq.sampling_params
-        return (sp.max_tokens is not None and seq.num_completion_tokens + seq.num_inflight >= sp.max_tokens) \
-            or seq.num_tokens + seq.num_inflight >= self.max_model_len
+        n = len(seq.token_ids) + seq.num_inflight
+        return n >= self.max_model_len or (sp.max_tokens is not None and n - seq.num_prompt_tokens >= sp.max_tokens) \
+            or (sp.has_token_constraints and self._waits_for_host(sp)) \
+            or bool(self.speculator and self.speculator.speculates(seq, len(self.running)))
+
+    @staticmethod
+    def _add_decode_rows(batch: ScheduledBatch, seqs: list[Sequence]):
+        """The step's decode rows, at once: each computes its newest token and samples the next."""
+        n = len(seqs)
+        batch.seqs, batch.query_lens, batch.samples = seqs, [1] * n, [True] * n
+        batch.starts = [seq.num_computed_tokens for seq in seqs]
+        batch.num_decode = n
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+            seq.num_inflight += 1
 
     @staticmethod
     def _add_row(batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> int:
@@ -276,10 +286,14 @@ class Scheduler:
         which sequences end on EOS, stop token ids and length limits. `runs`: a speculative row's
         accepted tokens (nanoinfer/spec), appended up to the first that ends the sequence."""
         appended, ending, counts = [], {}, {}
-        for row, (seq, token_id) in enumerate(zip(batch.seqs, token_ids)):
-            samples = batch.samples[row]  # False: a prompt chunk short of its end samples nothing
+        bm, eos, max_model_len = self.block_manager, self.eos_token_ids, self.max_model_len
+        # a block is registered once full: most rows of most steps fill none and skip commit()
+        caching, bs = bm.prefix_caching, bm.block_size
+        for row, (seq, token_id, samples) in enumerate(zip(batch.seqs, token_ids, batch.samples)):
+            # (samples False: a prompt chunk short of its end samples nothing)
             seq.num_inflight -= samples
-            if seq.is_finished:
+            status = seq.status
+            if status is SequenceStatus.FINISHED:
                 continue  # aborted, or stopped while this step was in flight: a wasted row
             if token_id < 0 and samples:  # NON_FINITE: the row's logits were NaN / inf
                 ending[row] = ("error", "non-finite logits")  # (its K/V are not cached either)
@@ -288,22 +302,28 @@ class Scheduler:
                 counts[row] = self._append_run(seq, batch.starts[row], runs[row], row, ending)
                 appended.append(row)
                 continue
-            if seq.status == SequenceStatus.RUNNING:
+            if status is SequenceStatus.RUNNING and caching:
                 # (at most what its current blocks hold: a prefill chunk's sequence may have been
                 # preempted and re-admitted since, with new blocks the chunk never wrote)
-                self.block_manager.commit(seq, min(batch.starts[row] + batch.query_lens[row], seq.num_computed_tokens))
+                end = min(batch.starts[row] + batch.query_lens[row], seq.num_computed_tokens)
+                if end // bs > len(seq.block_hashes):
+                    bm.commit(seq, end)
             if not samples:
                 continue
-            seq.append_token(token_id)
+            tokens = seq.token_ids
+            tokens.append(token_id)
             appended.append(row)
-            if self.held and seq.num_completion_tokens == 1:
+            num_completion = len(tokens) - seq.num_prompt_tokens
+            if self.held and num_completion == 1:
                 self._release_held(seq)
-            reason, stop_reason = self._stop_by_token(seq, token_id)
-            if reason is None:
-                sp = seq.sampling_params
-                if (sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens) \
-                        or seq.num_tokens >= self.max_model_len:
-                    reason = "length"
+            sp = seq.sampling_params
+            reason = stop_reason = None
+            if num_completion >= sp.min_tokens and \
+                    ((not sp.ignore_eos and token_id in eos) or (sp.stop_token_ids and token_id in sp.stop_token_ids)):
+                reason, stop_reason = self._stop_by_token(seq, token_id)
+            if reason is None and ((sp.max_tokens is not None and num_completion >= sp.max_tokens)
+                                   or len(tokens) >= max_model_len):
+                reason = "length"
             if reason is not None:
                 ending[row] = (reason, stop_reason)
         return StepUpdate(appended, ending, counts)

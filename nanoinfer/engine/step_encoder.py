@@ -75,16 +75,11 @@ class StepEncoder:
 def encode_rows(batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> StepInput:
     """Every row's query tokens, flat; a decode row whose token is still in flight reads it from
     the previous step's row that sampled it."""
-    input_ids, inflight_rows, inflight_sources = [], [], []
-    for row in range(batch.num_decode):
-        seq, start = batch.seqs[row], batch.starts[row]
-        tokens = seq.token_ids
-        if start < len(tokens):
-            input_ids.append(tokens[start])
-        else:
-            input_ids.append(0)
-            inflight_rows.append(row)
-            inflight_sources.append(prev_rows[seq.seq_id])
+    seqs, starts = batch.seqs[:batch.num_decode], batch.starts
+    on_host = [start < len(seq.token_ids) for seq, start in zip(seqs, starts)]
+    input_ids = [seq.token_ids[start] if here else 0 for seq, start, here in zip(seqs, starts, on_host)]
+    inflight_rows = [row for row, here in enumerate(on_host) if not here]
+    inflight_sources = [prev_rows[seqs[row].seq_id] for row in inflight_rows]
     for row in range(batch.num_decode, len(batch.seqs)):
         start = batch.starts[row]
         input_ids += batch.seqs[row].token_ids[start:start + batch.query_lens[row]]

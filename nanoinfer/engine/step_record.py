@@ -7,15 +7,22 @@ from nanoinfer.engine.scheduler import ScheduledBatch
 @dataclass(slots=True)
 class StepRecord:
     """One step, for benchmarks: its rows as (query_len, context_len), the number of decode rows,
-    and perf_counter times: start, scheduled, launched, and the end of the host's processing."""
+    perf_counter times: start, scheduled, launched, and the end of the host's processing; and the
+    seconds of it spent inside the runner's collect(), waiting for the device's results (the
+    host's own work in the step is the rest: `host_s`)."""
     rows: list[tuple[int, int]]
     num_decode: int
     start: float
     scheduled: float
     launched: float
     end: float
+    waited: float = 0.0
+
+    @property
+    def host_s(self) -> float:
+        return self.end - self.start - self.waited
 
     @classmethod
-    def of(cls, batch: ScheduledBatch, t0: float, t1: float, t2: float, t3: float) -> "StepRecord":
+    def of(cls, batch: ScheduledBatch, t0: float, t1: float, t2: float, t3: float, waited: float) -> "StepRecord":
         return cls([(q, start + q) for start, q in zip(batch.starts, batch.query_lens)], batch.num_decode,
-                   t0, t1, t2, t3)
+                   t0, t1, t2, t3, waited)

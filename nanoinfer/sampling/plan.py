@@ -1,8 +1,10 @@
 """The engine's side of sampling: a step's SamplingParams as a SamplingPlan (engine/step_message.py).
 
-It runs on the host every step, so it is one Python loop over the batch that appends to column
-lists, with no object per row; options no row uses stay None, so the plan stays small to pickle and
-the rank that samples (sampling/tensors.py) skips them. Here too, since they read the host's token
+It runs on the host every step, so it reads the options that do not depend on a row's progress
+once per SamplingParams object, and visits one by one only the rows whose options do (seeds,
+penalties, min_tokens, logprobs, token constraints), appending to column lists, no object per
+row; options no row uses stay None, so the plan stays small to pickle and the rank that samples
+(sampling/tensors.py) skips them. Here too, since they read the host's token
 history: which tokens bad words ban, and the grammar bitmasks of structured outputs (each row's
 matcher advances over its new tokens, then fills its next-token mask: structured/grammar_state.py),
 unless the engine fills those after launching the forward (`masks_later`: structured/step_masks.py).
@@ -21,7 +23,7 @@ TOP_K_OFF = 1 << 62  # larger than any vocabulary (logits may be wider than the 
 
 def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev_row_of=None,
                         seeds: torch.Generator | None = None, masks_later: bool = False) -> SamplingPlan:
-    """One per step: a Python loop over the batch reading each request's options.
+    """One per step: a pass over the batch reading each request's options.
     `seeds`: where a plain plan draws its seed (the engine's generator, seeded from the
     config; None: torch's default generator).
     `samples[i]`: row i's sample is counted in its sequence's num_inflight (a scheduled step).
@@ -31,28 +33,30 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
     `masks_later`: the plan names its grammar rows and leaves their bitmask None; the engine fills it
     once the forward is launched (structured/step_masks.py), when their tokens in flight are in."""
     counted = samples or [False] * len(seqs)
-    temps, top_ks, top_ps, min_ps = [], [], [], []
     pen, supp_rows, supp_toks, seeded, keys, lp_rows, lp_counts = [], [], [], [], [], [], []
     allowed, bias, procs, grammar_rows, grammar_seqs = [], [], [], [], []
-    use_top_k = use_top_p = use_min_p = False
     eos = list(eos_token_ids)
-    for i, seq in enumerate(seqs):
+    # the options that do not depend on a row's progress, once per SamplingParams object (the
+    # rows of one request, or of one generate() call, share theirs); the loop after visits only
+    # the rows whose options do depend on it
+    memo, rows = {}, []
+    for seq in seqs:
+        sp = seq.sampling_params
+        row = memo.get(id(sp))
+        if row is None:
+            row = memo[id(sp)] = _static_options(sp, vocab_size)
+        rows.append(row)
+    temps, top_ks, top_ps, min_ps, uses_top_k, uses_top_p, uses_min_p, dynamic = map(list, zip(*rows)) \
+        if rows else ([] for _ in range(8))
+    use_top_k, use_top_p, use_min_p = any(uses_top_k), any(uses_top_p), any(uses_min_p)
+    for i in [i for i, d in enumerate(dynamic) if d]:
+        seq = seqs[i]
         sp = seq.sampling_params
         # tokens generated before this row's sample (host + in flight, this row's own excluded)
         generated = seq.num_completion_tokens + seq.num_inflight - counted[i]
-        greedy = sp.temperature < SAMPLING_EPS
-        temps.append(0.0 if greedy else float(sp.temperature))
-        k = sp.top_k if 0 < sp.top_k < vocab_size else TOP_K_OFF
-        top_ks.append(k)
-        top_ps.append(float(sp.top_p))
-        min_ps.append(float(sp.min_p))
-        if not greedy:
-            use_top_k |= k != TOP_K_OFF
-            use_top_p |= sp.top_p < 1.0
-            use_min_p |= sp.min_p > 0.0
-            if sp.seed is not None:
-                seeded.append(i)
-                keys.append(seed_keys(sp.seed, generated))
+        if temps[i] != 0.0 and sp.seed is not None:
+            seeded.append(i)
+            keys.append(seed_keys(sp.seed, generated))
         if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0:
             pen.append(i)
         if sp.min_tokens and generated < sp.min_tokens:
@@ -70,8 +74,8 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
                 grammar_rows.append(i)
                 grammar_seqs.append(seq)
     B = len(seqs)
-    all_greedy = all(t == 0.0 for t in temps)
-    p = SamplingPlan(temps, all_greedy=all_greedy, any_greedy=any(t == 0.0 for t in temps))
+    all_greedy = not any(temps)  # (temperatures are >= 0; a greedy row's is 0.0)
+    p = SamplingPlan(temps, all_greedy=all_greedy, any_greedy=0.0 in temps)
     if not all_greedy:
         if use_top_k:
             p.top_k, p.max_top_k = top_ks, max(k for k in top_ks if k != TOP_K_OFF)
@@ -96,6 +100,19 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
     if p.fused:
         p.seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seeds))
     return p
+
+
+def _static_options(sp, vocab_size: int) -> tuple:
+    """A row's temperature (0.0: greedy), top-k (TOP_K_OFF: off), top-p and min-p; whether it uses
+    top-k, top-p, min-p (a greedy row uses none); and whether it needs the per-row pass (seeds,
+    penalties, min_tokens, logprobs, token constraints)."""
+    greedy = sp.temperature < SAMPLING_EPS
+    k = sp.top_k if 0 < sp.top_k < vocab_size else TOP_K_OFF
+    dynamic = (not greedy and sp.seed is not None) or bool(sp.min_tokens) or sp.logprobs is not None \
+        or sp.has_token_constraints \
+        or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+    return (0.0 if greedy else float(sp.temperature), k, float(sp.top_p), float(sp.min_p),
+            not greedy and k != TOP_K_OFF, not greedy and sp.top_p < 1.0, not greedy and sp.min_p > 0.0, dynamic)
 
 
 def _add_token_constraints(i, seq, generated, sampled, masks_later, allowed, bias, procs, supp_rows, supp_toks):

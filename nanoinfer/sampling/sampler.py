@@ -18,6 +18,7 @@ import torch.distributed as dist
 from nanoinfer.engine.step_message import (PromptLogprobs, PromptLogprobsRequest, SampleInput, StepInput,
                                            TokenLogprobs)
 from nanoinfer.kernels.sampling import NON_FINITE, gumbel_argmax_partials, pick_token
+from nanoinfer.sampling.column_cache import ColumnCache
 from nanoinfer.sampling.pipeline import logprobs_to_host, sample_logits
 from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.utils.device_copy import to_device
@@ -63,13 +64,14 @@ class Sampler:
     def __init__(self, lm_head, rank: int, world_size: int, device: torch.device):
         self.lm_head = lm_head  # gathers the logits' vocabulary shards; knows this rank's first column
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.columns = ColumnCache(device)  # the last step's per-row option tensors
 
     def prepare(self, sample: SampleInput | None, prev_tokens: torch.Tensor | None) -> SamplingTensors | None:
         """The plan's device tensors (rank 0); prev_tokens: the step in flight's, which the plan's
         late penalty entries read."""
         if sample is None:
             return None
-        return SamplingTensors.from_plan(sample.plan, self.device, prev_tokens)
+        return SamplingTensors.from_plan(sample.plan, self.device, prev_tokens, self.columns)
 
     def sample(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None,
                logits: torch.Tensor) -> Sampled:
@@ -77,7 +79,8 @@ class Sampler:
         then its prompt_logit_rows."""
         if step.plain_sample is not None:
             plain = step.plain_sample
-            temps = args.temperatures if args is not None else to_device(plain.temperatures, torch.float32, self.device)
+            temps = args.temperatures if args is not None else \
+                self.columns.get("temperatures", plain.temperatures, torch.float32)
             return Sampled(sample_vocab_shard(logits, temps, plain.seed, self.lm_head.vocab_start), args)
         rows = step.num_sample_rows
         if sample is None:  # a rank that does not sample: its shard goes to rank 0, the tokens come back

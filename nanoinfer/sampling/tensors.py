@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoinfer.engine.step_message import SamplingPlan
+from nanoinfer.sampling.column_cache import ColumnCache
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.utils.device_copy import to_device
 
@@ -65,23 +66,28 @@ class SamplingTensors:
         return cls.from_plan(build_sampling_plan(seqs, vocab_size, eos_token_ids), device)
 
     @classmethod
-    def from_plan(cls, plan: SamplingPlan, device: torch.device, prev_tokens=None) -> "SamplingTensors":
+    def from_plan(cls, plan: SamplingPlan, device: torch.device, prev_tokens=None,
+                  columns: ColumnCache | None = None) -> "SamplingTensors":
         """The plan's lists as device tensors (rank 0). `prev_tokens`: the tokens of the step in
-        flight, on the device, which the plan's late penalty entries read."""
+        flight, on the device, which the plan's late penalty entries read. `columns`: where the
+        per-row option columns of the last step are kept (the runner's; None: made anew)."""
         pin = device.type == "cuda"
 
         def dev(data, dtype):
             return to_device(data, dtype, device)
 
+        def column(name, data, dtype):  # (per-row options: usually the same as the last step's)
+            return columns.get(name, data, dtype) if columns is not None else dev(data, dtype)
+
         p = plan
-        t = cls(dev(p.temperatures, torch.float32), all_greedy=p.all_greedy, any_greedy=p.any_greedy, plain=p.fused,
-                seed=p.seed)
+        t = cls(column("temperatures", p.temperatures, torch.float32), all_greedy=p.all_greedy,
+                any_greedy=p.any_greedy, plain=p.fused, seed=p.seed)
         if p.top_k is not None:
-            t.top_k, t.max_top_k = dev(p.top_k, torch.int64), p.max_top_k
+            t.top_k, t.max_top_k = column("top_k", p.top_k, torch.int64), p.max_top_k
         if p.top_p is not None:
-            t.top_p = dev(p.top_p, torch.float32)
+            t.top_p = column("top_p", p.top_p, torch.float32)
         if p.min_p is not None:
-            t.min_p = dev(p.min_p, torch.float32)
+            t.min_p = column("min_p", p.min_p, torch.float32)
         if p.seeded_rows:
             t.seeded_rows, t.seed_keys = dev(p.seeded_rows, torch.int64), dev(p.seed_keys, torch.int64)
         if p.pen_tokens is not None:
@@ -91,10 +97,10 @@ class SamplingTensors:
             if p.pen_late:  # a row's token still in flight goes after its host tokens
                 r, c, src = (dev(list(x), torch.int64) for x in zip(*p.pen_late))
                 t.pen_tokens[r, c] = prev_tokens.index_select(0, src).to(torch.int64)
-            t.pen_prompt_lens = dev(p.pen_prompt_lens, torch.int64)
-            t.presence = dev(p.presence, torch.float32)
-            t.frequency = dev(p.frequency, torch.float32)
-            t.repetition = dev(p.repetition, torch.float32)
+            t.pen_prompt_lens = column("pen_prompt_lens", p.pen_prompt_lens, torch.int64)
+            t.presence = column("presence", p.presence, torch.float32)
+            t.frequency = column("frequency", p.frequency, torch.float32)
+            t.repetition = column("repetition", p.repetition, torch.float32)
         if p.suppress_rows:
             t.suppress_rows, t.suppress_tokens = dev(p.suppress_rows, torch.int64), dev(p.suppress_tokens, torch.int64)
         if p.lp_counts:
