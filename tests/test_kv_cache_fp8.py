@@ -394,6 +394,23 @@ def test_cuda_store_kernels_write_the_torch_bytes(dtype):
 
 
 @pytest.mark.cuda
+def test_cuda_store_kernel_keeps_nan_nan():
+    """A NaN K/V value is stored as an FP8 NaN, as torch stores it, not saturated to +-448 (GPU min /
+    max return the non-NaN operand unless told to propagate): a non-finite step stays visible. (The
+    interpreter's own float8 cast turns NaN into a number: a GPU test only.)"""
+    device = "cuda"
+    key = torch.randn(4, 2, 32, device=device)
+    key[1, 0, 3] = key[2, 1, 7] = float("nan")
+    value = key.clone()
+    caches = [torch.zeros(4, 4, 2, 32, dtype=FP8, device=device) for _ in range(2)]
+    store_kvcache_triton(key, value, caches[0], caches[1], torch.arange(4, device=device),
+                         torch.tensor(0.5, device=device), torch.tensor(2.0, device=device))
+    for cache in caches:
+        stored = cache.view(-1, 2, 32)[:4].float()
+        assert torch.equal(stored.isnan(), key.isnan()), "exactly the NaN inputs are NaN"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_qkv_epilogue_fp8(dtype):
     torch.manual_seed(8)

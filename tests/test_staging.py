@@ -27,6 +27,18 @@ def test_parts_of_every_dtype_and_shape_come_back_as_given():
         assert t.dtype == expected.dtype and t.shape == expected.shape and torch.equal(t, expected)
 
 
+def test_every_part_starts_16_byte_aligned():
+    """As its own allocation would: Triton compiles a kernel variant per pointer alignment, so parts
+    whose alignment varied with the sizes before them would compile new variants while serving."""
+    staged = Staging()
+    for n in (3, 1, 5, 2):  # odd int32 / int64 lengths that would leave 4- or 8-byte offsets
+        staged.add(list(range(n)), np.int32)
+        staged.add(list(range(n)), np.int64)
+    sent = staged.send(CPU)
+    base = min(t.data_ptr() for t in sent)
+    assert all((t.data_ptr() - base) % 16 == 0 for t in sent)
+
+
 def test_a_column_equal_to_the_last_reuses_its_tensor():
     cache = ColumnCache(CPU)
     first = cache.get("temperatures", [0.5, 0.0], torch.float32)

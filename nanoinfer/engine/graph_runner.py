@@ -134,6 +134,7 @@ class GraphRunner:
         g = self.buffers
         graph = torch.cuda.CUDAGraph()
         g["outputs"][:tokens] = self.model(g["input_ids"][:tokens], g["positions"][:tokens])  # warm-up
+        get_context().lora_mask = None  # (made by the warm-up outside the graph: the capture makes its own)
         with torch.cuda.graph(graph, pool):
             g["outputs"][:tokens] = self.model(g["input_ids"][:tokens], g["positions"][:tokens])
         torch.cuda.synchronize(self.device)

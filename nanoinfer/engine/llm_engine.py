@@ -199,8 +199,8 @@ class LLMEngine:
         if self.inflight is not None and all(s.is_finished for s in self.inflight.batch.seqs):
             launched, self.inflight = self.inflight, None
             try:
-                self._sample(launched)
-                self._collect(launched.handle)
+                if launched.masks is None:  # (one still waiting for its grammar masks never samples)
+                    self._collect(launched.handle)
             except RuntimeError:  # the runner failed (raised where it happened; it refuses further use)
                 pass
 

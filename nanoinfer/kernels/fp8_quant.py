@@ -26,7 +26,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, stride_xm, K, G, GROUP_K: tl.constexpr, B
     for k0 in range(start, end, BLOCK):
         rk = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + rk, mask=rk < end, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
+        amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
     # div_rn: Triton's float32 `/` is approximate on the GPU
     scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), MIN_SCALE)
     tl.store(s_ptr + row * G + group, scale)

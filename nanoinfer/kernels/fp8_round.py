@@ -38,7 +38,7 @@ def e4m3_rounded(x):
     not round-to-nearest-even). The step between e4m3 values at |x| is 2^(exponent - 3), and 2^-9
     below 2^-6 (subnormals); adding and subtracting 1.5 * 2^23 rounds |x| / step to an integer."""
     bits = x.to(tl.int32, bitcast=True)
-    a = tl.minimum(tl.abs(x), 448.0)
+    a = tl.minimum(tl.abs(x), 448.0, propagate_nan=tl.PropagateNan.ALL)  # (NaN stays NaN, as in torch)
     biased = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
     step = ((biased - 3) << 23).to(tl.float32, bitcast=True)
     inv_step = ((254 - (biased - 3)) << 23).to(tl.float32, bitcast=True)  # exact, unlike a division

@@ -11,7 +11,9 @@ lora_b; unused ranks are zero.
 The shrink runs over every slot and its output is masked by each row's slot (a one-hot mask made
 once per forward), then one expand: no host sync and no data-dependent shape, so CUDA graphs
 capture it with the slots in a static buffer, each slot's weights are read once per step, and rows
-of the base model get exactly base(x) + 0. The cost is the adapters' FLOPs times the number of
+of the base model get the layer's base product + exactly 0 (over a dense base that product is the
+joint one below, whose GEMM may round differently from the base weight's alone: a base row's last
+bits can depend on whether its step ran the adapters). The cost is the adapters' FLOPs times the number of
 slots, small against the base product at decode. On CUDA the expand is one Triton kernel
 (kernels/lora_expand.py) that multiplies only the slots a block of rows uses.
 

@@ -10,7 +10,7 @@ from array import array
 import numpy as np
 import torch
 
-_ALIGN = 8  # every part starts at a multiple of the widest element (int64)
+_ALIGN = 16  # every part starts 16-byte aligned, as its own allocation would (Triton specialises on it)
 _CODES = {np.dtype(np.int64): "q", np.dtype(np.int32): "i", np.dtype(np.float32): "f"}
 _DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}
 
@@ -37,7 +37,7 @@ class Staging:
 
     def send(self, device: torch.device) -> list[torch.Tensor]:
         """Every queued part on `device`, in order, with its shape and dtype, after one copy."""
-        # (whole int64 words for the typed views; torch.frombuffer takes no empty buffer)
+        # (whole aligned words for the typed views; torch.frombuffer takes no empty buffer)
         self.buffer.extend(bytes(-len(self.buffer) % _ALIGN if self.buffer else _ALIGN))
         buf = torch.frombuffer(self.buffer, dtype=torch.uint8)  # (shares the bytearray's memory)
         if device.type == "cuda":
