@@ -219,6 +219,22 @@ def test_bad_input(tiny_qwen3):
         gen.exit()
 
 
+def test_a_prompt_may_fill_max_model_len(tiny_qwen3):
+    """An embedding never makes a token, so its prompt may be max_model_len tokens (a generating
+    request's must leave room for one); one token more is refused naming max_model_len."""
+    llm = LLM(tiny_qwen3, runner="pooling", kvcache_block_size=16, max_model_len=64, num_kvcache_blocks=16)
+    try:
+        ids = [(7 * i) % 300 + 3 for i in range(64)]
+        out = llm.embed([ids], use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids
+        assert_close(out.outputs.embedding, reference(tiny_qwen3, ids))
+        with pytest.raises(ValueError, match="prompt length 65 exceeds max_model_len=64"):
+            llm.embed([ids + [5]], use_tqdm=False)
+        check_clean(llm)
+    finally:
+        llm.exit()
+
+
 def test_abort_frees_the_blocks(tiny_qwen3):
     llm = LLM(tiny_qwen3, runner="pooling", kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=16,
               num_kvcache_blocks=32)

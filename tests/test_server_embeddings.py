@@ -75,6 +75,17 @@ def test_bad_requests_are_openai_400s(embed_server, body, param):
     assert err["code"] == 400 and param in (err["param"] or "") + err["message"]
 
 
+def test_an_input_of_max_model_len_tokens_embeds(embed_server, offline):
+    """As offline: an embedding's input may fill max_model_len; one token more is a 400."""
+    n = offline.config.max_model_len
+    ids = [(7 * i) % 300 + 3 for i in range(n)]
+    want = offline.embed([ids], use_tqdm=False)[0].outputs.embedding
+    resp = embed_server.client().embeddings.create(model=NAME, input=ids, encoding_format="float")
+    assert np.allclose(resp.data[0].embedding, want, atol=1e-5)
+    r = httpx.post(embed_server.url + "/v1/embeddings", json={"input": ids + [5]}, timeout=60)
+    assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"], r.text
+
+
 def test_many_inputs_in_one_request(embed_server, offline):
     """20000 inputs in one body (240 kB). The engine process sent each vector as a torch tensor,
     which crosses the pipe as shared memory with a file descriptor each: the reader thread died

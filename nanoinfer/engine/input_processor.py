@@ -58,6 +58,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = config.max_model_len
+        self.prompt_only = config.runner == "pooling"  # (embeddings: no output token needs room)
         self.block_size = config.kvcache_block_size
         self.tensor_parallel = config.tensor_parallel_size > 1
         self.kv_capacity_tokens = kv_capacity_tokens  # every block of the pool
@@ -211,11 +212,15 @@ class InputProcessor:
                                  f"got {sp.truncate_prompt_tokens}")
             token_ids = token_ids[-keep:]
         # as vLLM's offline LLM: the prompt must leave room for one token; generation stops at
-        # max_model_len (finish_reason "length") whatever max_tokens says
-        if len(token_ids) >= max_len:
+        # max_model_len (finish_reason "length") whatever max_tokens says. An embedding's prompt
+        # may fill max_model_len.
+        if self.prompt_only and len(token_ids) > max_len:
+            raise ValueError(f"prompt length {len(token_ids)} exceeds max_model_len={max_len}")
+        if not self.prompt_only and len(token_ids) >= max_len:
             raise ValueError(f"prompt length {len(token_ids)} plus at least 1 output token exceeds "
                              f"max_model_len={max_len}: the prompt must be at most {max_len - 1} tokens")
-        if max_tokens_must_fit and sp.max_tokens is not None and len(token_ids) + sp.max_tokens > max_len:
+        if max_tokens_must_fit and not self.prompt_only and sp.max_tokens is not None \
+                and len(token_ids) + sp.max_tokens > max_len:
             raise ValueError(f"prompt length {len(token_ids)} + max_tokens {sp.max_tokens} = "
                              f"{len(token_ids) + sp.max_tokens} exceeds max_model_len={max_len}")
         total = max_len if sp.max_tokens is None else min(len(token_ids) + sp.max_tokens, max_len)
