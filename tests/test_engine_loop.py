@@ -163,6 +163,17 @@ def test_mixed_step_token_count(tiny_qwen3):
         llm.exit()
 
 
+def failing_processor(calls: list, on_call: int):
+    """A logits processor that records the output length it is called with (into `calls`) and
+    raises RuntimeError("processor failed") on call number `on_call`."""
+    def flaky(output_token_ids, logits):
+        calls.append(len(output_token_ids))
+        if len(calls) == on_call:
+            raise RuntimeError("processor failed")
+        return logits
+    return flaky
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_an_exception_in_a_logits_processor_leaves_the_engine_clean(tiny_qwen3, overlap):
     """A user's logits processor that raises: generate() raises that error, every block is free
@@ -173,14 +184,8 @@ def test_an_exception_in_a_logits_processor_leaves_the_engine_clean(tiny_qwen3, 
         prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
         expected = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
         calls = []
-
-        def flaky(output_token_ids, logits):
-            calls.append(len(output_token_ids))
-            if len(calls) == 4:
-                raise RuntimeError("processor failed")
-            return logits
-
-        bad = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logits_processors=[flaky])
+        bad = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                             logits_processors=[failing_processor(calls, on_call=4)])
         with pytest.raises(RuntimeError, match="processor failed"):
             llm.generate(prompts + [[13, 14]], [greedy] * 3 + [bad], use_tqdm=False)
         bm = llm.scheduler.block_manager

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
+from test_engine_loop import failing_processor
 
 xgr = pytest.importorskip("xgrammar")  # (a test dependency: pyproject's test extra)
 
@@ -222,14 +223,8 @@ def test_a_raising_logits_processor_beside_a_structured_request(tiny_qwen3, over
         json_sp = structured(temperature=0, max_tokens=30, **KINDS["json"][0])
         expected = llm.generate(PROMPTS[0], json_sp, use_tqdm=False)[0].outputs[0].token_ids
         calls = []
-
-        def flaky(output_token_ids, logits):
-            calls.append(len(output_token_ids))
-            if len(calls) == 4:
-                raise RuntimeError("processor failed")
-            return logits
-
-        bad = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logits_processors=[flaky])
+        bad = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                             logits_processors=[failing_processor(calls, on_call=4)])
         with pytest.raises(RuntimeError, match="processor failed"):
             llm.generate(PROMPTS[:2], [json_sp, bad], use_tqdm=False)
         assert_released(llm)
