@@ -171,7 +171,7 @@ def add_generation_routes(app: FastAPI, engine: EngineClient, served_model_name:
             return _event_stream(engine, convert.completion_chunks(sub, name, body.include_usage), sub)
         outputs = await _outputs(engine, sub, request)
         return outputs if isinstance(outputs, Response) else \
-            convert.completion_response(outputs, name, body.echo, engine.tokenizer)
+            await _json_reply(lambda: convert.completion_response(outputs, name, body.echo, engine.tokenizer))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -192,7 +192,17 @@ def add_generation_routes(app: FastAPI, engine: EngineClient, served_model_name:
         if body.stream:
             return _event_stream(engine, convert.chat_chunks(sub, name, body.include_usage, top, reply), sub)
         outputs = await _outputs(engine, sub, request)
-        return outputs if isinstance(outputs, Response) else convert.chat_response(outputs[0], name, top, reply)
+        return outputs if isinstance(outputs, Response) else \
+            await _json_reply(lambda: convert.chat_response(outputs[0], name, top, reply))
+
+
+async def _json_reply(build) -> Response:
+    """A non-streamed reply, built and serialised in a worker thread (as FastAPI would serialise the
+    model): a large one (many choices, logprobs, tool-call parsing) would otherwise hold the event
+    loop, and every other request's stream, while it is made."""
+    def run() -> bytes:
+        return build().model_dump_json(by_alias=True).encode()
+    return Response(await asyncio.to_thread(run), media_type="application/json")
 
 
 def add_lora_updating_routes(app: FastAPI, models: ServedModels):
