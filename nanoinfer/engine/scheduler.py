@@ -316,14 +316,8 @@ class Scheduler:
             num_completion = len(tokens) - seq.num_prompt_tokens
             if self.held and num_completion == 1:
                 self._release_held(seq)
-            sp = seq.sampling_params
-            reason = stop_reason = None
-            if num_completion >= sp.min_tokens and \
-                    ((not sp.ignore_eos and token_id in eos) or (sp.stop_token_ids and token_id in sp.stop_token_ids)):
-                reason, stop_reason = self._stop_by_token(seq, token_id)
-            if reason is None and ((sp.max_tokens is not None and num_completion >= sp.max_tokens)
-                                   or len(tokens) >= max_model_len):
-                reason = "length"
+            reason, stop_reason = ending_of(seq.sampling_params, token_id, num_completion, len(tokens), eos,
+                                            max_model_len)
             if reason is not None:
                 ending[row] = (reason, stop_reason)
         return StepUpdate(appended, ending, counts)
@@ -336,11 +330,8 @@ class Scheduler:
         for token_id in run:
             seq.append_token(token_id)
             num += 1
-            reason, stop_reason = self._stop_by_token(seq, token_id)
-            sp = seq.sampling_params
-            if reason is None and ((sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens)
-                                   or seq.num_tokens >= self.max_model_len):
-                reason = "length"
+            reason, stop_reason = ending_of(seq.sampling_params, token_id, seq.num_completion_tokens, seq.num_tokens,
+                                            self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 ending[row] = (reason, stop_reason)
                 break
@@ -363,16 +354,6 @@ class Scheduler:
             self.finish(seq, *ending[row])
             finished.append(seq)
         return finished
-
-    def _stop_by_token(self, seq: Sequence, token_id: int) -> tuple[str | None, int | None]:
-        sp = seq.sampling_params
-        if seq.num_completion_tokens < sp.min_tokens:
-            return None, None
-        if not sp.ignore_eos and token_id in self.eos_token_ids:
-            return "stop", None  # EOS leaves stop_reason None (vLLM)
-        if token_id in sp.stop_token_ids:
-            return "stop", token_id
-        return None, None
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         """End a sequence wherever it is (running, waiting, held) and free its blocks. The one place
@@ -399,3 +380,19 @@ class Scheduler:
 
     def abort(self, seq: Sequence):
         self.finish(seq, "abort")
+
+
+
+def ending_of(sp, token_id: int, num_completion: int, num_tokens: int, eos_token_ids,
+              max_model_len: int) -> tuple[str | None, int | None]:
+    """(finish reason, stop reason) when a sequence whose newest token is `token_id` (it then has
+    `num_completion` completion tokens, `num_tokens` in all) ends there, else (None, None): EOS
+    (unless ignore_eos) or one of its stop ids once min_tokens are out, else its length limits."""
+    if num_completion >= sp.min_tokens:
+        if not sp.ignore_eos and token_id in eos_token_ids:
+            return "stop", None  # EOS leaves stop_reason None (vLLM)
+        if token_id in sp.stop_token_ids:
+            return "stop", token_id
+    if (sp.max_tokens is not None and num_completion >= sp.max_tokens) or num_tokens >= max_model_len:
+        return "length", None
+    return None, None

@@ -6,7 +6,6 @@ activation quantization (kernels/fp8_quant.py) writes the same bytes as these on
 import torch
 
 from nanoinfer.kernels.fp8_round import div_rn, to_e4m3
-
 from nanoinfer.quant.fp8_scheme import FP8_MAX, Fp8Scheme
 from nanoinfer.utils.loader import check_shape
 
