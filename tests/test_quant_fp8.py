@@ -569,7 +569,9 @@ def compare_on_cuda(dst, ref, options, eager, label):
     sp = SamplingParams(temperature=0, max_tokens=W8A8_TOKENS, ignore_eos=True, logprobs=0)
     results = {}
     for path, opts in ((dst, options), (ref, {})):
-        llm = LLM(path, dtype="bfloat16", enforce_eager=eager, **SMALL, **opts)
+        # (a fixed pool: with the default gpu_memory_utilization, tests run side by side on one GPU
+        # would leave each other no memory)
+        llm = LLM(path, dtype="bfloat16", enforce_eager=eager, num_kvcache_blocks=512, **SMALL, **opts)
         try:
             results[path] = llm.generate(W8A8_PROMPTS, sp, use_tqdm=False)
             if path == dst:  # FP8 kept on CUDA: linear layers and experts

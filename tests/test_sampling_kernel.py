@@ -61,13 +61,13 @@ def test_neg_inf_never_sampled():
     x = torch.randn(8, V) * 3
     x[:6, ::2] = float("-inf")  # the even columns, incl. the largest logits of some rows
     x[:6, 1::2] -= 20
-    x[6] = float("-inf")  # a whole row: any valid index
+    x[6] = float("-inf")  # a whole row: NON_FINITE (-1), nothing to sample
     x[7] = float("-inf")
     x[7, 123] = -5.0  # a single finite entry
     out = sample_gumbel_argmax(x.to(DEV), temps([1.0, 100.0, 0.0, 0.5, 1.0, 100.0, 1.0, 1.0]), seed=5)
     out = out.tolist()
     assert all(tok % 2 == 1 for tok in out[:6])
-    assert 0 <= out[6] < V and out[7] == 123
+    assert out[6] == -1 and out[7] == 123
     assert sample_gumbel_argmax(x[6:].to(DEV), temps([0.0, 0.0]), seed=5).tolist()[1] == 123
 
 
@@ -217,8 +217,8 @@ def test_pipeline_uses_the_kernel_on_cuda_only(monkeypatch):
 def test_shards_pick_the_full_rows_token(V, ranks, config, dtype):
     """Every rank's partials of its shard, stacked, give the token the whole row gives: the same
     noise per column (shards not aligned to tiles: a tile is 128 columns on CPU), ties across the
-    shard boundary to the smaller index, -inf never chosen, an all -inf row 0, a row with a NaN in
-    any shard NON_FINITE (-1)."""
+    shard boundary to the smaller index, -inf never chosen, a row with a NaN in any shard or no
+    finite logit NON_FINITE (-1)."""
     from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
     torch.manual_seed(V)
     shard = V // ranks
@@ -241,7 +241,7 @@ def test_shards_pick_the_full_rows_token(V, ranks, config, dtype):
     greedy = pick_token(torch.stack([gumbel_argmax_partials(logits[:, r * shard:(r + 1) * shard], temps([0.0] * 10),
                                                               3, r * shard, config) for r in range(ranks)]), config)
     want = logits.float().argmax(-1).tolist()
-    assert greedy.tolist() == want[:5] + [-1, -1] + want[7:]
+    assert greedy.tolist() == want[:4] + [-1, -1, -1] + want[7:]
 
 
 def test_shard_partials_have_one_shape_on_any_gpu(monkeypatch):
@@ -262,14 +262,19 @@ def test_shard_partials_of_an_empty_batch():
 @pytest.mark.parametrize("config", [None, {"max_chunks": 1}])
 def test_a_row_with_a_nan_or_inf_logit_gives_non_finite(config):
     """A NaN or +inf anywhere in a row (any chunk, greedy or sampled) gives NON_FINITE, whatever the
-    other rows hold; -inf entries are fine (masked tokens)."""
+    other rows hold; -inf entries are fine (masked tokens), but a row of nothing else is NON_FINITE
+    too, as the pipeline's torch path marks it."""
     from nanoinfer.kernels.sampling import NON_FINITE
-    x = torch.randn(6, 700)
+    x = torch.randn(8, 700)
     x[1, 650] = float("nan")
     x[2, 3] = float("inf")
     x[3] = float("nan")
     x[4, :600] = float("-inf")
-    t = temps([0.0, 1.0, 0.0, 0.7, 1.0, 0.0])
+    x[6:] = float("-inf")
+    t = temps([0.0, 1.0, 0.0, 0.7, 1.0, 0.0, 0.0, 1.0])
     tokens = sample_gumbel_argmax(x.to(DEV), t, 5, config).tolist()
-    assert tokens[1] == tokens[2] == tokens[3] == NON_FINITE
+    assert tokens[1] == tokens[2] == tokens[3] == tokens[6] == tokens[7] == NON_FINITE
+    from nanoinfer.sampling.pipeline import mark_non_finite_rows
+    assert mark_non_finite_rows(x, torch.zeros(8, dtype=torch.int64)).tolist() == \
+        [0, NON_FINITE, NON_FINITE, NON_FINITE, 0, 0, NON_FINITE, NON_FINITE]
     assert tokens[0] == x[0].argmax().item() and tokens[5] == x[5].argmax().item() and tokens[4] >= 600

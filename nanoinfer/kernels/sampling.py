@@ -3,8 +3,8 @@ registers, no vocabulary-sized buffer.
 
 A sampled row's token is argmax(x / T - log E), E ~ Exp(1) per entry (a sample of softmax(x / T));
 a greedy row (T < SAMPLING_EPS) takes argmax(x). Ties go to the smallest index. A row with a NaN
-or +inf logit gives NON_FINITE (-1), as Sampler's torch path does: the engine fails that request
-rather than sample from a broken row.
+or +inf logit, or with no logit above -inf, gives NON_FINITE (-1), as the pipeline's torch path
+does: the engine fails that request rather than sample from a broken row.
 
 Grid (B, num_chunks): a program scans one chunk of its row's vocabulary tile by tile, keeping a
 per-lane running (max, index) in registers, and reduces it once at the end; a tiny kernel then picks
@@ -90,7 +90,7 @@ def _sample_kernel(logits_ptr, temp_ptr, out_ptr, part_v_ptr, part_i_ptr, stride
     offs = tl.arange(0, QUARTER)
 
     best_v = tl.full([QUARTER], float("-inf"), tl.float32)
-    best_i = tl.zeros([QUARTER], tl.int32)  # an all -inf row still returns a valid index (0)
+    best_i = tl.zeros([QUARTER], tl.int32)  # (a chunk of -inf alone reports index 0 at -inf)
     broken = tl.zeros([QUARTER], tl.int32)  # a lane saw a NaN or +inf logit
     t_start = first_tile + chunk * tiles_per_chunk
     t_end = tl.minimum(t_start + tiles_per_chunk, tl.cdiv(end, 4 * QUARTER))
@@ -125,7 +125,7 @@ def _sample_kernel(logits_ptr, temp_ptr, out_ptr, part_v_ptr, part_i_ptr, stride
         tl.store(part_v_ptr + row * part_stride + chunk, m)
         tl.store(part_i_ptr + row * part_stride + chunk, idx)
     elif num_chunks == 1:
-        tl.store(out_ptr + row, idx.to(tl.int64))
+        tl.store(out_ptr + row, tl.where(m == float("-inf"), -1, idx).to(tl.int64))  # (no finite logit)
     else:
         tl.store(part_v_ptr + row * part_stride + chunk, m)
         tl.store(part_i_ptr + row * part_stride + chunk, idx)
@@ -149,7 +149,7 @@ def _pick_chunk_kernel(part_v_ptr, part_i_ptr, out_ptr, num_chunks, part_stride,
         ir = tl.min(tl.where(v == mr, i, _INT_MAX), 0)
         take = (mr > m) | ((mr == m) & (ir < idx))
         m, idx = tl.where(take, mr, m), tl.where(take, ir, idx)
-    tl.store(out_ptr + row, idx.to(tl.int64))
+    tl.store(out_ptr + row, tl.where(m == float("-inf"), -1, idx).to(tl.int64))  # (no finite logit)
 
 
 # Tunables. A tile is 4 * quarter logits; programs_per_sm: programs (B * chunks) per SM aimed for.

@@ -6,7 +6,8 @@ each checkpoint tensor's share into them, and computes the product. Dense weight
 its own product; an adapter method wraps another method's `apply`.
 
 Dense products go through `linear`: one-row inputs on CUDA take the GEMV kernel (kernels/gemv.py),
-which can also apply the RMSNorm or SiLU * mul before it (a `Deferred` input)."""
+which can also apply the RMSNorm or SiLU * mul before it (a `Deferred` input); a few rows against
+a narrow, deep weight take the few-row GEMM (kernels/skinny_gemm.py)."""
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.kernels.gemv import gemv
+from nanoinfer.kernels.skinny_gemm import skinny_gemm
 from nanoinfer.utils.loader import check_shape
 
 
@@ -22,6 +24,16 @@ def takes_gemv(x: torch.Tensor) -> bool:
     """One contiguous row on CUDA (decode at batch 1): dense products use kernels/gemv.py, faster
     than cuBLAS there, which can also fuse the elementwise step before them (Deferred)."""
     return x.is_cuda and x.shape[0] == 1 and x.is_contiguous()
+
+
+def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """2-16 rows of 16-bit values on CUDA against a weight of at most 1024 output features and at
+    least 2048 input features (an o_proj or down_proj of a small model): there cuBLAS splits K and
+    adds a reduce kernel, and kernels/skinny_gemm.py, one kernel, was faster on the H200
+    (nanoinfer.bench.skinny_gemm). On larger weights cuBLAS streams faster."""
+    return (x.is_cuda and 2 <= x.shape[0] <= 16 and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.shape[0] <= 1024 and weight.shape[1] >= 2048 and x.stride(-1) == 1
+            and weight.is_contiguous())
 
 
 @dataclass
@@ -46,13 +58,16 @@ class Deferred:
 
 def linear(x: "torch.Tensor | Deferred", weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias): the GEMV kernel for one row on CUDA, else F.linear. `out` (no bias):
+    """x @ weight^T (+ bias): the GEMV kernel for one row on CUDA, the few-row GEMM where it is
+    faster than cuBLAS, else F.linear. `out` (no bias):
     a contiguous [rows, out features] tensor to write the product into, which is returned."""
     if isinstance(x, Deferred):
         return gemv(x.x, weight, bias, norm_weight=x.norm_weight, eps=x.eps, residual=x.residual,
                     residual_out=x.residual_out, silu_mul=x.silu_mul, out=out)
     if takes_gemv(x) and weight.is_contiguous():
         return gemv(x, weight, bias, out=out)
+    if takes_skinny_gemm(x, weight):
+        return skinny_gemm(x, weight, bias, out=out)
     if out is not None:
         if bias is not None:
             raise ValueError("linear: out= takes no bias")

@@ -16,7 +16,7 @@ noise seeded per step from the engine's generator; a grammar bitmask is applied 
 """
 import torch
 
-from nanoinfer.kernels.sampling import sample_gumbel_argmax
+from nanoinfer.kernels.sampling import NON_FINITE, sample_gumbel_argmax
 from nanoinfer.sampling.draw import SAMPLE
 from nanoinfer.sampling.logprobs import gather_logprobs, logprobs_to_host, raw_logprobs
 from nanoinfer.sampling.stage import Stage
@@ -47,10 +47,19 @@ def _stages_for(t: SamplingTensors, pipeline) -> list[Stage]:
     raise ValueError(f"no end of the sampling pipeline applies: {[s.name for s in pipeline]}")
 
 
+def mark_non_finite_rows(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The pipeline's tokens, NON_FINITE where the row's raw logits hold a NaN or +inf (or are all
+    -inf), as the fused kernel marks them: one max per row (it propagates NaN)."""
+    if logits.shape[0] == 0:
+        return tokens
+    return torch.where(torch.isfinite(logits.amax(dim=-1)), tokens, NON_FINITE)
+
+
 @torch.inference_mode()
 def sample_logits(logits: torch.Tensor, t: SamplingTensors, pipeline=PIPELINE) -> tuple[torch.Tensor, tuple | None]:
-    """The sampled token ids [B] on the device (an int dtype), and the logprob tensors for
-    logprobs_to_host (None when no row asked). The caller's logits are left as they were."""
+    """The sampled token ids [B] on the device (an int dtype), NON_FINITE for a row whose raw
+    logits hold a NaN or +inf or nothing above -inf, and the logprob tensors for logprobs_to_host
+    (None when no row asked). The caller's logits are left as they were."""
     if logits.is_cuda and t.plain:
         if t.grammar_rows is not None:  # the fused kernel samples what the grammar allows
             logits = logits.clone()
@@ -65,4 +74,5 @@ def sample_logits(logits: torch.Tensor, t: SamplingTensors, pipeline=PIPELINE) -
     for stage in todo[:-1]:
         stage.run(logits, t)
     tokens = todo[-1].run(logits, t)
-    return tokens, None if lp is None else gather_logprobs(lp, tokens, t)
+    logprobs = None if lp is None else gather_logprobs(lp, tokens, t)
+    return mark_non_finite_rows(raw, tokens.to(torch.int64)), logprobs

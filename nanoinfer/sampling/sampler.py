@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from nanoinfer.engine.step_message import (PromptLogprobs, PromptLogprobsRequest, SampleInput, StepInput,
                                            TokenLogprobs)
-from nanoinfer.kernels.sampling import NON_FINITE, gumbel_argmax_partials, pick_token
+from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
 from nanoinfer.sampling.column_cache import ColumnCache
 from nanoinfer.sampling.pipeline import logprobs_to_host, sample_logits
 from nanoinfer.sampling.tensors import SamplingTensors
@@ -50,14 +50,6 @@ def sample_vocab_shard(logits: torch.Tensor, temperatures: torch.Tensor, seed: i
     everyone = parts.new_empty((dist.get_world_size(), *parts.shape))
     dist.all_gather_into_tensor(everyone, parts)
     return pick_token(everyone)
-
-
-def mark_non_finite_rows(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The pipeline's tokens, NON_FINITE where the row's raw logits hold a NaN or +inf (or are all
-    -inf), as the fused kernel marks them: one max per row (it propagates NaN)."""
-    if logits.shape[0] == 0:
-        return tokens
-    return torch.where(torch.isfinite(logits.amax(dim=-1)), tokens, NON_FINITE)
 
 
 class Sampler:
@@ -100,7 +92,7 @@ class Sampler:
                 raise
             dist.broadcast(torch.zeros(rows, dtype=torch.int64, device=self.device), 0)  # the others wait
             raise SamplingFailed(f"{type(e).__name__}: {e}") from e
-        tokens = mark_non_finite_rows(logits, tokens.to(torch.int64))
+        tokens = tokens.to(torch.int64)  # (NON_FINITE rows marked by the pipeline)
         if self.world_size > 1:
             dist.broadcast(tokens, 0)
         return Sampled(tokens, args, logprobs, prompt)
