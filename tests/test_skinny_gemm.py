@@ -13,9 +13,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # (M, N, K, config): row, feature and K tails; one K split, three (uneven), none
 CASES = [(3, 40, 96, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=1)), (8, 64, 256, dict(BLOCK_N=32, BLOCK_K=32, SPLIT_K=2)),
          (5, 48, 392, dict(BLOCK_N=16, BLOCK_K=64, SPLIT_K=3)), (17, 20, 64, dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=1))]
-if DEV == "cuda":
-    CASES += [(m, n, k, None) for m in (2, 8, 24, 64) for n, k in [(4096, 1024), (1024, 2048), (6144, 4096),
-                                                                  (4096, 12288)]]
+if DEV == "cuda":  # (marked, so that `pytest -m cuda` runs them; the small cases run in any GPU session)
+    CASES += [pytest.param(m, n, k, None, marks=pytest.mark.cuda) for m in (2, 8, 24, 64)
+              for n, k in [(4096, 1024), (1024, 2048), (6144, 4096), (4096, 12288)]]
 
 
 def config(m, cfg):
@@ -99,3 +99,19 @@ def test_bad_shapes_are_refused():
         skinny_gemm(x, w, norm_weight=nw, residual=res, residual_out=res)
     with pytest.raises(ValueError, match="norm_weight must be"):
         skinny_gemm(x, w, norm_weight=torch.ones(8, device=DEV))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [2, 5, 16, 17])
+def test_linear_routes_few_rows_of_narrow_deep_weights_here(monkeypatch, rows):
+    """linear() takes this kernel for 2-16 bf16 rows against an o_proj-like weight (1024 x 2048),
+    cuBLAS otherwise, with the same result up to summation order."""
+    from nanoinfer.layers import linear_method
+    calls = []
+    monkeypatch.setattr(linear_method, "skinny_gemm", lambda *a, **kw: calls.append(1) or skinny_gemm(*a, **kw))
+    x, w, _, _, _ = tensors(rows, 1024, 2048, torch.bfloat16, rows)
+    assert_close(linear_method.linear(x, w), F.linear(x.float(), w.float()), torch.bfloat16)
+    assert len(calls) == (rows <= 16)
+    assert not linear_method.takes_skinny_gemm(x.float(), w.float())  # float32 keeps cuBLAS
+    assert not linear_method.takes_skinny_gemm(x[:, :1024].contiguous(), w[:, :1024].contiguous())

@@ -73,7 +73,8 @@ def _skinny_gemm_kernel(x_ptr, stride_x, w_ptr, b_ptr, y_ptr, stride_y, res_ptr,
                         part_ptr, count_ptr, M, eps,
                         N: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                        PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     DTYPE = w_ptr.dtype.element_ty
@@ -97,13 +98,13 @@ def _skinny_gemm_kernel(x_ptr, stride_x, w_ptr, b_ptr, y_ptr, stride_y, res_ptr,
         rstd = _rows_rstd(x_ptr, stride_x, res_ptr, stride_r, res_out_ptr, rm, M, (pid_n == 0) & (pid_k == 0),
                           eps, K, HAS_RES, DTYPE, 256, BLOCK_M)
     x = _input_tile_t(x_ptr, stride_x, res_ptr, stride_r, nw_ptr, rstd, rm, rk, M, K, PROLOGUE, HAS_RES, DTYPE)
-    acc = tl.dot(w_first, x)
+    acc = tl.dot(w_first, x, input_precision=PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None] + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
         x = _input_tile_t(x_ptr, stride_x, res_ptr, stride_r, nw_ptr, rstd, rm, rk, M, K, PROLOGUE, HAS_RES,
                           DTYPE)
-        acc = tl.dot(w, x, acc)
+        acc = tl.dot(w, x, acc, input_precision=PRECISION)
     out_mask = (rn[:, None] < N) & (rm[None, :] < M)
     if SPLIT_K > 1:
         # store this split's partial, then count arrivals: the last split to arrive sums all of them
@@ -203,5 +204,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         y if residual_out is None else residual_out, weight if norm_weight is None else norm_weight,
         parts, counts, M, eps, N=N, K=K, PROLOGUE=1 if norm_weight is not None else 2 if silu_mul else 0,
         HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",  # (float32: no TF32 rounding)
         K_SPLIT=triton.cdiv(triton.cdiv(K, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"], **cfg)
     return y
