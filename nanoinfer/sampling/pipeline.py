@@ -57,9 +57,10 @@ def mark_non_finite_rows(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 @torch.inference_mode()
 def sample_logits(logits: torch.Tensor, t: SamplingTensors, pipeline=PIPELINE) -> tuple[torch.Tensor, tuple | None]:
-    """The sampled token ids [B] on the device (an int dtype), NON_FINITE for a row whose raw
-    logits hold a NaN or +inf or nothing above -inf, and the logprob tensors for logprobs_to_host
-    (None when no row asked). The caller's logits are left as they were."""
+    """The sampled token ids [B] on the device (an int dtype), NON_FINITE for a row whose logits
+    hold a NaN or +inf (in the fused kernel: where the row's grammar allows) or nothing above -inf,
+    and the logprob tensors for logprobs_to_host (None when no row asked). The caller's logits are
+    left as they were."""
     if logits.is_cuda and t.plain:
         if t.grammar_rows is not None:  # the fused kernel samples what the grammar allows
             logits = logits.clone()
