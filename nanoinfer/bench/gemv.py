@@ -83,16 +83,23 @@ def main():
         print(f"{model:5} {name:8} {base:14.1f} {fused:8.1f} {pct:7.1f} {base / fused:7.2f}x "
               f"{max_error(n, k, prologue):8.1e}", flush=True)
         if args.sweep:
-            best = []
-            for cfg in sweep_configs(n):
-                try:
-                    best.append((bench_graph(make_calls(n, k, None, True, cfg), replays=5) * 1e3, cfg))
-                except OutOfResources:
-                    continue
-            best.sort(key=lambda b: b[0])
-            print(f"      best plain configs (default {default_config(n, k)}):")
-            for t, cfg in best[:3]:
-                print(f"        {t:7.1f} us {100 * 2 * n * k / (t * 1e-6) / copy_bw:5.1f} %  {cfg}", flush=True)
+            print_best_configs(sweep_configs(n), lambda cfg: make_calls(n, k, None, True, cfg), 2 * n * k, copy_bw,
+                               f"best plain configs (default {default_config(n, k)})")
+
+
+def print_best_configs(configs, make_calls_of, weight_bytes: int, copy_bw: float, title: str):
+    """Time each config's calls (a CUDA graph of them; configs that do not fit are skipped) and print
+    the three fastest, with the share of the copy bandwidth their weight reads reach."""
+    best = []
+    for cfg in configs:
+        try:
+            best.append((bench_graph(make_calls_of(cfg), replays=5) * 1e3, cfg))
+        except OutOfResources:
+            continue
+    best.sort(key=lambda b: b[0])
+    print(f"      {title}:")
+    for t, cfg in best[:3]:
+        print(f"        {t:7.1f} us {100 * weight_bytes / (t * 1e-6) / copy_bw:5.1f} %  {cfg}", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from triton.runtime.errors import OutOfResources
 
-from nanoinfer.bench.gemv import SHAPES
+from nanoinfer.bench.gemv import SHAPES, print_best_configs
 from nanoinfer.bench.kernels import bench_graph
 from nanoinfer.kernels import norm_act
 from nanoinfer.kernels.skinny_gemm import default_config, skinny_gemm
@@ -81,17 +80,8 @@ def main():
             print(f"{model:5} {name:8} {m:4} {base:14.1f} {pct(base):7.1f} {fused:9.1f} {pct(fused):7.1f} "
                   f"{base / fused:7.2f}x {max_error(m, n, k, prologue):8.1e}", flush=True)
         for m in args.sweep or ():
-            best = []
-            for cfg in sweep_configs(m, n, k):
-                try:
-                    t = bench_graph(make_calls(m, n, k, prologue, True, cfg), replays=5) * 1e3
-                except OutOfResources:
-                    continue
-                best.append((t, cfg))
-            best.sort(key=lambda b: b[0])
-            print(f"      best configs at {m} rows (default {default_config(m, n, k)}):")
-            for t, cfg in best[:3]:
-                print(f"        {t:7.1f} us {100 * 2 * n * k / (t * 1e-6) / copy_bw:5.1f} %  {cfg}", flush=True)
+            print_best_configs(sweep_configs(m, n, k), lambda cfg: make_calls(m, n, k, prologue, True, cfg),
+                               2 * n * k, copy_bw, f"best configs at {m} rows (default {default_config(m, n, k)})")
 
 
 if __name__ == "__main__":
