@@ -31,7 +31,7 @@ def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     least 2048 input features (an o_proj or down_proj of a small model): there cuBLAS splits K and
     adds a reduce kernel, and kernels/skinny_gemm.py, one kernel, was faster on the H200
     (nanoinfer.bench.skinny_gemm). On larger weights cuBLAS streams faster."""
-    return (x.is_cuda and 2 <= x.shape[0] <= 16 and x.dtype in (torch.bfloat16, torch.float16)
+    return (x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= 16 and x.dtype in (torch.bfloat16, torch.float16)
             and weight.shape[0] <= 1024 and weight.shape[1] >= 2048 and x.stride(-1) == 1
             and weight.is_contiguous())
 
