@@ -32,18 +32,20 @@ SHAPES = [
 ]
 
 
-def make_calls(n, k, prologue, fused: bool, config=None, copies=None):
+def make_calls(n, k, prologue, fused: bool, config=None, copies=None, rows=1, kernel=gemv):
+    """Calls of one projection over distinct weights: the fused `kernel` (the GEMV, or
+    kernels/skinny_gemm.py for several rows) with its prologue, or cuBLAS after the kernel it fuses."""
     if copies is None:  # more bytes of weights than L2 holds, cycled through
         copies = min(24, max(2, -(-(256 << 20) // (2 * n * k))))
     ws = [torch.randn(n, k, device="cuda", dtype=DTYPE) / k ** 0.5 for _ in range(copies)]
-    x = torch.randn(1, 2 * k if prologue == "silu" else k, device="cuda", dtype=DTYPE)
-    res, nw = torch.randn(1, k, device="cuda", dtype=DTYPE), torch.ones(k, device="cuda", dtype=DTYPE)
+    x = torch.randn(rows, 2 * k if prologue == "silu" else k, device="cuda", dtype=DTYPE)
+    res, nw = torch.randn(rows, k, device="cuda", dtype=DTYPE), torch.ones(k, device="cuda", dtype=DTYPE)
     out = torch.empty_like(res)
     if fused and prologue == "norm":
-        return [lambda w=w: gemv(x, w, norm_weight=nw, eps=1e-6, residual=res, residual_out=out, config=config)
+        return [lambda w=w: kernel(x, w, norm_weight=nw, eps=1e-6, residual=res, residual_out=out, config=config)
                 for w in ws]
     if fused:
-        return [lambda w=w: gemv(x, w, silu_mul=prologue == "silu", config=config) for w in ws]
+        return [lambda w=w: kernel(x, w, silu_mul=prologue == "silu", config=config) for w in ws]
     if prologue == "norm":
         return [lambda w=w: F.linear(norm_act.rms_norm(x, nw, 1e-6, res)[0], w) for w in ws]
     if prologue == "silu":
@@ -51,12 +53,12 @@ def make_calls(n, k, prologue, fused: bool, config=None, copies=None):
     return [lambda w=w: F.linear(x, w) for w in ws]
 
 
-def max_error(n, k, prologue) -> float:
+def max_error(n, k, prologue, rows=1, kernel=gemv) -> float:
     """Largest |fused - cuBLAS path| over the output, relative to the output's largest value."""
     torch.manual_seed(0)
-    fused = make_calls(n, k, prologue, True, copies=1)[0]()
+    fused = make_calls(n, k, prologue, True, copies=1, rows=rows, kernel=kernel)[0]()
     torch.manual_seed(0)
-    ref = make_calls(n, k, prologue, False, copies=1)[0]()
+    ref = make_calls(n, k, prologue, False, copies=1, rows=rows, kernel=kernel)[0]()
     return ((fused.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 

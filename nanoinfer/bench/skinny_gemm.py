@@ -12,44 +12,10 @@ call, from a CUDA graph of many calls over distinct weights (no L2 reuse, launch
 import argparse
 import itertools
 
-import torch
-import torch.nn.functional as F
-
-from nanoinfer.bench.gemv import SHAPES, print_best_configs
+from nanoinfer.bench.gemv import SHAPES, make_calls, max_error, print_best_configs
 from nanoinfer.bench.kernels import bench_graph
-from nanoinfer.kernels import norm_act
 from nanoinfer.kernels.skinny_gemm import default_config, skinny_gemm
 from nanoinfer.utils.ceilings import measure_ceilings
-
-DTYPE = torch.bfloat16
-
-
-def make_calls(m, n, k, prologue, fused: bool, config=None, copies=None):
-    if copies is None:  # more bytes of weights than L2 holds, cycled through
-        copies = min(24, max(2, -(-(256 << 20) // (2 * n * k))))
-    ws = [torch.randn(n, k, device="cuda", dtype=DTYPE) / k ** 0.5 for _ in range(copies)]
-    x = torch.randn(m, 2 * k if prologue == "silu" else k, device="cuda", dtype=DTYPE)
-    res, nw = torch.randn(m, k, device="cuda", dtype=DTYPE), torch.ones(k, device="cuda", dtype=DTYPE)
-    out = torch.empty_like(res)
-    if fused and prologue == "norm":
-        return [lambda w=w: skinny_gemm(x, w, norm_weight=nw, eps=1e-6, residual=res, residual_out=out,
-                                        config=config) for w in ws]
-    if fused:
-        return [lambda w=w: skinny_gemm(x, w, silu_mul=prologue == "silu", config=config) for w in ws]
-    if prologue == "norm":
-        return [lambda w=w: F.linear(norm_act.rms_norm(x, nw, 1e-6, res)[0], w) for w in ws]
-    if prologue == "silu":
-        return [lambda w=w: F.linear(norm_act.silu_and_mul(x), w) for w in ws]
-    return [lambda w=w: F.linear(x, w) for w in ws]
-
-
-def max_error(m, n, k, prologue) -> float:
-    """Largest |fused - cuBLAS path| over the output, relative to the output's largest value."""
-    torch.manual_seed(0)
-    fused = make_calls(m, n, k, prologue, True, copies=1)[0]()
-    torch.manual_seed(0)
-    ref = make_calls(m, n, k, prologue, False, copies=1)[0]()
-    return ((fused.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
 def sweep_configs(m, n, k):
@@ -74,14 +40,15 @@ def main():
         if args.only and f"{model}:{name}" not in args.only:
             continue
         for m in map(int, args.rows.split(",")):
-            base = bench_graph(make_calls(m, n, k, prologue, False)) * 1e3
-            fused = bench_graph(make_calls(m, n, k, prologue, True)) * 1e3
+            base = bench_graph(make_calls(n, k, prologue, False, rows=m, kernel=skinny_gemm)) * 1e3
+            fused = bench_graph(make_calls(n, k, prologue, True, rows=m, kernel=skinny_gemm)) * 1e3
             pct = lambda t: 100 * 2 * n * k / (t * 1e-6) / copy_bw  # noqa: E731
             print(f"{model:5} {name:8} {m:4} {base:14.1f} {pct(base):7.1f} {fused:9.1f} {pct(fused):7.1f} "
-                  f"{base / fused:7.2f}x {max_error(m, n, k, prologue):8.1e}", flush=True)
+                  f"{base / fused:7.2f}x {max_error(n, k, prologue, m, skinny_gemm):8.1e}", flush=True)
         for m in args.sweep or ():
-            print_best_configs(sweep_configs(m, n, k), lambda cfg: make_calls(m, n, k, prologue, True, cfg),
-                               2 * n * k, copy_bw, f"best configs at {m} rows (default {default_config(m, n, k)})")
+            calls_of = lambda cfg, m=m: make_calls(n, k, prologue, True, cfg, rows=m, kernel=skinny_gemm)  # noqa: E731
+            print_best_configs(sweep_configs(m, n, k), calls_of, 2 * n * k, copy_bw,
+                               f"best configs at {m} rows (default {default_config(m, n, k)})")
 
 
 if __name__ == "__main__":
