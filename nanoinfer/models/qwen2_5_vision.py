@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.kernels.rotary import rotate_
 from nanoinfer.layers.activation import SiluAndMul
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
@@ -54,9 +55,14 @@ class VisionAttention(nn.Module):
         """x: [N, dim]; segments: lengths of the runs of rows that attend to each other (windows or
         whole images); rope: the per-row cos/sin table [N, head_dim]."""
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        rows = torch.arange(n, device=x.device)
-        q, k = apply_rotary(q, rows, rope), apply_rotary(k, rows, rope)
+        qkv = self.qkv(x)
+        if qkv.is_cuda:  # q and k, the first 2 * num_heads heads of each row, rotated in one kernel
+            rotate_(qkv.view(n, 3 * self.num_heads, self.head_dim)[:, :2 * self.num_heads], rope)
+            q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        else:
+            q, k, v = qkv.view(n, 3, self.num_heads, self.head_dim).unbind(1)
+            rows = torch.arange(n, device=x.device)
+            q, k = apply_rotary(q, rows, rope), apply_rotary(k, rows, rope)
         out = torch.empty_like(q)
         start = 0
         for length, run in groupby(segments):  # a run of equal-length segments: one SDPA call
@@ -79,6 +85,30 @@ class VisionMLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+    def process_weights_after_loading(self):
+        """On CUDA, pad the intermediate features to a multiple of 64: cuBLAS runs a product whose K
+        is not a multiple of 8 elements (Qwen2.5-VL-7B's 3420) on slow unaligned kernels."""
+        if self.down_proj.weight.is_cuda:
+            self.pad_intermediate(64)
+
+    def pad_intermediate(self, multiple: int):
+        """Zero-pad the intermediate features to a multiple of `multiple`. The padded features are
+        silu(0) * 0 = 0 and meet zero columns of down_proj: the output is unchanged."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        inner = down.in_features
+        pad = -inner % multiple
+        if pad == 0:
+            return
+
+        def padded_rows(t):  # [gate; up] -> [gate; 0; up; 0]
+            parts = t.view(2, inner, *t.shape[1:])
+            return torch.cat([parts, parts.new_zeros(2, pad, *t.shape[1:])], dim=1).flatten(0, 1)
+        gate_up.weight.data = padded_rows(gate_up.weight.data)
+        if gate_up.bias is not None:
+            gate_up.bias.data = padded_rows(gate_up.bias.data)
+        down.weight.data = F.pad(down.weight.data, (0, pad))
+        gate_up.out_features, down.in_features = 2 * (inner + pad), inner + pad
 
 
 class VisionBlock(nn.Module):

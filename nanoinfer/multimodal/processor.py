@@ -92,14 +92,13 @@ class MultiModalProcessor:
         if not images:
             return token_ids, None
         ahead = self._ahead.pop(id(data), None)
-        pixel_values, grids = ahead.result() if ahead is not None and not kwargs else \
+        pixel_values, grids, keys = ahead.result() if ahead is not None and not kwargs else \
             self._preprocess(images, kwargs or {})
         expanded, items = [], []
         done = 0
-        for placeholder, pixels, grid in zip(placeholders, pixel_values, grids):
+        for placeholder, pixels, grid, key in zip(placeholders, pixel_values, grids, keys):
             expanded += token_ids[done:placeholder]
             count = grid[0] * grid[1] * grid[2] // self.merge ** 2
-            key = image_key(pixels, grid)
             items.append(ImageItem(len(expanded), count, key, pixels, grid))
             expanded += [self.image_token_id] * count
             done = placeholder + 1
@@ -107,8 +106,9 @@ class MultiModalProcessor:
         positions, delta = mrope_positions(len(expanded), [(im.offset, *im.grid_thw) for im in items], self.merge)
         return expanded, MultiModalInputs(tuple(items), positions, delta)
 
-    def _preprocess(self, images: list, kwargs: dict) -> tuple[list[np.ndarray], list[tuple[int, int, int]]]:
-        """Each image's patches and (t, h, w) grid, through the checkpoint's image processor."""
+    def _preprocess(self, images: list, kwargs: dict) -> tuple[list[np.ndarray], list[tuple[int, int, int]], list[int]]:
+        """Each image's patches, (t, h, w) grid and content key, through the checkpoint's image
+        processor (in `batch`'s threads: the hash, too, is work to take off the caller's thread)."""
         size = processor_size(self.image_processor, kwargs)
         try:
             out = self.image_processor(images=images, return_tensors="np", size=size)
@@ -117,12 +117,12 @@ class MultiModalProcessor:
                              f"{str(e)[:300]}") from e
         grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"]]
         sizes = [t * h * w for t, h, w in grids]
-        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
-        return list(np.split(pixels, np.cumsum(sizes)[:-1])), grids
+        pixels = list(np.split(np.asarray(out["pixel_values"], dtype=np.float32), np.cumsum(sizes)[:-1]))
+        return pixels, grids, [image_key(p, g) for p, g in zip(pixels, grids)]
 
 
 def image_key(pixels: np.ndarray, grid: tuple[int, int, int]) -> int:
-    h = xxhash.xxh64()
+    h = xxhash.xxh3_64()
     h.update(np.asarray(grid, dtype=np.int64).tobytes())
     h.update(np.ascontiguousarray(pixels).tobytes())
     return h.intdigest()

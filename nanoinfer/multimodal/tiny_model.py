@@ -21,7 +21,8 @@ def vl_config(tokenizer, *, hidden_size=64, num_layers=2, num_heads=4, num_kv_he
                 max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "mrope_section": list(mrope_section), "rope_theta": 10000.0},
                 eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=tokenizer.pad_token_id)
-    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+    # (an intermediate size that is not a multiple of 8, as Qwen2.5-VL-7B's 3420: CUDA pads it)
+    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden + 6,
                   num_heads=vision_heads, out_hidden_size=hidden_size,
                   fullatt_block_indexes=list(fullatt_block_indexes),
                   window_size=window_size, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
@@ -42,7 +43,8 @@ def qwen3_vl_config(tokenizer, *, hidden_size=64, num_layers=3, num_heads=4, num
                 rope_parameters={"rope_type": "default", "mrope_section": list(mrope_section),
                                  "mrope_interleaved": True, "rope_theta": 10000.0},
                 eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=tokenizer.pad_token_id)
-    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+    # (an intermediate size that is not a multiple of 8, as Qwen2.5-VL-7B's 3420: CUDA pads it)
+    vision = dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden + 6,
                   num_heads=vision_heads, out_hidden_size=hidden_size, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, num_position_embeddings=num_position_embeddings,
                   deepstack_visual_indexes=list(deepstack_visual_indexes), hidden_act="gelu_pytorch_tanh")
