@@ -10,11 +10,16 @@ checkpoint's (`visual.blocks.0.attn.qkv`, ...).
 Patches arrive as the image processor lays them out: each image's patches in 2x2 merge groups,
 rows of groups top to bottom. Window attention reorders the groups window by window
 (`window_order`); the merger's output is put back in the original order."""
+from contextlib import nullcontext
+from functools import lru_cache
 from itertools import groupby
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nanoinfer.kernels.rotary import rotate_
 from nanoinfer.layers.activation import SiluAndMul
@@ -44,6 +49,12 @@ class PatchEmbed(nn.Module):
         return F.linear(pixels.to(self.weight.dtype), self.weight, self.bias)
 
 
+# cuDNN's attention builds an execution plan for every new batch shape, and the batch here (a
+# step's windows or images) changes from step to step: flash and memory-efficient attention have no
+# plan to build.
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, build: ModelBuild, prefix: str):
         super().__init__()
@@ -65,13 +76,14 @@ class VisionAttention(nn.Module):
             q, k = apply_rotary(q, rows, rope), apply_rotary(k, rows, rope)
         out = torch.empty_like(q)
         start = 0
-        for length, run in groupby(segments):  # a run of equal-length segments: one SDPA call
-            count = len(list(run))
-            end = start + count * length
-            q_, k_, v_ = (t[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
-                          for t in (q, k, v))
-            out[start:end] = F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2).flatten(0, 1)
-            start = end
+        with sdpa_kernel(NO_CUDNN) if x.is_cuda else nullcontext():
+            for length, run in groupby(segments):  # a run of equal-length segments: one SDPA call
+                count = len(list(run))
+                end = start + count * length
+                q_, k_, v_ = (t[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
+                              for t in (q, k, v))
+                out[start:end] = F.scaled_dot_product_attention(q_, k_, v_).transpose(1, 2).flatten(0, 1)
+                start = end
         return self.proj(out.reshape(n, -1))
 
 
@@ -157,13 +169,7 @@ def dummy_images(vision, num_tokens: int, device, dtype) -> tuple[torch.Tensor, 
 
 def patch_positions(grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
     """(row, column) of every patch, in the processor's order (2x2 merge groups, row-major). [N, 2]"""
-    out = []
-    for t, h, w in grids:
-        hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-        shape = (h // merge, merge, w // merge, merge)
-        hh, ww = hh.reshape(shape).transpose(1, 2).flatten(), ww.reshape(shape).transpose(1, 2).flatten()
-        out.append(torch.stack([hh, ww], dim=-1).repeat(t, 1))
-    return torch.cat(out)
+    return torch.from_numpy(np.concatenate([_grid_positions(*grid, merge) for grid in grids]))
 
 
 def window_order(grids: list[tuple[int, int, int]], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
@@ -171,16 +177,31 @@ def window_order(grids: list[tuple[int, int, int]], merge: int, window: int) -> 
     ones cut at the image's edge), and each window's length in patches."""
     order, lengths, base = [], [], 0
     for t, h, w in grids:
-        gh, gw = h // merge, w // merge
-        index = torch.arange(t * gh * gw).view(t, gh, gw)
-        for frame in range(t):
-            for r in range(0, gh, window):
-                for c in range(0, gw, window):
-                    cell = index[frame, r:r + window, c:c + window].flatten()
-                    order.append(cell + base)
-                    lengths.append(cell.numel() * merge * merge)
-        base += t * gh * gw
-    return torch.cat(order), lengths
+        groups, sizes = _grid_windows(t, h, w, merge, window)
+        order.append(groups + base)
+        lengths.extend(sizes)
+        base += t * (h // merge) * (w // merge)
+    return torch.from_numpy(np.concatenate(order)), lengths
+
+
+# Per image size, cached: a step's images mostly share a few sizes, and these loops are host time
+# spent before the tower's first kernel.
+@lru_cache(maxsize=256)
+def _grid_positions(t: int, h: int, w: int, merge: int) -> np.ndarray:
+    hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    shape = (h // merge, merge, w // merge, merge)
+    hh, ww = hh.reshape(shape).swapaxes(1, 2).ravel(), ww.reshape(shape).swapaxes(1, 2).ravel()
+    return np.tile(np.stack([hh, ww], axis=-1), (t, 1))
+
+
+@lru_cache(maxsize=256)
+def _grid_windows(t: int, h: int, w: int, merge: int, window: int) -> tuple[np.ndarray, tuple[int, ...]]:
+    """One image's merge groups in window order (numbered from 0) and its windows' lengths."""
+    gh, gw = h // merge, w // merge
+    index = np.arange(t * gh * gw).reshape(t, gh, gw)
+    cells = [index[frame, r:r + window, c:c + window].ravel()
+             for frame in range(t) for r in range(0, gh, window) for c in range(0, gw, window)]
+    return np.concatenate(cells), tuple(cell.size * merge * merge for cell in cells)
 
 
 class Qwen2_5_VisionTransformer(nn.Module):
