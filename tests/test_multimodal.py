@@ -395,3 +395,33 @@ def test_limit_mm_per_prompt_bounds_a_prompts_images(make_vl_checkpoint):
         assert len(llm.generate("text only", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 5
     finally:
         llm.exit()
+
+
+def test_image_key_follows_everything_that_makes_the_patches():
+    """The prefix and encoder caches key an image by its source: equal images under equal pixel
+    bounds share a key; another pixel, mode, size, palette or bound gives another key."""
+    from PIL import Image
+
+    from nanoinfer.multimodal.processor import image_key
+    bounds = {"shortest_edge": 3136, "longest_edge": 50176}
+    image = random_image(40, 30, seed=1)
+    assert image_key(image, bounds) == image_key(image.copy(), dict(bounds))
+    changed = image.copy()
+    changed.putpixel((3, 4), tuple((c + 1) % 256 for c in image.getpixel((3, 4))))
+    others = [changed, image.convert("RGBA"), image.resize((30, 40)), random_image(40, 30, seed=2)]
+    keys = {image_key(image, bounds)} | {image_key(other, bounds) for other in others}
+    keys.add(image_key(image, {**bounds, "longest_edge": 40000}))
+    assert len(keys) == 6
+    indexed = Image.new("P", (8, 8))
+    indexed.putpalette([0, 0, 0] * 256)
+    repainted = indexed.copy()
+    repainted.putpalette([255, 0, 0] * 256)  # the same indices, other colours
+    assert image_key(indexed, bounds) != image_key(repainted, bounds)
+
+
+def test_preprocessing_threads_only_for_a_pil_processor(llm):
+    from nanoinfer.multimodal.processor import runs_on_pil
+    processor = llm.input_processor.multimodal.image_processor
+    names = [cls.__name__ for cls in type(processor).__mro__]
+    assert runs_on_pil(processor) == (not any("Torchvision" in n for n in names))
+    assert not runs_on_pil(type("Qwen2VLImageProcessorFast", (), {})())

@@ -52,12 +52,13 @@ class MultiModalProcessor:
 
     @contextmanager
     def batch(self, prompts: list):
-        """While inside, the images of these prompts are preprocessed in threads (PIL and numpy
-        release the GIL), all at once, ahead of each prompt's `process`; what is left is dropped."""
+        """While inside, the images of these prompts are preprocessed in threads, all at once, ahead
+        of each prompt's `process`; what is left is dropped. Only for a PIL processor: PIL and numpy
+        release the GIL, while the torchvision one is mostly Python and runs slower in threads."""
         work = [p["multi_modal_data"] for p in prompts
                 if isinstance(p, dict) and isinstance(p.get("multi_modal_data"), dict)
                 and p["multi_modal_data"].get("image") is not None and not p.get("mm_processor_kwargs")]
-        if len(work) < 2:
+        if len(work) < 2 or not runs_on_pil(self.image_processor):
             yield
             return
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="nanoinfer-images") as pool:
@@ -108,7 +109,7 @@ class MultiModalProcessor:
 
     def _preprocess(self, images: list, kwargs: dict) -> tuple[list[np.ndarray], list[tuple[int, int, int]], list[int]]:
         """Each image's patches, (t, h, w) grid and content key, through the checkpoint's image
-        processor (in `batch`'s threads: the hash, too, is work to take off the caller's thread)."""
+        processor."""
         size = processor_size(self.image_processor, kwargs)
         try:
             out = self.image_processor(images=images, return_tensors="np", size=size)
@@ -118,14 +119,27 @@ class MultiModalProcessor:
         grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"]]
         sizes = [t * h * w for t, h, w in grids]
         pixels = list(np.split(np.asarray(out["pixel_values"], dtype=np.float32), np.cumsum(sizes)[:-1]))
-        return pixels, grids, [image_key(p, g) for p, g in zip(pixels, grids)]
+        return pixels, grids, [image_key(image, size) for image in images]
 
 
-def image_key(pixels: np.ndarray, grid: tuple[int, int, int]) -> int:
+def image_key(image, size: dict) -> int:
+    """An image's content key: its mode, size, palette and pixels, and the pixel bounds it is resized
+    under. The processor is deterministic, so equal keys mean equal patches; the source image is
+    several times fewer bytes to hash than its float32 patches."""
     h = xxhash.xxh3_64()
-    h.update(np.asarray(grid, dtype=np.int64).tobytes())
-    h.update(np.ascontiguousarray(pixels).tobytes())
+    h.update(repr((image.mode, image.size, sorted(size.items()), image.info.get("transparency"))).encode())
+    palette = image.getpalette()  # (a "P" image's pixels index into it)
+    if palette:
+        h.update(bytes(palette))
+    h.update(image.tobytes())
     return h.intdigest()
+
+
+def runs_on_pil(image_processor) -> bool:
+    """Whether transformers' image processor works on PIL images (its PIL backend, or a transformers
+    4 "slow" processor) rather than torch tensors (the torchvision backend, or a 4.x "Fast" one)."""
+    names = [cls.__name__ for cls in type(image_processor).__mro__]
+    return not any("Torchvision" in name or name.endswith("Fast") for name in names)
 
 
 def processor_size(image_processor, kwargs: dict) -> dict:
