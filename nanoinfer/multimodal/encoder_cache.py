@@ -17,7 +17,7 @@ class EncoderCache:
     @torch.inference_mode()
     def step_embeds(self, step: MultiModalStep) -> tuple[torch.Tensor, torch.Tensor] | None:
         if step.encode:
-            pixels = torch.from_numpy(np.concatenate([im.pixel_values for im in step.encode])).to(self.device)
+            pixels = self._pixels_on_device([im.pixel_values for im in step.encode])
             grids = [tuple(im.grid_thw) for im in step.encode]
             for im, emb in zip(step.encode, self.model.encode_images(pixels, grids)):
                 self.embeddings[im.key] = emb
@@ -31,3 +31,14 @@ class EncoderCache:
         for key in step.free:
             self.embeddings.pop(key, None)
         return out
+
+    def _pixels_on_device(self, images: list[np.ndarray]) -> torch.Tensor:
+        """The images' patches, one after another, on the device. On CUDA they are gathered into
+        pinned memory (the caching host allocator keeps it) and copied without a wait: a pageable
+        copy of this size would stage through the driver and hold the host."""
+        parts = [torch.from_numpy(p) for p in images]
+        if self.device.type != "cuda":
+            return torch.cat(parts).to(self.device)
+        host = torch.empty((sum(p.shape[0] for p in parts), parts[0].shape[1]), dtype=parts[0].dtype, pin_memory=True)
+        torch.cat(parts, out=host)
+        return host.to(self.device, non_blocking=True)
