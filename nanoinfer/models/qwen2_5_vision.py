@@ -15,7 +15,6 @@ from functools import lru_cache
 from itertools import groupby
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 from torch import nn
