@@ -11,7 +11,7 @@ PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs")
 class ImageItem:
     offset: int               # its first token's index in the prompt
     num_tokens: int           # language-model tokens (patches / merge^2)
-    key: int                  # content hash of the image and its pixel bounds (processor.image_key): the encoder cache's and prefix cache's key
+    key: int                  # the encoder cache's and prefix cache's key (processor.image_key)
     pixel_values: np.ndarray  # [patches, C * T * P * P] float32, as the image processor made them
     grid_thw: tuple[int, int, int]
 
