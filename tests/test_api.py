@@ -395,6 +395,28 @@ def test_bad_prompt_dict_types(llm, prompt, match):
                         use_tqdm=False)[0].prompt == "a"
 
 
+@pytest.mark.parametrize("ids, error, match", [
+    ([1, True, 2], TypeError, "list of ints"),
+    ([1, 2.0], TypeError, "list of ints"),
+    ([1, "2"], TypeError, "list of ints"),
+    ([3, -1, 4], ValueError, r"in \[0, \d+\), got \[-1\]"),
+    ([5, 10**9], ValueError, r"got \[1000000000\]"),
+])
+def test_token_id_prompts_checked(llm, ids, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate([[1, 2], ids], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+def test_numpy_token_ids_equal_ints(llm):
+    import numpy as np
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ints, numpy_ints = llm.generate([[5, 6, 7], [np.int64(5), np.int32(6), 7]], sp, use_tqdm=False)
+    assert ints.prompt_token_ids == numpy_ints.prompt_token_ids == [5, 6, 7]
+    assert [type(t) for t in numpy_ints.prompt_token_ids] == [int] * 3
+    assert ints.outputs[0].token_ids == numpy_ints.outputs[0].token_ids
+
+
 def test_max_tokens_none_runs_to_max_model_len(llm):
     out = llm.generate([[1] * 200], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
     assert len(out["token_ids"]) == 56 and out["finish_reason"] == "length"

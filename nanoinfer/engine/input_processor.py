@@ -157,11 +157,14 @@ class InputProcessor:
                 raise ValueError("prompt is an empty string")
             token_ids = encode(self.tokenizer, prompt)  # a lone surrogate: ValueError
         elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+            if set(map(type, prompt)) == {int}:  # the common case, checked without per-token isinstance
+                token_ids = list(prompt)
+            elif all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+                token_ids = [int(t) for t in prompt]  # numpy / torch integers too
+            else:
                 raise TypeError("a token-id prompt must be a list of ints")
-            token_ids = [int(t) for t in prompt]  # numpy / torch integers too
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
+            if token_ids and not (0 <= min(token_ids) and max(token_ids) < self.vocab_size):
+                bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
                 raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         else:
             raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
