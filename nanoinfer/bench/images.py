@@ -128,8 +128,9 @@ def image_workload(llm, args, bound_of, flops_rate: float | None, run) -> None:
     from nanoinfer import SamplingParams
     cuda = llm.config.device == "cuda"
     sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.image_output_len)
-    # warm-up: a few requests of the same shapes (kernels compile, image sizes seen once)
-    llm.generate(image_requests(llm, min(args.images, 4), args.image_size, args.image_input_len, seed=1),
+    # warm-up, as bench.py's for text: as many requests of the same shapes, other images (kernels
+    # compile for the step's sizes, the pinned staging of a step's pixels is allocated once)
+    llm.generate(image_requests(llm, args.images, args.image_size, args.image_input_len, seed=1),
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     requests = image_requests(llm, args.images, args.image_size, args.image_input_len)
     timer = EncoderTimer(llm.model_runner.model, cuda) if args.tensor_parallel_size == 1 else None

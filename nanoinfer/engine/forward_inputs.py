@@ -43,14 +43,16 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
         names["inflight_sources"] = staged.add(step.inflight_sources)
         if len(step.inflight_rows) != num_tokens:
             names["inflight_rows"] = staged.add(step.inflight_rows)
+    if step.rope_positions is not None:  # M-RoPE: [1, N], or [3, N] in a step with image tokens
+        names["rope_positions"] = staged.add(np.asarray(step.rope_positions, dtype=np.int64))
     sent = staged.send(device)
     t = {name: sent[i] for name, i in names.items()}
     input_ids, positions = t.pop("input_ids"), t.pop("positions")
+    rope = t.pop("rope_positions", None)
+    if rope is not None:
+        positions = rope[0] if rope.shape[0] == 1 else rope
     sources, inflight_rows = t.pop("inflight_sources", None), t.pop("inflight_rows", None)
     set_context(**context, **t)  # block tables, slots, lengths (and logits_indices, lora_slots)
-    if step.rope_positions is not None:  # M-RoPE: [N], or [3, N] in a step with image tokens
-        rope = torch.tensor(step.rope_positions, dtype=torch.int64)
-        positions = (rope[0] if rope.shape[0] == 1 else rope).to(device, non_blocking=True)
     if sources is not None:
         tokens = prev_tokens.index_select(0, sources)
         if inflight_rows is None:  # every row: one gather

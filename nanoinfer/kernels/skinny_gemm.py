@@ -127,17 +127,25 @@ def _skinny_gemm_kernel(x_ptr, stride_x, w_ptr, b_ptr, y_ptr, stride_y, res_ptr,
         tl.store(y_ptr + rm[None, :] * stride_y + rn[:, None], acc.to(DTYPE), mask=out_mask)
 
 
-def default_config(m: int, n: int, k: int) -> dict:
-    """Tiles and launch options for M rows of an [n, k] weight, from sweeps on the H200
-    (nanoinfer.bench.skinny_gemm --sweep): enough programs to cover the SMs, splitting K when the
-    output features alone are too few; 16-row tiles while they hold M."""
+def default_config(m: int, n: int, k: int, element_bytes: int = 2) -> dict:
+    """Tiles and launch options for M rows of an [n, k] weight of `element_bytes` elements, from
+    sweeps on the H200 (nanoinfer.bench.skinny_gemm --sweep): enough programs to cover the SMs,
+    splitting K when the output features alone are too few; 16-row tiles while they hold M; as many
+    pipeline stages (up to 4) as fit the shared memory, which float32 tiles fill twice as fast."""
     block_n = 32 if n < 8192 and k <= 2048 else 64
     tiles = triton.cdiv(n, block_n)
     split_k = 1
     while tiles * split_k < 128 and k // (split_k * 2) >= 256:
         split_k *= 2
-    return dict(BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split_k,
-                num_warps=4, num_stages=4)
+    block_m, block_k = max(16, triton.next_power_of_2(m)), 128
+    stage_bytes = (block_m + block_n) * block_k * element_bytes  # one stage's x and weight tiles
+    stages = max(1, min(4, _STAGE_BUDGET // stage_bytes))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=stages)
+
+
+# shared memory for the pipelined tiles: half the H100/H200's 227 KiB, as the norm and SiLU
+# prologues' layout changes take scratch of their own (bf16 tiles always get 4 stages)
+_STAGE_BUDGET = 128 * 1024
 
 
 class _Workspace:
@@ -194,7 +202,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"skinny_gemm: out must be [{M}, {N}] of {weight.dtype} with contiguous rows, got "
                          f"{tuple(out.shape)} of {out.dtype}")
     y = torch.empty((M, N), dtype=weight.dtype, device=x.device) if out is None else out
-    cfg = dict(config or default_config(M, N, K))
+    cfg = dict(config or default_config(M, N, K, weight.element_size()))
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     parts, counts = _WORKSPACE.get(x.device, cfg["SPLIT_K"] * M * N if cfg["SPLIT_K"] > 1 else 0, tiles)
     cfg.update(pdl_options(x.device))

@@ -26,6 +26,7 @@ from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from nanoinfer.layers.model_build import ModelBuild, join
 from nanoinfer.layers.rotary_embedding import apply_rotary
+from nanoinfer.utils.device_copy import tensor_to_device
 from nanoinfer.utils.loader import check_shape
 
 
@@ -231,9 +232,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
         x = self.patch_embed["proj"](pixels)
         n = x.shape[0]
         groups, windows = window_order(grids, self.merge, self.window)
-        groups = groups.to(dev)
+        groups = tensor_to_device(groups, dev)
         rows = (groups[:, None] * unit + torch.arange(unit, device=dev)).flatten()  # patch rows, window order
-        freqs = patch_positions(grids, self.merge).to(dev)[rows, :, None].float() * self.inv_freq  # [N, 2, hd/4]
+        positions = tensor_to_device(patch_positions(grids, self.merge), dev)
+        freqs = positions[rows, :, None].float() * self.inv_freq  # [N, 2, hd/4]
         freqs = freqs.flatten(1)
         rope = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         x = x[rows]

@@ -12,6 +12,7 @@ from torch import nn
 from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.layers.model_build import ModelBuild, join
 from nanoinfer.models.qwen2_5_vision import PatchEmbed, VisionAttention, patch_positions
+from nanoinfer.utils.device_copy import tensor_to_device
 
 
 class VisionMLP(nn.Module):
@@ -93,7 +94,7 @@ class Qwen3VLVisionTransformer(nn.Module):
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Every image's embeddings and DeepStack features: [patches / merge^2, 1 + deepstack, out_dim]."""
         x = self.patch_embed["proj"](pixels) + self._position_embeddings(grids)
-        freqs = patch_positions(grids, self.merge).to(x.device)[:, :, None].float() * self.inv_freq
+        freqs = tensor_to_device(patch_positions(grids, self.merge), x.device)[:, :, None].float() * self.inv_freq
         freqs = freqs.flatten(1)
         rope = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         frames = [h * w for t, h, w in grids for _ in range(t)]

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from nanoinfer.engine.step_message import MultiModalStep
+from nanoinfer.utils.device_copy import to_device
 
 
 class EncoderCache:
@@ -27,7 +28,7 @@ class EncoderCache:
             for key, first, count, row in step.placements:
                 values.append(self.embeddings[key][first:first + count])
                 rows.extend(range(row, row + count))
-            out = (torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True), torch.cat(values))
+            out = (to_device(rows, torch.int64, self.device), torch.cat(values))
         for key in step.free:
             self.embeddings.pop(key, None)
         return out

@@ -1,4 +1,8 @@
-"""Host lists -> device tensors, without waiting for the copy."""
+"""Host lists and tensors -> device tensors, without waiting for the copy.
+
+A CUDA copy from pageable host memory first waits for the stream's queued work, so one such copy
+while the previous step runs stalls the host for the rest of that step. Copies go through
+pinned memory instead (the caching host allocator keeps it until the copy has run)."""
 from array import array
 
 import torch
@@ -18,3 +22,10 @@ def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
     else:
         t = torch.tensor(data, dtype=dtype, pin_memory=pin)
     return t.to(device, non_blocking=True)
+
+
+def tensor_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on `device`, enqueued (through pinned memory on CUDA)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
