@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from nanoinfer.kernels.torch_attention import paged_attention_torch
-from nanoinfer.kernels.triton_attention import decode_attention, decode_num_splits, prefill_attention
+from nanoinfer.kernels.triton_attention import (decode_attention, decode_num_splits, prefill_attention,
+                                                prefill_heads_per_program)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,7 +37,7 @@ def rel_err(out, ref):
 
 
 def run_prefill(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                strided_q=False, extra_blocks=3, device=DEV):
+                strided_q=False, extra_blocks=3, device=DEV, config=None):
     num_blocks = sum((c + block_size - 1) // block_size for c in ctx_lens) + extra_blocks
     k_cache, v_cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     bt = make_block_tables(ctx_lens, block_size, num_blocks, device=device)
@@ -50,7 +51,7 @@ def run_prefill(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size,
                       device=device)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     scale = head_dim ** -0.5
-    out = prefill_attention(q, k_cache, v_cache, cu, ctx, bt, max(q_lens), scale)
+    out = prefill_attention(q, k_cache, v_cache, cu, ctx, bt, max(q_lens), scale, config=config)
     ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), q_lens, ctx_lens, bt, scale)
     assert out.shape == (total, num_heads, head_dim) and out.dtype == dtype and out.is_contiguous()
     assert torch.isfinite(out).all()
@@ -101,6 +102,21 @@ def test_prefill_cached_prefix_and_chunked(dtype):
     q_lens, ctx_lens = [9, 20, 13, 1], [41, 70, 13, 48]
     err = run_prefill(q_lens, ctx_lens, 4, 2, 32, 16, dtype, strided_q=True)
     assert err < tol(dtype), err
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (8, 2), (6, 2), (4, 4)])
+@pytest.mark.parametrize("pack_gqa", [True, False])
+def test_prefill_packs_a_gqa_group_per_program(heads, pack_gqa):
+    """A program may take every query head of a KV head (its rows are (token, head) pairs): ragged
+    rows, a cached prefix and a chunk in the middle of a prompt come out as with one head a
+    program. (6, 2): a group of 3 is not packed."""
+    torch.manual_seed(5)
+    cfg = {"block_m": 32, "block_n": 16, "num_warps": 4, "num_stages": 1, "pack_gqa": pack_gqa}
+    group = heads[0] // heads[1]
+    assert prefill_heads_per_program(group, 32, pack_gqa) == (group if pack_gqa and group in (2, 4) else 1)
+    err = run_prefill([9, 20, 13, 1], [41, 70, 13, 48], heads[0], heads[1], 16, 16, torch.float32,
+                      strided_q=True, config=cfg)
+    assert err < 1e-5, err
 
 
 def test_prefill_padded_as_in_a_cuda_graph():

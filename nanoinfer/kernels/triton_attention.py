@@ -44,8 +44,10 @@ output. q stays in its own dtype (no fp8 dot).
 
 Tile configs (DECODE_CFG, PREFILL_CFG) are the best of nanoinfer/bench/kernels.py --sweep on an
 H200: for decode BLOCK_N 64 with 2-4 warps and 3-4 stages (32 or 256 lost); for prefill (128, 128)
-tiles, 8 warps, 3 stages. Not tried yet: more splits than max_splits, or BLOCK_N 128, for a single
-long sequence (the decode case furthest below the copy bandwidth).
+tiles, 8 warps, 3 stages, one head a program, when rows are long, and (128, 32) tiles, 4 warps, a
+GQA group a program, when they are short (SHORT_PREFILL_CFG). Not tried yet: more splits than
+max_splits, or BLOCK_N 128, for a single long sequence (the decode case furthest below the copy
+bandwidth).
 """
 
 import torch
@@ -281,23 +283,29 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: flo
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
                     stride_ot, stride_oh, qk_scale, k_scale_ptr, v_scale_ptr,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     FP32: tl.constexpr, KV_FP8: tl.constexpr):
-    h = tl.program_id(0)
+    # A program takes PACK query heads that share one KV head (PACK = 1 or GROUP) over TOK query
+    # tokens: its BLOCK_M rows are (token, head) pairs, token-major, so each K/V tile it loads
+    # serves every head of the group.
+    TOK: tl.constexpr = BLOCK_M // PACK
+    head_group = tl.program_id(0)
     seq = tl.program_id(1)
     m_tile = tl.num_programs(2) - 1 - tl.program_id(2)  # heaviest (latest) query tiles first
     q_start = tl.load(cu_ptr + seq)
     q_len = tl.load(cu_ptr + seq + 1) - q_start
-    if m_tile * BLOCK_M >= q_len:
+    if m_tile * TOK >= q_len:
         return
     ctx = tl.load(ctx_ptr + seq)
     prefix = ctx - q_len
-    kvh = h // GROUP
+    kvh = head_group * PACK // GROUP
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
 
-    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = m_tile * TOK + offs_r // PACK        # each row's query token
+    heads = head_group * PACK + offs_r % PACK     # and head
     offs_d = tl.arange(0, D_PAD)
     offs_n = tl.arange(0, BLOCK_N)
     m_mask = offs_m < q_len
@@ -306,7 +314,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
     else:
         q_mask = m_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask,
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask,
                 other=0.0)
     q_pos = prefix + offs_m
 
@@ -316,9 +324,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
     bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
     kv_head = kvh * stride_kh
 
-    first_q = prefix + m_tile * BLOCK_M
+    first_q = prefix + m_tile * TOK
     full_end = (first_q // BLOCK_N) * BLOCK_N           # keys below: visible to every row, all < ctx
-    hi = tl.minimum(ctx, first_q + BLOCK_M)            # keys at or past hi: visible to no row
+    hi = tl.minimum(ctx, first_q + TOK)                # keys at or past hi: visible to no row
 
     # phase 1: fully visible key tiles, no masks
     for start in range(0, full_end, BLOCK_N):
@@ -386,20 +394,32 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+    tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-PREFILL_CFG = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+PREFILL_CFG = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "pack_gqa": False}
+# Steps whose queries are at most SHORT_PREFILL_MAX_Q tokens a row: each program sees few key tiles,
+# so narrow key tiles (less of the diagonal tile masked away) and a whole GQA group per program
+# (fewer programs, each K/V tile loaded once for the group) win; long rows favour PREFILL_CFG.
+SHORT_PREFILL_CFG = {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3, "pack_gqa": True}
+SHORT_PREFILL_MAX_Q = 1024
 
 
-def _prefill_config(head_dim: int, device: torch.device) -> dict:
+def _prefill_config(head_dim: int, device: torch.device, max_seqlen_q: int) -> dict:
     if device.type != "cuda":  # interpreter: small tiles keep CPU tests quick
         return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1}
-    cfg = dict(PREFILL_CFG)
     if head_dim > 128:
-        cfg.update(block_m=64, block_n=32, num_stages=2)
-    return cfg
+        return dict(PREFILL_CFG, block_m=64, block_n=32, num_stages=2)
+    return dict(SHORT_PREFILL_CFG if max_seqlen_q <= SHORT_PREFILL_MAX_Q else PREFILL_CFG)
+
+
+def prefill_heads_per_program(group: int, block_m: int, pack_gqa: bool = True) -> int:
+    """The query heads a prefill program takes: the whole GQA group (its K/V loaded once for all)
+    when the group is a power of two that leaves at least 8 tokens a tile, else one."""
+    if pack_gqa and group > 1 and group & (group - 1) == 0 and block_m // group >= 8:
+        return group
+    return 1
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
@@ -417,16 +437,18 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     batch = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or batch == 0 or max_seqlen_q == 0:
         return out
-    cfg = dict(_prefill_config(head_dim, q.device), **(config or {}))
+    cfg = dict(_prefill_config(head_dim, q.device, max_seqlen_q), **(config or {}))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_m, block_n = cfg["block_m"], cfg["block_n"]
-    grid = (num_heads, batch, triton.cdiv(max_seqlen_q, block_m))
+    group = num_heads // num_kv_heads
+    pack = prefill_heads_per_program(group, block_m, cfg.get("pack_gqa", True))
+    grid = (num_heads // pack, batch, triton.cdiv(max_seqlen_q, block_m // pack))
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
         scale_or_unit(k_scale, q.device), scale_or_unit(v_scale, q.device),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        GROUP=group, PACK=pack, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, FP32=q.dtype == torch.float32, KV_FP8=is_fp8_cache(k_cache),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
