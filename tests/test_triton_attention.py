@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from nanoinfer.kernels.torch_attention import paged_attention_torch
-from nanoinfer.kernels.triton_attention import (decode_attention, decode_num_splits, prefill_attention,
+from nanoinfer.kernels.triton_attention import (PREFILL_CFG, SHORT_PREFILL_CFG, decode_attention,
+                                                decode_num_splits, prefill_attention, prefill_config,
                                                 prefill_heads_per_program)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,6 +120,17 @@ def test_prefill_packs_a_gqa_group_per_program(heads, pack_gqa):
     assert err < 1e-5, err
 
 
+def test_prefill_config_short_rows_only_in_large_steps():
+    cuda = torch.device("cuda")  # (only its type is read)
+    assert prefill_config(128, cuda, 512, 16384) == SHORT_PREFILL_CFG
+    assert prefill_config(128, cuda, 1024, 4096) == SHORT_PREFILL_CFG
+    assert prefill_config(128, cuda, 2048, 16384) == PREFILL_CFG  # long rows
+    assert prefill_config(128, cuda, 4, 4) == PREFILL_CFG         # a verify step, a graph's mixed step
+    assert prefill_config(128, cuda, 512, 2048) == PREFILL_CFG
+    assert prefill_config(256, cuda, 512, 16384)["block_m"] == 64  # wide heads: smaller tiles
+    assert not PREFILL_CFG["pack_gqa"] and SHORT_PREFILL_CFG["pack_gqa"]
+
+
 def test_prefill_padded_as_in_a_cuda_graph():
     """As a graph for steps with prompt chunks runs it (engine/graph_runner.py, GraphRunner._replay_mixed): more rows than
     the step's, with no query tokens, padded query tokens past the last row, and max_seqlen_q the
@@ -223,6 +235,11 @@ def test_cuda_prefill(heads, head_dim, block_size):
     assert err < 1.5e-2, err
     err = run_prefill([333, 129], [900, 129], heads[0], heads[1], head_dim, block_size, torch.float16)
     assert err < 2e-3, err
+    # a large step of short rows (SHORT_PREFILL_CFG: a GQA group a program), prefixes included
+    q_lens = [1000, 1, 700, 64, 1024, 900, 513, 100]
+    err = run_prefill(q_lens, [1000, 300, 1500, 64, 1024, 900, 2000, 100], heads[0], heads[1], head_dim,
+                      block_size, torch.bfloat16, strided_q=True)
+    assert err < 1.5e-2, err
 
 
 @pytest.mark.cuda

@@ -44,8 +44,8 @@ output. q stays in its own dtype (no fp8 dot).
 
 Tile configs (DECODE_CFG, PREFILL_CFG) are the best of nanoinfer/bench/kernels.py --sweep on an
 H200: for decode BLOCK_N 64 with 2-4 warps and 3-4 stages (32 or 256 lost); for prefill (128, 128)
-tiles, 8 warps, 3 stages, one head a program, when rows are long, and (128, 32) tiles, 4 warps, a
-GQA group a program, when they are short (SHORT_PREFILL_CFG). Not tried yet: more splits than
+tiles, 8 warps, 3 stages, one head a program, except in large steps of short rows: (128, 32)
+tiles, 4 warps, a GQA group a program (SHORT_PREFILL_CFG). Not tried yet: more splits than
 max_splits, or BLOCK_N 128, for a single long sequence (the decode case furthest below the copy
 bandwidth).
 """
@@ -399,19 +399,25 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
 
 
 PREFILL_CFG = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3, "pack_gqa": False}
-# Steps whose queries are at most SHORT_PREFILL_MAX_Q tokens a row: each program sees few key tiles,
-# so narrow key tiles (less of the diagonal tile masked away) and a whole GQA group per program
-# (fewer programs, each K/V tile loaded once for the group) win; long rows favour PREFILL_CFG.
+# Large steps (at least SHORT_PREFILL_MIN_TOKENS query tokens) whose rows are at most
+# SHORT_PREFILL_MAX_Q tokens: each program sees few key tiles, so narrow key tiles (less of the
+# diagonal tile masked away) and a whole GQA group per program (fewer programs, each K/V tile
+# loaded once for the group) win; long rows favour PREFILL_CFG. Small steps (a speculative verify,
+# the CUDA graphs' mixed steps, whose decode rows attend to long contexts one query at a time)
+# keep PREFILL_CFG: fewer, wider key tiles a program.
 SHORT_PREFILL_CFG = {"block_m": 128, "block_n": 32, "num_warps": 4, "num_stages": 3, "pack_gqa": True}
 SHORT_PREFILL_MAX_Q = 1024
+SHORT_PREFILL_MIN_TOKENS = 4096
 
 
-def _prefill_config(head_dim: int, device: torch.device, max_seqlen_q: int) -> dict:
+def prefill_config(head_dim: int, device: torch.device, max_seqlen_q: int, total_q: int) -> dict:
+    """The prefill kernel's tiles for a step of `total_q` query tokens, rows of at most max_seqlen_q."""
     if device.type != "cuda":  # interpreter: small tiles keep CPU tests quick
         return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1}
     if head_dim > 128:
         return dict(PREFILL_CFG, block_m=64, block_n=32, num_stages=2)
-    return dict(SHORT_PREFILL_CFG if max_seqlen_q <= SHORT_PREFILL_MAX_Q else PREFILL_CFG)
+    short = max_seqlen_q <= SHORT_PREFILL_MAX_Q and total_q >= SHORT_PREFILL_MIN_TOKENS
+    return dict(SHORT_PREFILL_CFG if short else PREFILL_CFG)
 
 
 def prefill_heads_per_program(group: int, block_m: int, pack_gqa: bool = True) -> int:
@@ -437,7 +443,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     batch = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or batch == 0 or max_seqlen_q == 0:
         return out
-    cfg = dict(_prefill_config(head_dim, q.device, max_seqlen_q), **(config or {}))
+    cfg = dict(prefill_config(head_dim, q.device, max_seqlen_q, total_q), **(config or {}))
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     group = num_heads // num_kv_heads
