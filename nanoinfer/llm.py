@@ -149,7 +149,9 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
             return list(lora_request)
         return [lora_request] * num_prompts
 
-    def _run_to_completion(self, request_ids: list[int], use_tqdm) -> list[RequestOutput]:
+    def _run_to_completion(self, request_ids: list[int], use_tqdm, convert=None) -> list:
+        """Each request's output, in order, once all have finished; `convert` (if given) is applied
+        to each as it is popped."""
         position = {rid: i for i, rid in enumerate(request_ids)}
         results: list[RequestOutput | None] = [None] * len(request_ids)
         left = len(request_ids)
@@ -165,7 +167,8 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
                 for rid in finished:
                     if rid not in position:
                         continue  # another caller's request
-                    out = results[position[rid]] = self.pop_output(rid)
+                    out = self.pop_output(rid)
+                    results[position[rid]] = convert(out) if convert is not None else out
                     left -= 1
                     in_tokens += len(out.prompt_token_ids)
                     if isinstance(out, RequestOutput):  # (an embedding's output has no tokens)

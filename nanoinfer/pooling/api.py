@@ -14,18 +14,22 @@ class PoolingAPI:
         """prompts as generate() takes them; pooling_params: one PoolingParams for all (None: the
         defaults) or one per prompt; lora_request as generate() takes it (enable_lora=True). One
         PoolingRequestOutput per prompt, in order, `outputs.data` its pooled vector (a float32 tensor)."""
+        return self._pool(prompts, pooling_params, use_tqdm, priority, lora_request)
+
+    def embed(self, prompts, pooling_params=None, use_tqdm=True, priority=None,
+              lora_request=None) -> list[EmbeddingRequestOutput]:
+        """encode(), each result as `outputs.embedding`: a list of floats."""
+        return self._pool(prompts, pooling_params, use_tqdm, priority, lora_request, EmbeddingRequestOutput.of)
+
+    def _pool(self, prompts, pooling_params, use_tqdm, priority, lora_request, convert=None) -> list:
+        """encode()'s run; `convert` is applied to each output as its request finishes (while
+        later steps run on the device, rather than to all of them at the end)."""
         prompts, _ = self._normalize(prompts, None)
         loras = self._lora_requests(lora_request, len(prompts))
         with self.driving():  # before queuing, as generate()
             rids = self.add_requests(prompts, per_prompt(pooling_params, len(prompts)), keep_output=True,
                                      priority=priority, lora_requests=loras)
-            return self._run_to_completion(rids, use_tqdm)  # (LLM's)
-
-    def embed(self, prompts, pooling_params=None, use_tqdm=True, priority=None,
-              lora_request=None) -> list[EmbeddingRequestOutput]:
-        """encode(), each result as `outputs.embedding`: a list of floats."""
-        return [EmbeddingRequestOutput.of(out)
-                for out in self.encode(prompts, pooling_params, use_tqdm, priority, lora_request)]
+            return self._run_to_completion(rids, use_tqdm, convert)  # (LLM's)
 
     def score(self, text_1, text_2, pooling_params=None, use_tqdm=True) -> list[ScoringRequestOutput]:
         """The cosine similarity of text_1's and text_2's embeddings: one text against one, one
