@@ -14,6 +14,7 @@ as long as the kernel), so their eager timings vary from run to run. Decode can 
 the copy ceiling: its KV stream is read-only, while a copy is half writes.
 """
 import argparse
+import itertools
 import math
 import sys
 
@@ -246,21 +247,22 @@ def sweep_splits(copy_bw):
     print(f"  64x4096 with width 32768 tokens (default cfg): {100 * nbytes / (t * 1e-3) / copy_bw:.1f}%")
 
 
-def sweep_prefill(sdpa_best):
-    print("\n## prefill sweep (block_m, block_n, warps, stages)")
-    inputs = prefill_inputs()
+def sweep_prefill(sdpa_best, batch=8, seqlen=2048):
+    print(f"\n## prefill sweep, {batch}x{seqlen} (block_m, block_n, warps, stages, a GQA group a program)")
+    inputs = prefill_inputs(batch, seqlen)
     rows = []
-    for bm, bn, w, s in [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2),
-                         (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2),
-                         (128, 32, 8, 3), (128, 64, 8, 4), (64, 32, 4, 3), (128, 128, 4, 2)]:
-        cfg = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s}
+    for (bm, bn, w, s), pack in itertools.product(
+            [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
+             (64, 64, 4, 4), (64, 128, 4, 2), (128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8, 4), (64, 32, 4, 3),
+             (128, 128, 4, 2)], (False, True)):
+        cfg = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": s, "pack_gqa": pack}
         try:
-            t, fl, err = run_prefill(inputs, cfg)
+            t, fl, err = run_prefill(inputs, cfg, batch, seqlen)
         except Exception as e:  # noqa: BLE001
             print(f"  {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
             continue
         rows.append((fl, cfg))
-        print(f"  bm={bm:3d} bn={bn:3d} w={w} st={s} {t * 1e3:8.1f} us {fl / 1e12:6.1f} TFLOP/s "
+        print(f"  bm={bm:3d} bn={bn:3d} w={w} st={s} pack={int(pack)} {t * 1e3:8.1f} us {fl / 1e12:6.1f} TFLOP/s "
               f"{fl / sdpa_best:5.2f}x sdpa err={err:.1e}")
     rows.sort(key=lambda r: -r[0])
     print(f"  best: {rows[0][0] / 1e12:.1f} TFLOP/s {rows[0][1]}")
@@ -274,10 +276,14 @@ def main():
     ap.add_argument("--splits", action="store_true")
     ap.add_argument("--graph-splits", action="store_true")
     ap.add_argument("--ragged", action="store_true", help="splits sweep on engine-like ragged decode steps")
+    ap.add_argument("--prefill-shape", type=int, nargs=2, default=(8, 2048), metavar=("ROWS", "LEN"),
+                    help="--sweep's prefill step: ROWS prompts of LEN tokens (a multiple of 256)")
     ap.add_argument("--heads", type=int, nargs=2, default=(H, KVH), metavar=("Q", "KV"),
                     help="attention heads of the shapes (per rank: tensor parallelism divides both)")
     args = ap.parse_args()
     H, KVH = args.heads
+    if args.prefill_shape[0] < 1 or args.prefill_shape[1] < BS or args.prefill_shape[1] % BS:
+        ap.error(f"--prefill-shape: ROWS >= 1 and LEN a positive multiple of {BS}, got {args.prefill_shape}")
     if KVH < 1 or H % KVH:
         ap.error(f"--heads: Q must be a multiple of KV (>= 1), got {H} {KVH}")
     torch.manual_seed(0)
@@ -299,7 +305,7 @@ def main():
         sweep_ragged(copy_bw)
     if args.sweep:
         sweep_decode(copy_bw)
-        sweep_prefill(sdpa_best)
+        sweep_prefill(sdpa_best, *args.prefill_shape)
     print("\n## results (defaults: decode %s, prefill %s)" % (ta.DECODE_CFG, ta.PREFILL_CFG))
     print(f"| what | time | achieved | vs ceiling | target | rel err |")
     print(f"|---|---|---|---|---|---|")
