@@ -413,7 +413,7 @@ SHORT_PREFILL_MIN_TOKENS = 4096
 def prefill_config(head_dim: int, device: torch.device, max_seqlen_q: int, total_q: int) -> dict:
     """The prefill kernel's tiles for a step of `total_q` query tokens, rows of at most max_seqlen_q."""
     if device.type != "cuda":  # interpreter: small tiles keep CPU tests quick
-        return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1}
+        return {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1, "pack_gqa": True}
     if head_dim > 128:
         return dict(PREFILL_CFG, block_m=64, block_n=32, num_stages=2)
     short = max_seqlen_q <= SHORT_PREFILL_MAX_Q and total_q >= SHORT_PREFILL_MIN_TOKENS
@@ -447,7 +447,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     group = num_heads // num_kv_heads
-    pack = prefill_heads_per_program(group, block_m, cfg.get("pack_gqa", True))
+    pack = prefill_heads_per_program(group, block_m, cfg["pack_gqa"])
     grid = (num_heads // pack, batch, triton.cdiv(max_seqlen_q, block_m // pack))
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
