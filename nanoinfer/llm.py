@@ -153,7 +153,7 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
         """Each request's output, in order, once all have finished; `convert` (if given) is applied
         to each as it is popped."""
         position = {rid: i for i, rid in enumerate(request_ids)}
-        results: list[RequestOutput | None] = [None] * len(request_ids)
+        results: list = [None] * len(request_ids)  # (converted outputs, with `convert`)
         left = len(request_ids)
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
         bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,

@@ -420,7 +420,7 @@ def prefill_config(head_dim: int, device: torch.device, max_seqlen_q: int, total
     return dict(SHORT_PREFILL_CFG if short else PREFILL_CFG)
 
 
-def prefill_heads_per_program(group: int, block_m: int, pack_gqa: bool = True) -> int:
+def prefill_heads_per_program(group: int, block_m: int, pack_gqa: bool) -> int:
     """The query heads a prefill program takes: the whole GQA group (its K/V loaded once for all)
     when the group is a power of two that leaves at least 8 tokens a tile, else one."""
     if pack_gqa and group > 1 and group & (group - 1) == 0 and block_m // group >= 8:
