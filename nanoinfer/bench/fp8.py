@@ -4,7 +4,8 @@
 
 Each row is one projection at M tokens: bf16 cuBLAS (torch.mm); FP8 W8A8 with per-token activation
 scales through torch._scaled_mm (row-wise weight scales, what per-channel checkpoints and online
-fp8 run); FP8 W8A8 with 128x128 block weight scales and per-token-group activations through the
+fp8 run), also with fast accumulation (use_fast_accum: the tensor cores' FP8 accumulator without
+periodic promotion to float32, which vLLM's CUTLASS FP8 kernels use); FP8 W8A8 with 128x128 block weight scales and per-token-group activations through the
 Triton GEMM (kernels/fp8_gemm.py, what Qwen3-FP8 runs); the ones also through the Triton GEMM with
 row-wise scales (to compare it with _scaled_mm). Every FP8 time includes the activation
 quantization kernel (kernels/fp8_quant.py). M = 1 rows compare the GEMVs (kernels/gemv.py,
@@ -44,9 +45,9 @@ def calls(m, n, k):
                 "fp8 GEMV (per channel)": [lambda q=q, r=r: fp8_gemv(x, q, r, k) for _, q, r, _ in ws],
                 "fp8 GEMV (128x128 blocks)": [lambda q=q, b=b: fp8_gemv(x, q, b, 128) for _, q, _, b in ws]}
 
-    def scaled_mm(q, r):
+    def scaled_mm(q, r, fast=False):
         xq, xs = quantize_fp8(x)
-        return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=r.t(), out_dtype=torch.bfloat16)
+        return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=r.t(), out_dtype=torch.bfloat16, use_fast_accum=fast)
 
     def triton_rows(q, r):
         xq, xs = quantize_fp8(x)
@@ -58,6 +59,7 @@ def calls(m, n, k):
 
     return {"bf16 cuBLAS": [lambda w=w: torch.mm(x, w.t()) for w, _, _, _ in ws],
             "fp8 _scaled_mm (row-wise)": [lambda q=q, r=r: scaled_mm(q, r) for _, q, r, _ in ws],
+            "fp8 _scaled_mm (fast accum)": [lambda q=q, r=r: scaled_mm(q, r, True) for _, q, r, _ in ws],
             "fp8 Triton (row-wise)": [lambda q=q, r=r: triton_rows(q, r) for _, q, r, _ in ws],
             "fp8 Triton (128x128 blocks)": [lambda q=q, b=b: triton_blocks(q, b) for _, q, _, b in ws]}
 

@@ -72,12 +72,16 @@ def supports(scale: torch.Tensor, group_k: int) -> bool:
 
 
 def default_config(n: int, k: int, group_k: int, kb: int) -> dict:
-    """kernels/gemv.py's tiles with K tiles twice as long (untuned: the same bytes a tile as its
-    bf16 ones); with block scales the K tile is a whole number of groups."""
-    block_k = min(2048, triton.next_power_of_2(k))
+    """From a sweep on the H200 at the 8B projections with the engine's prologues (tiles of 4-16
+    rows, 1-4K columns, 4/8 warps, 2/3 stages): eight output features a program over K tiles of up
+    to 4096 bytes, which keeps twice the bytes in flight a program of kernels/gemv.py's bf16 tiles;
+    four features when eight would leave fewer than two programs an SM (the 0.6B shapes). With block
+    scales the K tile is a whole number of groups."""
+    block_k = min(4096, triton.next_power_of_2(k))
     if kb > 1:
         block_k = max(block_k, group_k)
-    return dict(BLOCK_N=4, BLOCK_K=block_k, num_warps=4 if k >= 4096 else 8, num_stages=2)
+    block_n = 8 if n >= 8 * 2 * 132 else 4
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=2)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int,

@@ -38,9 +38,12 @@ prefill alike. Two loops: the key tiles wholly below the tile's first query posi
 all), then the diagonal tiles (causal and length masks). q may be a strided view (of a fused qkv).
 
 FP8 cache (float8_e4m3fn k_cache/v_cache, kv_cache_dtype="fp8"): the kernels load the fp8 tiles,
-widen them in registers to q's dtype (exact: every e4m3 value is an fp16/bf16 value) and fold the
-layer's scales in where they cost one multiply: k_scale into the softmax scale, v_scale into the
-output. q stays in its own dtype (no fp8 dot).
+widen them in registers to float16 (exact: every e4m3 value is a float16 value; one instruction
+for two, where bf16 takes two more a value and left the kernels convert-bound) and fold the layer's
+scales in where they cost one multiply: k_scale into the softmax scale, v_scale into the output.
+The dots run in float16: q is converted to it (exact for a bf16 q within float16's range, to which
+it is clamped), and so is P. A float32 model keeps float32 throughout. No fp8 dot. Decode over an
+FP8 cache uses DECODE_FP8_CFG's pipeline depth.
 
 Tile configs (DECODE_CFG, PREFILL_CFG) are the best of nanoinfer/bench/kernels.py --sweep on an
 H200: for decode BLOCK_N 64 with 2-4 warps and 3-4 stages (32 or 256 lost); for prefill (128, 128)
@@ -65,6 +68,16 @@ def _kv_offsets(bt_ptr, pos, n_mask, BLOCK_SIZE: tl.constexpr, stride_kb, stride
     """Element offset of each token row `pos` (without head/dim offsets) through the block table."""
     phys = tl.load(bt_ptr + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     return phys * stride_kb + (pos % BLOCK_SIZE) * stride_kt
+
+
+@triton.jit
+def _q_for_fp8_cache(q, FP32: tl.constexpr):
+    """q for the dots with an FP8 cache's tiles: in float16 (float32 for a float32 model), into
+    which e4m3 widens in one instruction; bf16 needs two more a value, which made the kernels
+    convert-bound. bf16 -> float16 is exact over float16's range, which q is clamped to."""
+    if not FP32:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
 
 
 # --------------------------------------------------------------------------------------- decode
@@ -102,6 +115,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
         q_mask = g_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=q_mask, other=0.0)
+    if KV_FP8:
+        q = _q_for_fp8_cache(q, FP32)
     if not USE_DOT:
         q = q.to(tl.float32)
 
@@ -122,8 +137,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         if KV_FP8:
-            k = k.to(q_ptr.dtype.element_ty)
-            v = v.to(q_ptr.dtype.element_ty)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if USE_DOT:
             if FP32:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -210,6 +225,8 @@ def _num_sms(device: torch.device) -> int:
 # even with longest-first ordering, ragged steps gained from splitting to about two waves of programs.
 DECODE_CFG = {"block_n": 64, "num_warps": 2, "num_stages": 3, "programs_per_sm": 4,
               "max_splits": 64, "dot_min_group": 1}
+# over an FP8 cache (half the bytes a tile, more conversion work a byte) two stages beat three
+DECODE_FP8_CFG = {"num_stages": 2}
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_sms: int,
@@ -236,7 +253,7 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: flo
     context_lens[i] - 1. order: None, or a permutation of range(B) (int32), longest context first.
     k_scale, v_scale: float32 scalar tensors, read for an FP8 cache only (None: 1.0).
     Returns [B, num_heads, head_dim] contiguous. No host syncs: CUDA-graph safe."""
-    cfg = dict(DECODE_CFG, **(config or {}))
+    cfg = dict(DECODE_CFG, **(DECODE_FP8_CFG if is_fp8_cache(k_cache) else {}), **(config or {}))
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -316,6 +333,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask,
                 other=0.0)
+    if KV_FP8:
+        q = _q_for_fp8_cache(q, FP32)
     q_pos = prefix + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -341,8 +360,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
             k = tl.load(k_ptr + kv_off, mask=d_mask, other=0.0)
             v = tl.load(v_ptr + kv_off, mask=d_mask, other=0.0)
         if KV_FP8:
-            k = k.to(q_ptr.dtype.element_ty)
-            v = v.to(q_ptr.dtype.element_ty)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if FP32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -372,8 +391,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         if KV_FP8:
-            k = k.to(q_ptr.dtype.element_ty)
-            v = v.to(q_ptr.dtype.element_ty)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if FP32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:

@@ -162,8 +162,10 @@ class Fp8LinearMethod(LinearMethod):
             from nanoinfer.kernels.fp8_quant import quantize_fp8
             xq, x_scale = quantize_fp8(x if x.stride(-1) == 1 else x.contiguous(), gk)
         if layer.use_scaled_mm and x.shape[0] > SCALED_MM_MIN_ROWS:  # row-wise scales need a bf16 output
+            # fast accumulation (no periodic promotion of the FP8 accumulator), as vLLM's CUTLASS
+            # FP8 kernels for Hopper run: the tensor cores' full FP8 rate
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale_row,
-                                 out_dtype=torch.bfloat16)
+                                 out_dtype=torch.bfloat16, use_fast_accum=True)
             return y if dtype == torch.bfloat16 else y.to(dtype)
         from nanoinfer.kernels.fp8_gemm import fp8_gemm
         return fp8_gemm(xq, x_scale, layer.weight, scale, layer.fp8_group_k, dtype)
