@@ -72,9 +72,8 @@ def _kv_offsets(bt_ptr, pos, n_mask, BLOCK_SIZE: tl.constexpr, stride_kb, stride
 
 @triton.jit
 def _q_for_fp8_cache(q, FP32: tl.constexpr):
-    """q for the dots with an FP8 cache's tiles: in float16 (float32 for a float32 model), into
-    which e4m3 widens in one instruction; bf16 needs two more a value, which made the kernels
-    convert-bound. bf16 -> float16 is exact over float16's range, which q is clamped to."""
+    """q for the dots with an FP8 cache's tiles, which widen to float16 (see the module's doc):
+    float16, clamped to its range (float32 for a float32 model)."""
     if not FP32:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     return q
