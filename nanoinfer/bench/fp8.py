@@ -6,8 +6,9 @@ Each row is one projection at M tokens: bf16 cuBLAS (torch.mm); FP8 W8A8 with pe
 scales through torch._scaled_mm (row-wise weight scales, what per-channel checkpoints and online
 fp8 run), also with fast accumulation (use_fast_accum: the tensor cores' FP8 accumulator without
 periodic promotion to float32, which vLLM's CUTLASS FP8 kernels use, and the engine runs); FP8
-W8A8 with 128x128 block weight scales and per-token-group activations through the Triton GEMM (kernels/fp8_gemm.py, what Qwen3-FP8 runs); the ones also through the Triton GEMM with
-row-wise scales (to compare it with _scaled_mm). Every FP8 time includes the activation
+W8A8 with 128x128 block weight scales and per-token-group activations through the Triton GEMM
+(kernels/fp8_gemm.py, what Qwen3-FP8 runs); the ones also through the Triton GEMM with row-wise
+scales (to compare it with _scaled_mm). Every FP8 time includes the activation
 quantization kernel (kernels/fp8_quant.py). M = 1 rows compare the GEMVs (kernels/gemv.py,
 kernels/fp8_gemv.py) instead, with % of the copy bandwidth for their weight bytes. Times are per
 call, replayed from a CUDA graph over several weight copies (no L2 reuse)."""
