@@ -437,7 +437,7 @@ def test_cuda_qkv_epilogue_fp8(dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dim", [128, 80])  # (80: padded to 128, V's e4m3 pairs masked past it)
+@pytest.mark.parametrize("dim", [128, 80])  # (80: padded to 128 under a mask)
 def test_cuda_attention_kernels_read_fp8(dtype, dim):
     heads, kv_heads, bs = 32, 8, 16
     q_lens, ctx_lens = [300, 17, 1, 1], [300, 1200, 77, 2000]
