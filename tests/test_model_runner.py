@@ -3,7 +3,7 @@ import torch
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine.step_message import StepInput
-from nanoinfer.engine.forward_inputs import prepare_inputs
+from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_QUERY, prepare_inputs
 from nanoinfer.engine.graph_runner import graph_batch_sizes
 from nanoinfer.utils.context import Context, get_context
 
@@ -55,14 +55,26 @@ def test_slot_mapping_and_block_tables(tiny_qwen3):
         # an in-flight token (row 1 of the step before): position 40
         input_ids, _ = prepare(StepInput(1, [40], [1], [0], [table], [0], [1]), torch.tensor([11, 41]))
         assert get_context().slot_mapping.tolist() == [5 * 16 + 8] and input_ids.tolist() == [41]
-        # mixed: two decode rows, then a 3-token chunk of a prompt in block 9
+        # few short rows (two decode rows, then a 3-token chunk of a prompt in block 9): a decode row a token
         input_ids, positions = prepare(StepInput(2, [39, 3, 0], [1, 1, 3], [40, 4, 5, 6, 7], [table, [1], [9]]))
         ctx = get_context()
-        assert ctx.is_prefill  # a mixed step: every row through the prefill path
+        assert not ctx.is_prefill
         assert input_ids.tolist() == [40, 4, 5, 6, 7] and positions.tolist() == [39, 3, 0, 1, 2]
         assert ctx.slot_mapping.tolist() == [5 * 16 + 7, 16 + 3, 9 * 16, 9 * 16 + 1, 9 * 16 + 2]
-        assert ctx.cu_seqlens_q.tolist() == [0, 1, 2, 5] and ctx.context_lens.tolist() == [40, 4, 3]
-        assert ctx.max_seqlen_q == 3 and ctx.query_lens_cpu == [1, 1, 3]
+        assert ctx.context_lens.tolist() == [40, 4, 1, 2, 3] and ctx.context_lens_cpu == [40, 4, 1, 2, 3]
+        assert ctx.block_tables.tolist() == [[7, 2, 5], [1, -1, -1], [9, -1, -1], [9, -1, -1], [9, -1, -1]]
+        assert ctx.logits_indices.tolist() == [0, 1, 4]  # each row's last token
+        # mixed, with a chunk longer than SHORT_ROWS_MAX_QUERY: every row through the prefill path
+        n = SHORT_ROWS_MAX_QUERY + 1
+        input_ids, positions = prepare(StepInput(2, [39, 3, 0], [1, 1, n], [40, 4, *range(5, 5 + n)],
+                                                 [table, [1], [9]]))
+        ctx = get_context()
+        assert ctx.is_prefill
+        assert input_ids.tolist() == [40, 4, *range(5, 5 + n)] and positions.tolist() == [39, 3, *range(n)]
+        assert ctx.slot_mapping.tolist() == [5 * 16 + 7, 16 + 3, *(9 * 16 + i for i in range(n))]
+        assert ctx.cu_seqlens_q.tolist() == [0, 1, 2, 2 + n] and ctx.context_lens.tolist() == [40, 4, n]
+        assert ctx.max_seqlen_q == n and ctx.query_lens_cpu == [1, 1, n]
         assert ctx.block_tables.tolist() == [[7, 2, 5], [1, -1, -1], [9, -1, -1]]
+        assert ctx.logits_indices is None
     finally:
         llm.exit()

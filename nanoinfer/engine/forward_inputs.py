@@ -1,7 +1,12 @@
 """A step message -> the forward's flat inputs and its attention context (utils/context.py).
 
 Decode rows (one query token each) come first. A decode-only step sets a decode context (and can
-replay a CUDA graph); any other step runs every row as a prefill, a decode row being a query of
+replay a decode CUDA graph). So does a small step whose rows all have a few query tokens (a
+speculative verify step, a draft's catch-up): each token becomes a decode row of its own, with its
+sequence's block table and the context up to and including itself, which is causal attention. Its
+rows then read their sequence's K/V once per token, where the prefill kernel would read it once:
+that costs less than a prefill launch over few, short rows (`SHORT_ROWS_MAX_QUERY`,
+`SHORT_ROWS_MAX_TOKENS`). Any other step runs every row as a prefill, a decode row being a query of
 length 1. Padded block-table entries are -1."""
 from itertools import accumulate, chain
 
@@ -11,6 +16,17 @@ import torch
 from nanoinfer.engine.step_message import StepInput
 from nanoinfer.utils.context import set_context
 from nanoinfer.utils.staging import Staging
+
+# a step of at most this many tokens, no row longer than this many, runs as a decode step, a token a row
+SHORT_ROWS_MAX_QUERY = 8
+SHORT_ROWS_MAX_TOKENS = 64
+
+
+def has_few_short_rows(step: StepInput) -> bool:
+    """Whether a step with prompt chunks or proposals runs as decode, a token a row (see the
+    module's doc); steps with M-RoPE positions, images or pooling keep the prefill path."""
+    return (len(step.input_ids) <= SHORT_ROWS_MAX_TOKENS and max(step.query_lens) <= SHORT_ROWS_MAX_QUERY
+            and step.rope_positions is None and step.multi_modal is None and step.pooling is None)
 
 
 def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_decode_rows: bool,
@@ -22,14 +38,17 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
     decode step's (a value per row) are Python lists; a prefill's (a value per token) are
     computed with numpy over the whole step."""
     staged = Staging()
+    short_rows = False
     if step.is_decode_only:
         names, context = _decode_context(step, block_size, staged, sort_decode_rows)
         num_tokens = step.num_rows
     else:
         rows = StepArrays(step, block_size)
-        names, context = _prefill_context(rows, staged)
+        short_rows = has_few_short_rows(step)
+        names, context = _short_rows_context(rows, staged, sort_decode_rows) if short_rows else \
+            _prefill_context(rows, staged)
         num_tokens = rows.num_tokens
-    if step.prompt_logit_rows or step.sample_rows is not None:
+    if step.prompt_logit_rows or step.sample_rows is not None or short_rows:
         # the sampling rows' logits (each row's last token, unless named), then those prompt positions'
         if step.sample_rows is not None:
             sampled = list(step.sample_rows)
@@ -86,6 +105,11 @@ class StepArrays:
         self.cu_q = np.zeros(len(self.query_lens) + 1, np.int64)  # cumulative query lengths, from 0
         np.cumsum(self.query_lens, out=self.cu_q[1:])
 
+    def token_rows_and_positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each flat token's row, and its position."""
+        q = self.query_lens
+        return np.repeat(np.arange(len(q)), q), np.arange(self.num_tokens) + np.repeat(self.starts - self.cu_q[:-1], q)
+
     def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The cache slots of positions of the given rows."""
         block, offset = np.divmod(positions, self.block_size)
@@ -106,10 +130,23 @@ def _decode_context(step: StepInput, bs: int, staged: Staging, sort_rows: bool) 
     return names, dict(is_prefill=False, context_lens_cpu=context_lens)
 
 
+def _short_rows_context(rows: StepArrays, staged: Staging, sort_rows: bool) -> tuple[dict[str, int], dict]:
+    """A decode context with a row per token: its sequence's block table, its position + 1 tokens of
+    context."""
+    token_rows, positions = rows.token_rows_and_positions()
+    context_lens = positions + 1
+    names = dict(input_ids=staged.add(rows.step.input_ids), positions=staged.add(positions),
+                 slot_mapping=staged.add(rows.slots(token_rows, positions)),
+                 context_lens=staged.add(context_lens, np.int32),
+                 block_tables=staged.add(rows.block_tables[token_rows], np.int32))
+    if sort_rows:  # (as _decode_context; a stable sort keeps ties in row order)
+        names["decode_order"] = staged.add(np.argsort(-context_lens, kind="stable"), np.int32)
+    return names, dict(is_prefill=False, context_lens_cpu=context_lens.tolist())
+
+
 def _prefill_context(rows: StepArrays, staged: Staging) -> tuple[dict[str, int], dict]:
     n, q, cu_q = len(rows.starts), rows.query_lens, rows.cu_q
-    token_rows = np.repeat(np.arange(n), q)
-    positions = np.arange(rows.num_tokens) + np.repeat(rows.starts - cu_q[:-1], q)
+    token_rows, positions = rows.token_rows_and_positions()
     context_lens = rows.starts + q
     cu_k = np.zeros(n + 1, np.int64)
     np.cumsum(context_lens, out=cu_k[1:])

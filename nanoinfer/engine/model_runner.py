@@ -101,7 +101,8 @@ class ModelRunner:
             else:
                 pooled = None
                 args = self.sampler.prepare(sample, prev_tokens)
-                logits = self.graph_runner.forward(input_ids, positions, step.is_decode_only)  # this rank's shard
+                # (this rank's shard; a step of few short rows runs as decode too: forward_inputs.py)
+                logits = self.graph_runner.forward(input_ids, positions, not get_context().is_prefill)
                 if args is not None and args.grammar_rows is not None and args.grammar_bitmask is None:
                     return InFlight(None, None, awaiting=(step, sample, args, logits))
                 sampled = self.sampler.sample(step, sample, args, logits)

@@ -4,11 +4,11 @@ the target's block tables, so it needs no block bookkeeping of its own.
 
 Per engine step, for the speculative rows: one forward catches each sequence's draft KV up to its
 last token and proposes the first token, then k - 1 one-token forwards propose the rest. Greedy
-requests propose the draft's argmax, each forward reading the previous one's tokens on the device
-(no host round trip between them); with sampled requests, or greedy ones whose options change the
-logits (penalties, logit bias, allowed tokens, bad words, min_tokens: `proposes_argmax`), each
-proposal is drawn with the request's own sampling options and noise (`_sample_input`), the proposals
-so far read on the host. Its KV
+requests propose the draft's argmax, the k - 1 forwards launched as one chain that reads each
+token on the device (spec/draft_chain.py: one CUDA graph, no host round trip between them); with
+sampled requests, or greedy ones whose options change the logits (penalties, logit bias, allowed
+tokens, bad words, min_tokens: `proposes_argmax`), each proposal is drawn with the request's own
+sampling options and noise (`_sample_input`), the proposals so far read on the host. Its KV
 stays valid for the tokens the target accepted; past them it is overwritten next time (a sequence
 re-allocated after a preemption starts over).
 """
@@ -22,6 +22,7 @@ from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.step_message import SampleInput, SamplingPlan, StepInput
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling_params import SAMPLING_EPS
+from nanoinfer.spec.draft_chain import GreedyDraftChain
 from nanoinfer.spec.proposer import Proposer
 from nanoinfer.spec.rows import DraftView
 from nanoinfer.utils.hf_files import load_tokenizer
@@ -77,6 +78,7 @@ class DraftModelProposer(Proposer):
         self.vocab_size, self.eos_token_ids = config.hf_config.vocab_size, eos_token_ids  # (for sampling plans)
         self.seeds = torch.Generator().manual_seed(config.seed + 1)  # fused plans' noise seeds: not the target's
         self.runner = ModelRunner(dconf)
+        self.chain = GreedyDraftChain(self.runner, spec.num_speculative_tokens - 1)
         self.block_size = config.kvcache_block_size
         self.num_blocks = self._share(config, target_runner, num_blocks)
         self._states = weakref.WeakKeyDictionary()  # sequence -> DraftState
@@ -92,6 +94,8 @@ class DraftModelProposer(Proposer):
 
     def allocate(self, num_blocks: int):
         self.runner.allocate_kv_cache(num_blocks)
+        if self.runner.graph_runner.graphs:  # (CUDA, not enforce_eager)
+            self.chain.capture()
 
     def _valid(self, seq) -> int:
         """Positions whose draft K/V are valid: those the last proposals computed, up to the first
@@ -117,19 +121,22 @@ class DraftModelProposer(Proposer):
                           [t for seq, s in zip(seqs, starts) for t in seq.token_ids[s:]],
                           [seq.block_table for seq in seqs])
         launched = [(rows, self.runner.launch(first, self._sample_input(seqs, rows, proposals, sampled), None))]
-        for j in range(1, max(max_lens)):  # the proposal after d_j, from d_j at position n + j - 1
-            prev_row = {i: r for r, i in enumerate(rows)}
-            rows = [i for i in rows if max_lens[i] > j]
-            positions, tables = [n[i] + j - 1 for i in rows], [seqs[i].block_table for i in rows]
-            if sampled:  # the sampling plan reads the proposals so far: on the host
+        if not sampled and max(max_lens) > 1:  # the rest in one chain (spec/draft_chain.py)
+            rest, event = self.chain.launch(launched[0][1].tokens, n, max_lens, [seq.block_table for seq in seqs])
+            self._collect(launched, proposals)
+            if event is not None:
+                event.synchronize()
+            for i, tokens in enumerate(rest.T.tolist()):
+                proposals[i] += tokens[:max_lens[i] - 1]
+        else:  # each proposal drawn with the sampling plan, which reads the proposals so far: on the host
+            for j in range(1, max(max_lens)):  # the proposal after d_j, from d_j at position n + j - 1
                 launched = self._collect(launched, proposals)
-                step, prev = StepInput(len(rows), positions, [1] * len(rows), [proposals[i][-1] for i in rows],
-                                       tables), None
-            else:  # greedy: each forward reads the previous one's tokens on the device
-                step, prev = StepInput(len(rows), positions, [1] * len(rows), [0] * len(rows), tables,
-                                       list(range(len(rows))), [prev_row[i] for i in rows]), launched[-1][1]
-            launched.append((rows, self.runner.launch(step, self._sample_input(seqs, rows, proposals, sampled), prev)))
-        self._collect(launched, proposals)
+                rows = [i for i in rows if max_lens[i] > j]
+                step = StepInput(len(rows), [n[i] + j - 1 for i in rows], [1] * len(rows),
+                                 [proposals[i][-1] for i in rows], [seqs[i].block_table for i in rows])
+                launched.append((rows, self.runner.launch(step, self._sample_input(seqs, rows, proposals, sampled),
+                                                          None)))
+            self._collect(launched, proposals)
         for seq, ni, p in zip(seqs, n, proposals):
             self._states[seq] = DraftState(ni, p, seq.num_preemptions)
         return proposals
