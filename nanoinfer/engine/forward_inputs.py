@@ -17,23 +17,27 @@ from nanoinfer.engine.step_message import StepInput
 from nanoinfer.utils.context import set_context
 from nanoinfer.utils.staging import Staging
 
-# a step of at most this many tokens, no row longer than this many, runs as a decode step, a token a row
+# a step of at most this many tokens (and at most the largest decode graph's), no row longer than
+# this many, runs as a decode step, a token a row
 SHORT_ROWS_MAX_QUERY = 8
-SHORT_ROWS_MAX_TOKENS = 64
+SHORT_ROWS_MAX_TOKENS = 256
 
 
-def has_few_short_rows(step: StepInput) -> bool:
+def has_few_short_rows(step: StepInput, max_tokens: int = SHORT_ROWS_MAX_TOKENS) -> bool:
     """Whether a step with prompt chunks or proposals runs as decode, a token a row (see the
     module's doc); steps with M-RoPE positions, images or pooling keep the prefill path."""
-    return (len(step.input_ids) <= SHORT_ROWS_MAX_TOKENS and max(step.query_lens) <= SHORT_ROWS_MAX_QUERY
+    return (len(step.input_ids) <= max_tokens and max(step.query_lens) <= SHORT_ROWS_MAX_QUERY
             and step.rope_positions is None and step.multi_modal is None and step.pooling is None)
 
 
 def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_decode_rows: bool,
-                   prev_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   prev_tokens: torch.Tensor | None, max_short_tokens: int = SHORT_ROWS_MAX_TOKENS
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, positions) on the device, with the step's context set. In-flight rows read
     their token from `prev_tokens`, the tokens of the step launched before this one.
     sort_decode_rows: the attention backend wants a decode step's rows longest context first.
+    max_short_tokens: the most tokens a step of short rows runs as decode with (the runner's
+    largest decode graph).
     Every per-step index array goes in one staging buffer, sent in one copy (utils/staging.py). A
     decode step's (a value per row) are Python lists; a prefill's (a value per token) are
     computed with numpy over the whole step."""
@@ -44,7 +48,7 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
         num_tokens = step.num_rows
     else:
         rows = StepArrays(step, block_size)
-        short_rows = has_few_short_rows(step)
+        short_rows = has_few_short_rows(step, max_short_tokens)
         names, context = _short_rows_context(rows, staged, sort_decode_rows) if short_rows else \
             _prefill_context(rows, staged)
         num_tokens = rows.num_tokens

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nanoinfer.config import Config
-from nanoinfer.engine.forward_inputs import prepare_inputs
+from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS, prepare_inputs
 from nanoinfer.engine.graph_runner import GraphRunner
 from nanoinfer.engine.kv_cache import KVCache
 from nanoinfer.engine.step_message import SampleInput, StepInput, StepResult
@@ -92,7 +92,8 @@ class ModelRunner:
         try:
             mm_embeds = self.encoder_cache.step_embeds(step.multi_modal) if step.multi_modal is not None else None
             input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
-                                                  self.attention.sorts_decode_rows, prev_tokens)
+                                                  self.attention.sorts_decode_rows, prev_tokens,
+                                                  min(SHORT_ROWS_MAX_TOKENS, self.config.max_num_seqs))
             get_context().mm_embeds = mm_embeds
             if step.pooling is not None:  # embeddings: final hidden states, eager; no LM head, no sampling
                 hidden = self.model(input_ids, positions)  # (every rank: the forward's all-reduces)
