@@ -31,10 +31,11 @@ def has_few_short_rows(step: StepInput, max_tokens: int = SHORT_ROWS_MAX_TOKENS)
 
 
 def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_decode_rows: bool,
-                   prev_tokens: torch.Tensor | None, max_short_tokens: int = SHORT_ROWS_MAX_TOKENS
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   prev_tokens: torch.Tensor | None, max_short_tokens: int = SHORT_ROWS_MAX_TOKENS,
+                   proposals: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, positions) on the device, with the step's context set. In-flight rows read
-    their token from `prev_tokens`, the tokens of the step launched before this one.
+    their token from `prev_tokens`, the tokens of the step launched before this one; proposal
+    rows theirs from `proposals` (a speculative proposer's tokens, still on the device).
     sort_decode_rows: the attention backend wants a decode step's rows longest context first.
     max_short_tokens: the most tokens a step of short rows runs as decode with (the runner's
     largest decode graph).
@@ -66,6 +67,9 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
         names["inflight_sources"] = staged.add(step.inflight_sources)
         if len(step.inflight_rows) != num_tokens:
             names["inflight_rows"] = staged.add(step.inflight_rows)
+    if step.proposal_rows:
+        names["proposal_rows"] = staged.add(step.proposal_rows)
+        names["proposal_sources"] = staged.add(step.proposal_sources)
     if step.rope_positions is not None:  # M-RoPE: [1, N], or [3, N] in a step with image tokens
         names["rope_positions"] = staged.add(np.asarray(step.rope_positions, dtype=np.int64))
     sent = staged.send(device)
@@ -75,6 +79,8 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
     if rope is not None:
         positions = rope[0] if rope.shape[0] == 1 else rope
     sources, inflight_rows = t.pop("inflight_sources", None), t.pop("inflight_rows", None)
+    if step.proposal_rows:
+        input_ids[t.pop("proposal_rows")] = proposals.reshape(-1).index_select(0, t.pop("proposal_sources"))
     set_context(**context, **t)  # block tables, slots, lengths (and logits_indices, lora_slots)
     if sources is not None:
         tokens = prev_tokens.index_select(0, sources)

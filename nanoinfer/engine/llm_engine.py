@@ -337,7 +337,8 @@ class LLMEngine:
                 prev_failed = True
                 self._sample(prev)  # (its forward ran while this step was scheduled and encoded)
                 prev_failed = False
-            handle = self.model_runner.launch(step, sample, prev.handle if prev else None)
+            proposals = (batch.proposals.tokens,) if batch.proposals is not None else ()  # (one rank here)
+            handle = self.model_runner.launch(step, sample, prev.handle if prev else None, *proposals)
         except BaseException:
             self.scheduler.unschedule(batch)  # (the newest first: a row of both starts at prev's start)
             self.step_encoder.unschedule()

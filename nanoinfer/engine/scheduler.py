@@ -45,6 +45,7 @@ class ScheduledBatch:
     # speculative rows (nanoinfer/spec), which follow the decode rows: row -> its proposed tokens
     # (None until proposed); such a row's query is its last token and the proposals
     drafts: dict[int, list[int] | None] = field(default_factory=dict)
+    proposals: object = None  # spec.proposer.DeviceProposals: the drafts' tokens, still on the device
 
     @property
     def is_decode_only(self) -> bool:

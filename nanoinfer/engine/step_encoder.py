@@ -80,13 +80,21 @@ def encode_rows(batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> Step
     input_ids = [seq.token_ids[start] if here else 0 for seq, start, here in zip(seqs, starts, on_host)]
     inflight_rows = [row for row, here in enumerate(on_host) if not here]
     inflight_sources = [prev_rows[seqs[row].seq_id] for row in inflight_rows]
+    proposal_rows, proposal_sources = [], []
+    width = batch.proposals.tokens.shape[1] if batch.proposals is not None else 0
     for row in range(batch.num_decode, len(batch.seqs)):
         start = batch.starts[row]
         input_ids += batch.seqs[row].token_ids[start:start + batch.query_lens[row]]
         if row in batch.drafts:  # a speculative row: its last token, then the proposals
-            input_ids += batch.drafts[row]
+            draft = batch.drafts[row]
+            if width:  # (still on the device: the i-th speculative row's are row i there)
+                i = row - batch.num_decode
+                proposal_rows += range(len(input_ids), len(input_ids) + len(draft))
+                proposal_sources += range(i * width, i * width + len(draft))
+            input_ids += draft
     return StepInput(batch.num_decode, batch.starts, batch.query_lens, input_ids,
-                     [seq.block_table for seq in batch.seqs], inflight_rows, inflight_sources)
+                     [seq.block_table for seq in batch.seqs], inflight_rows, inflight_sources,
+                     proposal_rows=proposal_rows, proposal_sources=proposal_sources)
 
 
 def prompt_logprobs_request(batch: ScheduledBatch) -> PromptLogprobsRequest | None:

@@ -70,6 +70,10 @@ class StepInput:
     block_tables: list[list[int]]  # per row: its sequence's blocks
     inflight_rows: list[int] = field(default_factory=list)
     inflight_sources: list[int] = field(default_factory=list)
+    # flat token rows holding speculative proposals left on the device (spec/proposer.py,
+    # DeviceProposals), and their indices in its tokens, flattened: one rank in the engine's process
+    proposal_rows: list[int] = field(default_factory=list)
+    proposal_sources: list[int] = field(default_factory=list)
     prompt_logit_rows: list[int] | None = None  # flat token rows whose logits are also computed (prompt_logprobs)
     sample_rows: list[int] | None = None  # flat token rows that sample (None: each row's last; speculative rows: all)
     plain_sample: PlainSample | None = None

@@ -23,7 +23,7 @@ from nanoinfer.engine.step_message import SampleInput, SamplingPlan, StepInput
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling_params import SAMPLING_EPS
 from nanoinfer.spec.draft_chain import GreedyDraftChain
-from nanoinfer.spec.proposer import Proposer
+from nanoinfer.spec.proposer import DeviceProposals, Proposer
 from nanoinfer.spec.rows import DraftView
 from nanoinfer.utils.hf_files import load_tokenizer
 
@@ -112,34 +112,60 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seqs: list, max_lens: list[int]) -> list[list[int]]:
+        launched = self.launch(seqs, max_lens)
+        if launched is not None:
+            return launched.finish()
         n = [seq.num_tokens for seq in seqs]
-        starts = self._catch_up(seqs, n, [self._valid(seq) for seq in seqs])
-        sampled = not all(proposes_argmax(seq.sampling_params) for seq in seqs)
         proposals = [[] for _ in seqs]
         rows = list(range(len(seqs)))
-        first = StepInput(0, starts, [ni - s for ni, s in zip(n, starts)],
-                          [t for seq, s in zip(seqs, starts) for t in seq.token_ids[s:]],
-                          [seq.block_table for seq in seqs])
-        launched = [(rows, self.runner.launch(first, self._sample_input(seqs, rows, proposals, sampled), None))]
-        if not sampled and max(max_lens) > 1:  # the rest in one chain (spec/draft_chain.py)
-            rest, event = self.chain.launch(launched[0][1].tokens, n, max_lens, [seq.block_table for seq in seqs])
-            self._collect(launched, proposals)
+        launched = [(rows, self._launch_first(seqs, n, True))]
+        for j in range(1, max(max_lens)):  # the proposal after d_j, from d_j at position n + j - 1
+            launched = self._collect(launched, proposals)  # (the sampling plan reads the proposals so far)
+            rows = [i for i in rows if max_lens[i] > j]
+            step = StepInput(len(rows), [n[i] + j - 1 for i in rows], [1] * len(rows),
+                             [proposals[i][-1] for i in rows], [seqs[i].block_table for i in rows])
+            launched.append((rows, self.runner.launch(step, self._sample_input(seqs, rows, proposals, True), None)))
+        self._collect(launched, proposals)
+        self._record(seqs, n, proposals)
+        return proposals
+
+    @torch.inference_mode()
+    def launch(self, seqs: list, max_lens: list[int]) -> DeviceProposals | None:
+        """Greedy requests whose proposals are the draft's argmax: the first from the catch-up
+        forward, the rest from one chain (spec/draft_chain.py), all left on the device."""
+        if not all(proposes_argmax(seq.sampling_params) for seq in seqs):
+            return None
+        n = [seq.num_tokens for seq in seqs]
+        first = self._launch_first(seqs, n, False)
+        tokens, rest, event = first.tokens[:, None], None, None
+        if max(max_lens) > 1:
+            rest, event = self.chain.launch(first.tokens, n, max_lens, [seq.block_table for seq in seqs])
+            tokens = torch.cat([tokens, self.chain.out[:, :len(seqs)].T], 1)
+
+        def finish() -> list[list[int]]:
+            proposals = [[t] for t in self.runner.collect(first).tokens]
             if event is not None:
                 event.synchronize()
-            for i, tokens in enumerate(rest.T.tolist()):
-                proposals[i] += tokens[:max_lens[i] - 1]
-        else:  # each proposal drawn with the sampling plan, which reads the proposals so far: on the host
-            for j in range(1, max(max_lens)):  # the proposal after d_j, from d_j at position n + j - 1
-                launched = self._collect(launched, proposals)
-                rows = [i for i in rows if max_lens[i] > j]
-                step = StepInput(len(rows), [n[i] + j - 1 for i in rows], [1] * len(rows),
-                                 [proposals[i][-1] for i in rows], [seqs[i].block_table for i in rows])
-                launched.append((rows, self.runner.launch(step, self._sample_input(seqs, rows, proposals, sampled),
-                                                          None)))
-            self._collect(launched, proposals)
+            if rest is not None:
+                for i, later in enumerate(rest.T.tolist()):
+                    proposals[i] += later[:max_lens[i] - 1]
+            self._record(seqs, n, proposals)
+            return proposals
+        return DeviceProposals(tokens, list(max_lens), finish)
+
+    def _launch_first(self, seqs: list, n: list[int], sampled: bool):
+        """The forward that catches each row's draft K/V up to its last token and proposes its first
+        token."""
+        starts = self._catch_up(seqs, n, [self._valid(seq) for seq in seqs])
+        step = StepInput(0, starts, [ni - s for ni, s in zip(n, starts)],
+                         [t for seq, s in zip(seqs, starts) for t in seq.token_ids[s:]],
+                         [seq.block_table for seq in seqs])
+        return self.runner.launch(step, self._sample_input(seqs, list(range(len(seqs))), [[] for _ in seqs], sampled),
+                                  None)
+
+    def _record(self, seqs: list, n: list[int], proposals: list[list[int]]):
         for seq, ni, p in zip(seqs, n, proposals):
             self._states[seq] = DraftState(ni, p, seq.num_preemptions)
-        return proposals
 
     def _catch_up(self, seqs: list, n: list[int], starts: list[int]) -> list[int]:
         """The rows' draft K/V from `starts` on, forwarded (its samples unused) in chunks of at most

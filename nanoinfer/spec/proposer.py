@@ -8,12 +8,29 @@ position or the very same (a request's seeded noise). The KV blocks of the row's
 positions are reserved in the sequence's block table before `propose` is called.
 """
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(slots=True)
+class DeviceProposals:
+    """Proposals left on the device: row i's max_lens[i] tokens are tokens[i, :max_lens[i]], which the
+    target step reads there (its inputs name them: StepInput.proposal_rows), so it is launched
+    without waiting for them. `finish` waits for their host copy and returns them as lists."""
+    tokens: object  # a [rows, width] int64 device tensor
+    max_lens: list[int]
+    finish: Callable[[], list[list[int]]]
 
 
 class Proposer(ABC):
     @abstractmethod
     def propose(self, seqs: list, max_lens: list[int]) -> list[list[int]]:
         """Proposals for each sequence, at most max_lens[i] tokens for sequence i."""
+
+    def launch(self, seqs: list, max_lens: list[int]) -> DeviceProposals | None:
+        """Exactly max_lens[i] proposals for each sequence, left on the device; None where this
+        proposer cannot for these sequences (propose() serves them)."""
+        return None
 
     def exit(self):
         """Release what the proposer holds (a draft model's weights and KV cache)."""

@@ -23,6 +23,7 @@ class Speculator:
         self.proposer = proposer or NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
         self.policy = SpeculationPolicy(spec.disable_by_batch_size, spec.disable_below_acceptance)
         self.stats = SpecStats(self.k)
+        self.device_proposals = False  # the target runs in this process: a step may read proposals on the device
 
     def speculates(self, seq, num_running: int) -> bool:
         """Whether the sequence gets proposals when its tokens are on the host (if not, it decodes
@@ -41,11 +42,19 @@ class Speculator:
         return max(k, 0)
 
     def propose(self, batch: ScheduledBatch):
-        """Fill in the batch's speculative rows (the scheduler reserved their blocks)."""
+        """Fill in the batch's speculative rows (the scheduler reserved their blocks). Proposals the
+        proposer leaves on the device (`device_proposals`: one rank in this process) are read there
+        by the step; until it is processed, the rows hold placeholders of their length."""
         if not batch.drafts:
             return
         rows = sorted(batch.drafts)
-        proposals = self.proposer.propose([batch.seqs[r] for r in rows], [batch.query_lens[r] - 1 for r in rows])
+        seqs, max_lens = [batch.seqs[r] for r in rows], [batch.query_lens[r] - 1 for r in rows]
+        on_device = self.proposer.launch(seqs, max_lens) if self.device_proposals else None
+        if on_device is not None:
+            batch.proposals = on_device
+            attach_drafts(batch, {r: [0] * m for r, m in zip(rows, max_lens)})  # (no row shortened)
+            return
+        proposals = self.proposer.propose(seqs, max_lens)
         for r, p in zip(rows, proposals):
             if not p:  # (see spec/policy.py)
                 self.policy.record(batch.seqs[r], 1, 0)
@@ -53,6 +62,11 @@ class Speculator:
 
     def verify(self, batch: ScheduledBatch, result: StepResult):
         """(one token per row, row -> accepted run, per-row logprobs) of a finished step."""
+        if batch.proposals is not None:  # (the rows' order is the proposer's: attach_drafts kept it)
+            proposed = batch.proposals.finish()
+            for r, p in zip(sorted(batch.drafts), proposed):
+                batch.drafts[r] = p
+            batch.proposals = None
         tokens, runs, logprobs = accepted_runs(batch, result.tokens, result.logprobs)
         for row, run in runs.items():
             proposed, accepted = len(batch.drafts[row]), len(run) - 1
@@ -81,4 +95,5 @@ def build_speculator(config, tokenizer, target_runner, num_blocks: int, eos_toke
         num_blocks = proposer.num_blocks
     speculator = Speculator(spec, config.max_model_len, proposer)
     speculator.num_blocks = num_blocks
+    speculator.device_proposals = config.tensor_parallel_size == 1
     return speculator
