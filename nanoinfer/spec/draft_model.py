@@ -126,7 +126,7 @@ class DraftModelProposer(Proposer):
                              [proposals[i][-1] for i in rows], [seqs[i].block_table for i in rows])
             launched.append((rows, self.runner.launch(step, self._sample_input(seqs, rows, proposals, True), None)))
         self._collect(launched, proposals)
-        self._record(seqs, n, proposals)
+        self._record(seqs, n, proposals, [seq.num_preemptions for seq in seqs])
         return proposals
 
     @torch.inference_mode()
@@ -135,7 +135,7 @@ class DraftModelProposer(Proposer):
         forward, the rest from one chain (spec/draft_chain.py), all left on the device."""
         if not all(proposes_argmax(seq.sampling_params) for seq in seqs):
             return None
-        n = [seq.num_tokens for seq in seqs]
+        n, preemptions = [seq.num_tokens for seq in seqs], [seq.num_preemptions for seq in seqs]
         first = self._launch_first(seqs, n, False)
         tokens, rest, event = first.tokens[:, None], None, None
         if max(max_lens) > 1:
@@ -149,7 +149,7 @@ class DraftModelProposer(Proposer):
             if rest is not None:
                 for i, later in enumerate(rest.T.tolist()):
                     proposals[i] += later[:max_lens[i] - 1]
-            self._record(seqs, n, proposals)
+            self._record(seqs, n, proposals, preemptions)  # (as of the launch: a preemption since voids them)
             return proposals
         return DeviceProposals(tokens, list(max_lens), finish)
 
@@ -163,9 +163,9 @@ class DraftModelProposer(Proposer):
         return self.runner.launch(step, self._sample_input(seqs, list(range(len(seqs))), [[] for _ in seqs], sampled),
                                   None)
 
-    def _record(self, seqs: list, n: list[int], proposals: list[list[int]]):
-        for seq, ni, p in zip(seqs, n, proposals):
-            self._states[seq] = DraftState(ni, p, seq.num_preemptions)
+    def _record(self, seqs: list, n: list[int], proposals: list[list[int]], preemptions: list[int]):
+        for seq, ni, p, count in zip(seqs, n, proposals, preemptions):
+            self._states[seq] = DraftState(ni, p, count)
 
     def _catch_up(self, seqs: list, n: list[int], starts: list[int]) -> list[int]:
         """The rows' draft K/V from `starts` on, forwarded (its samples unused) in chunks of at most
