@@ -112,3 +112,7 @@ class GreedyDraftChain:
         event = torch.cuda.Event()
         event.record()
         return host, event
+
+    def release(self):
+        self.graphs.clear()
+        self.buckets = []

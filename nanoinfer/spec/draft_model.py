@@ -143,7 +143,7 @@ class DraftModelProposer(Proposer):
             tokens = torch.cat([tokens, self.chain.out[:, :len(seqs)].T], 1)
 
         def finish() -> list[list[int]]:
-            proposals = [[t] for t in self.runner.collect(first).tokens]
+            proposals = [[max(t, 0)] for t in self.runner.collect(first).tokens]  # (the device's, clamped)
             if event is not None:
                 event.synchronize()
             if rest is not None:
@@ -211,8 +211,9 @@ class DraftModelProposer(Proposer):
     def _collect(self, launched: list, proposals: list[list[int]]) -> list:
         for rows, inflight in launched:
             for i, token in zip(rows, self.runner.collect(inflight).tokens):
-                proposals[i].append(token)
+                proposals[i].append(max(token, 0))  # (a draft row with no finite logit proposes 0, as on the device)
         return []
 
     def exit(self):
+        self.chain.release()  # (its graphs share the runner's memory pool)
         self.runner.exit()

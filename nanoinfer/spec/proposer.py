@@ -29,7 +29,9 @@ class Proposer(ABC):
 
     def launch(self, seqs: list, max_lens: list[int]) -> DeviceProposals | None:
         """Exactly max_lens[i] proposals for each sequence, left on the device; None where this
-        proposer cannot for these sequences (propose() serves them)."""
+        proposer cannot for these sequences (propose() serves them). Only for requests whose
+        sampling plan does not read the proposals (greedy, no penalties or token constraints): the
+        verify step's plan is built before they reach the host."""
         return None
 
     def exit(self):

@@ -51,6 +51,8 @@ class Speculator:
         seqs, max_lens = [batch.seqs[r] for r in rows], [batch.query_lens[r] - 1 for r in rows]
         on_device = self.proposer.launch(seqs, max_lens) if self.device_proposals else None
         if on_device is not None:
+            # (the step's sampling plan is built from the placeholders: a proposer launches only for
+            # requests whose plan does not read the proposals, greedy ones without token constraints)
             batch.proposals = on_device
             attach_drafts(batch, {r: [0] * m for r, m in zip(rows, max_lens)})  # (no row shortened)
             return
