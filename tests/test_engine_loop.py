@@ -207,3 +207,19 @@ def test_an_exception_in_a_logits_processor_leaves_the_engine_clean(tiny_qwen3, 
         assert bm.num_free_blocks == bm.num_blocks
     finally:
         llm.exit()
+
+
+def test_start_up_objects_are_frozen_for_the_cycle_collector_until_exit(tiny_qwen3):
+    """What the engine made at start-up is out of the cycle collector's full scans (gc.freeze), so
+    they do not stall steps; exit() unfreezes, so an exited engine's cycles are collectable."""
+    import gc
+    gc.unfreeze()
+    llm = LLM(tiny_qwen3, max_model_len=64)
+    try:
+        assert gc.get_freeze_count() > 0
+        model = llm.model_runner.model
+        assert gc.is_tracked(model) and not any(o is model for o in gc.get_objects())  # (frozen: not listed)
+        assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    finally:
+        llm.exit()
+    assert gc.get_freeze_count() == 0

@@ -12,6 +12,7 @@ when a peer dies, and NCCL offers no way out of that which cannot itself hang. A
 way is simply killed, and the engine raises. What this costs per step (the round trip to the
 workers) is measured by `python -m nanoinfer.bench.tp_step`.
 """
+import gc
 import logging
 import os
 import pickle
@@ -62,6 +63,7 @@ def serve_rank(channel, config: Config, init_method: str):
     for name, value in NO_MULTICAST.items():  # unless the user asks otherwise
         os.environ.setdefault(name, value)
     runner = ModelRunner(config, channel.rank, init_method)
+    gc.freeze()  # (as the engine's process does: full collections skip the start-up objects)
     channel.answer(runner.num_blocks)
     ranks = RankLoop(runner, channel)
     while True:
