@@ -89,6 +89,24 @@ def test_chunked_prefill_gives_identical_results(tiny_qwen3, reference):
         llm.exit()
 
 
+def test_steps_of_short_rows_give_identical_results(tiny_qwen3, reference, monkeypatch):
+    """Prompt chunks of at most SHORT_ROWS_MAX_QUERY tokens beside decode rows run as decode steps,
+    a token a row (engine/forward_inputs.py): the results are the reference's."""
+    from nanoinfer.engine import forward_inputs
+    short = []
+    original = forward_inputs._short_rows_context
+    monkeypatch.setattr(forward_inputs, "_short_rows_context", lambda *a: short.append(1) or original(*a))
+    prompts, expected = reference
+    q = forward_inputs.SHORT_ROWS_MAX_QUERY
+    llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=q, max_num_seqs=q)
+    try:
+        outs = [o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert outs == expected
+        assert len(short) > 10
+    finally:
+        llm.exit()
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_hand_loop_and_step_outputs(tiny_qwen3, async_scheduling):
     llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=128, async_scheduling=async_scheduling)
