@@ -17,8 +17,8 @@ def test_greedy_chain_proposes_the_drafts_own_greedy_tokens(tiny_qwen3, make_che
     plain = LLM(draft, kvcache_block_size=16, max_model_len=128, enforce_eager=True)
     try:
         bm = BlockManager(32, 16)
-        prompts = [[5, 17, 33, 8, 91, 120, 7, 64, 3, 250, 11, 42, 9], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2],
-                   [200, 100], [7] * 30]
+        prompts = [[5, 17, 33, 8, 91, 120, 7, 64, 3, 250, 11, 42, 9],
+                   [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2], [200, 100], [7] * 30]
         max_lens = [K, 1, 2, K - 1]
         seqs = [Sequence(ids, SamplingParams(temperature=0, max_tokens=50), 16) for ids in prompts]
         for seq, m in zip(seqs, max_lens):

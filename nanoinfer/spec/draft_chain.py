@@ -7,7 +7,8 @@ Here only the tokens depend on the device: every forward's positions, cache slot
 lengths follow from each row's length, so the host sends all of them at once and the chain runs
 its forwards, LM heads and argmaxes back to back. A row allowed fewer proposals than the chain
 has forwards sits out the rest of the chain: it attends to its first position alone, writes no
-K/V (slot -1), and its tokens are dropped. Used for requests whose proposals are the draft's plain argmax (draft_model.proposes_argmax).
+K/V (slot -1), and its tokens are dropped. Used for requests whose proposals are the draft's plain
+argmax (draft_model.proposes_argmax).
 """
 import numpy as np
 import torch
