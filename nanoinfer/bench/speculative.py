@@ -120,8 +120,8 @@ def compare(target: str, draft: str, k: int, batches, prompt_len: int, output_le
             continue
         llm = LLM(target, **common, **opts)
         rng = random.Random(0)
-        timed_run(llm, 1, prompt_len, 8, rng)  # warm-up (compiles; captures nothing new)
-        for b in batches:
+        for b in batches:  # a short warm-up at each batch size first: kernels it compiles stay out of the timing
+            timed_run(llm, b, prompt_len, 8, rng)
             results[name, b] = timed_run(llm, b, prompt_len, output_len, random.Random(b))
         llm.exit()
         del llm
