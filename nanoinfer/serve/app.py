@@ -4,6 +4,7 @@ Every error has OpenAI's shape (errors.py). A client that disconnects has its re
 streaming or not.
 """
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator, Container
 from contextlib import asynccontextmanager
@@ -50,11 +51,15 @@ def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLim
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        # what start-up made (libraries, the tokenizer, the routes) out of the cycle collector's
+        # full scans, which would stall every stream on the event loop (as the engine does)
+        gc.freeze()
         try:
             yield
         finally:  # after uvicorn's graceful shutdown: the in-flight requests have ended
             engine.stop()
             renderer.close()
+            gc.unfreeze()
 
     docs = {} if enable_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="nanoinfer", lifespan=lifespan, **docs)
