@@ -122,8 +122,13 @@ class StepArrays:
 
     def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """The cache slots of positions of the given rows."""
-        block, offset = np.divmod(positions, self.block_size)
-        return self.block_tables[rows, block] * self.block_size + offset
+        return cache_slots(self.block_tables, rows, positions, self.block_size)
+
+
+def cache_slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slots of `positions` of the sequences whose padded block tables are block_tables[rows]."""
+    block, offset = np.divmod(positions, block_size)
+    return block_tables[rows, block] * block_size + offset
 
 
 def _decode_context(step: StepInput, bs: int, staged: Staging, sort_rows: bool) -> tuple[dict[str, int], dict]:

@@ -13,7 +13,7 @@ argmax (draft_model.proposes_argmax).
 import numpy as np
 import torch
 
-from nanoinfer.engine.forward_inputs import padded_block_tables
+from nanoinfer.engine.forward_inputs import cache_slots, padded_block_tables
 from nanoinfer.engine.graph_runner import graph_batch_sizes
 from nanoinfer.utils.context import reset_context, set_context
 from nanoinfer.utils.staging import Staging
@@ -75,36 +75,34 @@ class GreedyDraftChain:
         lengths[i]); row i proposes max_lens[i] tokens in all. Returns the host copy of the
         proposals after the first, [num_forwards, n] int64, and the event that marks it complete
         (None on CPU, where it is complete)."""
-        n, f, bs = len(lengths), self.num_forwards, self.block_size
+        n, f = len(lengths), self.num_forwards
+        bucket = next((b for b in self.buckets if b >= n), None)
+        width = bucket or n  # (a graph's padded rows: context 0, slot -1, ordered last)
         table = padded_block_tables(tables)
         j = np.arange(1, f + 1)[:, None]
         active = j < np.asarray(max_lens)[None, :]  # forward j computes proposal j + 1 of the row
         positions = np.where(active, np.asarray(lengths)[None, :] + j - 1, 0)
-        context_lens = positions + 1  # (a row sitting out reads position 0 and writes nothing)
         rows = np.broadcast_to(np.arange(n), positions.shape)
-        slots = np.where(active, table[rows, positions // bs] * bs + positions % bs, -1)
+        slots = np.full((f, width), -1, np.int64)
+        slots[:, :n] = np.where(active, cache_slots(table, rows, positions, self.block_size), -1)
+        context_lens = np.zeros((f, width), np.int64)
+        context_lens[:, :n] = positions + 1  # (a row sitting out reads position 0 and writes nothing)
         order = np.argsort(-context_lens, axis=1, kind="stable")  # longest context first, ties in row order
         staged = Staging()
         parts = [staged.add(positions), staged.add(slots), staged.add(context_lens, np.int32),
                  staged.add(order, np.int32), staged.add(table, np.int32)]
         sent = staged.send(self.runner.device)
         positions_d, slots_d, context_d, order_d, table_d = (sent[i] for i in parts)
-        bucket = next((b for b in self.buckets if b >= n), None)
-        rows_d = bucket or n
         self.tokens[:n] = first
         self.positions[:, :n] = positions_d
-        self.slots[:, :rows_d] = -1
-        self.slots[:, :n] = slots_d
-        self.context_lens[:, :rows_d] = 0
-        self.context_lens[:, :n] = context_d
+        self.slots[:, :width] = slots_d
+        self.context_lens[:, :width] = context_d
+        self.order[:, :width] = order_d
         self.block_tables[:n, :table.shape[1]] = table_d
-        self.order[:, :n] = order_d
-        if rows_d > n:  # padded rows (context 0) last
-            self.order[:, n:rows_d] = torch.arange(n, rows_d, dtype=torch.int32, device=self.runner.device)
         if bucket is not None and bucket in self.graphs:
             self.graphs[bucket].replay()
         else:
-            self._forwards(n, context_lens.tolist())
+            self._forwards(n, context_lens[:, :n].tolist())
         out = self.out[:, :n]
         if self.runner.device.type != "cuda":
             return out.clone(), None

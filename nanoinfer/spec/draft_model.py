@@ -151,7 +151,7 @@ class DraftModelProposer(Proposer):
                     proposals[i] += later[:max_lens[i] - 1]
             self._record(seqs, n, proposals, preemptions)  # (as of the launch: a preemption since voids them)
             return proposals
-        return DeviceProposals(tokens, list(max_lens), finish)
+        return DeviceProposals(tokens, finish)
 
     def _launch_first(self, seqs: list, n: list[int], sampled: bool):
         """The forward that catches each row's draft K/V up to its last token and proposes its first

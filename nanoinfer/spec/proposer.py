@@ -14,11 +14,10 @@ from typing import Callable
 
 @dataclass(slots=True)
 class DeviceProposals:
-    """Proposals left on the device: row i's max_lens[i] tokens are tokens[i, :max_lens[i]], which the
-    target step reads there (its inputs name them: StepInput.proposal_rows), so it is launched
-    without waiting for them. `finish` waits for their host copy and returns them as lists."""
+    """Proposals left on the device: row i's max_lens[i] tokens (launch's) are tokens[i, :max_lens[i]],
+    which the target step reads there (its inputs name them: StepInput.proposal_rows), so it is
+    launched without waiting for them. `finish` waits for their host copy and returns them as lists."""
     tokens: object  # a [rows, width] int64 device tensor
-    max_lens: list[int]
     finish: Callable[[], list[list[int]]]
 
 
