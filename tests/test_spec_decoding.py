@@ -69,6 +69,8 @@ def test_greedy_output_equals_plain_decoding(tiny_qwen3, draft_other, reference,
     assert tokens(outs) == expected
     stats = llm.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
+    # overlapped, a draft's rows chain onto the ones in flight (spec/chaining.py)
+    assert (llm.speculator.num_chained > 0) == (overlap and name != "ngram")
     if name == "draft_same":  # every proposal accepted, at every position
         assert stats.num_accepted_tokens == stats.num_draft_tokens
         assert stats.accepted_per_position[0] == stats.num_drafts

@@ -32,10 +32,13 @@ def has_few_short_rows(step: StepInput, max_tokens: int = SHORT_ROWS_MAX_TOKENS)
 
 def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_decode_rows: bool,
                    prev_tokens: torch.Tensor | None, max_short_tokens: int = SHORT_ROWS_MAX_TOKENS,
-                   proposals: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   proposals: torch.Tensor | None = None,
+                   offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, positions) on the device, with the step's context set. In-flight rows read
     their token from `prev_tokens`, the tokens of the step launched before this one; proposal
-    rows theirs from `proposals` (a speculative proposer's tokens, still on the device).
+    rows theirs from `proposals` (a speculative proposer's tokens, still on the device), and, if
+    `offsets` is given (one per row of `proposals`), move their positions by their row's offset
+    there (a speculative row chained onto one in flight, spec/chaining.py: a step of short rows).
     sort_decode_rows: the attention backend wants a decode step's rows longest context first.
     max_short_tokens: the most tokens a step of short rows runs as decode with (the runner's
     largest decode graph).
@@ -80,7 +83,13 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
         positions = rope[0] if rope.shape[0] == 1 else rope
     sources, inflight_rows = t.pop("inflight_sources", None), t.pop("inflight_rows", None)
     if step.proposal_rows:
-        input_ids[t.pop("proposal_rows")] = proposals.reshape(-1).index_select(0, t.pop("proposal_sources"))
+        rows_d, sources_d = t.pop("proposal_rows"), t.pop("proposal_sources")
+        input_ids[rows_d] = proposals.reshape(-1).index_select(0, sources_d)
+        if offsets is not None:
+            if not short_rows:
+                raise RuntimeError("a step with rows shifted on the device must run as a step of short rows")
+            positions[rows_d] += offsets.index_select(0, sources_d // proposals.shape[1])
+            _place_shifted(positions, block_size, t, context)
     set_context(**context, **t)  # block tables, slots, lengths (and logits_indices, lora_slots)
     if sources is not None:
         tokens = prev_tokens.index_select(0, sources)
@@ -89,6 +98,15 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
         else:
             input_ids[inflight_rows] = tokens
     return input_ids, positions
+
+
+def _place_shifted(positions: torch.Tensor, block_size: int, t: dict, context: dict):
+    """A decode context's slots and context lengths, from positions some of which the device moved
+    (each token a row of its own with its sequence's block table: context = position + 1)."""
+    blocks = t["block_tables"].gather(1, (positions // block_size)[:, None]).squeeze(1)
+    t["slot_mapping"] = blocks * block_size + positions % block_size
+    t["context_lens"] = (positions + 1).to(torch.int32)
+    context["context_lens_cpu"] = t["context_lens"].tolist() if positions.device.type == "cpu" else None
 
 
 def padded_block_tables(tables: list[list[int]]) -> np.ndarray:

@@ -335,15 +335,22 @@ class LLMEngine:
         prev, prev_failed = self.inflight, False
         try:
             if batch.drafts:
-                self.speculator.propose(batch)
+                if prev is not None and prev.masks is not None:  # (rows chained onto it read its tokens)
+                    prev_failed = True
+                    self._sample(prev)
+                    prev_failed = False
+                self.speculator.propose(batch, prev.handle if prev else None)
             step, sample = self.step_encoder.encode(batch, prev.rows if prev else None)
             masks, self.step_encoder.awaiting_masks = self.step_encoder.awaiting_masks, None  # (the step's alone)
             if prev is not None and prev.masks is not None:
                 prev_failed = True
                 self._sample(prev)  # (its forward ran while this step was scheduled and encoded)
                 prev_failed = False
-            proposals = (batch.proposals.tokens,) if batch.proposals is not None else ()  # (one rank here)
+            props = batch.proposals  # (one rank here)
+            proposals = (props.tokens, props.offsets) if props is not None else ()
             handle = self.model_runner.launch(step, sample, prev.handle if prev else None, *proposals)
+            if self.speculator is not None:
+                self.speculator.launched(batch)
         except BaseException:
             self.scheduler.unschedule(batch)  # (the newest first: a row of both starts at prev's start)
             self.step_encoder.unschedule()

@@ -83,11 +83,12 @@ class ModelRunner:
     # ---- a step ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(self, step: StepInput, sample: SampleInput | None, prev: InFlight | None,
-               proposals: torch.Tensor | None = None) -> InFlight:
+               proposals: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> InFlight:
         """Enqueue one step and return without waiting for the device. Rank 0 (`sample` given)
         samples and starts a copy of the tokens to the host. On every rank, the step's in-flight
         rows read their input token from `prev` (the step launched before this one) on the device;
-        its proposal rows read theirs from `proposals` (spec/proposer.py, DeviceProposals)."""
+        its proposal rows read theirs from `proposals` (spec/proposer.py, DeviceProposals), and
+        their position offsets from `offsets`."""
         prev_tokens = prev.tokens if prev is not None else None
         if step.lora is not None:  # (first: a later failure leaves the slots as the message says)
             self.adapters.ensure(step.lora.adapters)
@@ -95,7 +96,8 @@ class ModelRunner:
             mm_embeds = self.encoder_cache.step_embeds(step.multi_modal) if step.multi_modal is not None else None
             input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
                                                   self.attention.sorts_decode_rows, prev_tokens,
-                                                  min(SHORT_ROWS_MAX_TOKENS, self.config.max_num_seqs), proposals)
+                                                  min(SHORT_ROWS_MAX_TOKENS, self.config.max_num_seqs), proposals,
+                                                  offsets)
             get_context().mm_embeds = mm_embeds
             if step.pooling is not None:  # embeddings: final hidden states, eager; no LM head, no sampling
                 hidden = self.model(input_ids, positions)  # (every rank: the forward's all-reduces)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
+from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
 from nanoinfer.engine.wait_queue import PriorityWaitQueue, WaitQueue, priority_key
 from nanoinfer.lora.admission import admits, running_adapters
@@ -75,6 +76,8 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        # the most tokens a step runs as a decode step of short rows with (the runner's largest decode graph)
+        self.short_rows_tokens = min(SHORT_ROWS_MAX_TOKENS, config.max_num_seqs)
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, prefix_caching)
         self.by_priority = getattr(config, "scheduling_policy", "fcfs") == "priority"
@@ -126,13 +129,18 @@ class Scheduler:
             self._preempt_for_waiting()
         # 1. one decode token for every running sequence that generates (oldest first)
         i, decode = 0, []
+        room = self._chain_room() if self.speculator is not None else None
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
             if seq.num_computed_tokens != len(seq.token_ids) + seq.num_inflight - 1 or \
                     (seq.num_inflight and self._waits_for_inflight(seq)):
                 continue  # mid-prefill (step 2), or its token in flight keeps it out of this step
-            k = self._lookahead(seq, budget, len(self.running) - i) if self.speculator else 0
+            k = self._lookahead(seq, budget, len(self.running) - i, room) if self.speculator else 0
+            if seq.num_inflight > 1 and not k:
+                continue  # its speculative row in flight, and no room to chain the next one: it waits
+            if room is not None:
+                room -= k
             while not self.block_manager.append_slot(seq):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -173,6 +181,17 @@ class Scheduler:
             budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
         return batch if batch.seqs else None
 
+    def _chain_room(self) -> int | None:
+        """With a speculative row in flight that the next one may chain onto (spec/speculator.py,
+        `chains`): how many proposals this step's rows may score in all, so that it runs as a
+        decode step of short rows (engine/forward_inputs.py), the only kind that places rows whose
+        positions the device shifts. None (no row chains): there is no such row, or a prompt chunk
+        may join the step."""
+        if not any(seq.num_inflight > 1 for seq in self.running) or self.waiting or \
+                any(seq.num_computed_tokens < len(seq.token_ids) - 1 for seq in self.running):
+            return None
+        return max(self.short_rows_tokens - len(self.running), 0)
+
     def _waits_for_host(self, sp) -> bool:
         """Whether a request with a token in flight must wait for it before its next row."""
         return sp.needs_host_tokens_to_launch or (sp.structured_outputs is not None and not self.masks_after_launch)
@@ -210,20 +229,20 @@ class Scheduler:
     def unschedule(self, batch: ScheduledBatch):
         """Undo a step that could not be launched (an exception, e.g. in a user's logits processor):
         its rows are scheduled again next time. Blocks it allocated stay with their sequences."""
-        for seq, start, samples in zip(batch.seqs, batch.starts, batch.samples):
+        for row, (seq, start, samples) in enumerate(zip(batch.seqs, batch.starts, batch.samples)):
             seq.num_computed_tokens = start
-            seq.num_inflight -= samples
+            seq.num_inflight -= batch.query_lens[row] if row in batch.drafts else samples
 
     def _waits_for_inflight(self, seq: Sequence) -> bool:
-        """Whether a running sequence with a token in flight is left out of the decode rows: a
-        speculative row in flight (its length is unknown), its in-flight tokens end it by length (it
-        will not be scheduled again; processing finishes it), or the host must see that token
-        (to propose, too)."""
+        """Whether a running sequence with tokens in flight is left out of the decode rows: its
+        in-flight tokens may end it by length (it will not be scheduled again; processing finishes
+        it), the host must see that token (to propose, too), or a speculative row in flight that
+        the next one cannot chain onto (its length is unknown: `_lookahead` decides)."""
         sp = seq.sampling_params
-        n = len(seq.token_ids) + seq.num_inflight
+        n = len(seq.token_ids) + seq.num_inflight  # (a speculative row in flight: as if all were accepted)
         return n >= self.max_model_len or (sp.max_tokens is not None and n - seq.num_prompt_tokens >= sp.max_tokens) \
             or (sp.has_token_constraints and self._waits_for_host(sp)) \
-            or bool(self.speculator and self.speculator.speculates(seq, len(self.running)))
+            or bool(self.speculator and seq.num_inflight == 1 and self.speculator.speculates(seq, len(self.running)))
 
     @staticmethod
     def _add_decode_rows(batch: ScheduledBatch, seqs: list[Sequence]):
@@ -249,25 +268,30 @@ class Scheduler:
         batch.samples.append(samples)
         return num_tokens
 
-    def _lookahead(self, seq: Sequence, budget: int, num_after: int) -> int:
-        """How many proposals the sequence's row may score, with the blocks for them reserved; none
-        when that would take a block one of the `num_after` sequences after it may need."""
-        k, bm = self.speculator.lookahead(seq, budget, len(self.running)), self.block_manager
-        if k and seq.num_tokens + k > len(seq.block_table) * bm.block_size and bm.num_free_blocks <= num_after:
+    def _lookahead(self, seq: Sequence, budget: int, num_after: int, room: int | None) -> int:
+        """How many proposals the sequence's row may score (at most `room`, see _chain_room), with
+        the blocks for them reserved; none when that would take a block one of the `num_after`
+        sequences after it may need."""
+        k, bm = self.speculator.lookahead(seq, budget, len(self.running), room), self.block_manager
+        end = seq.num_tokens + seq.num_inflight + k
+        if k and end > len(seq.block_table) * bm.block_size and bm.num_free_blocks <= num_after:
             return 0
         return k if k and bm.append_slot(seq, k) else 0
 
     @staticmethod
     def _add_speculative_row(batch: ScheduledBatch, seq: Sequence, k: int):
         """A decode row that also scores k proposed tokens (filled in before launch, and maybe
-        shortened: nanoinfer/spec/rows.py). It samples once; processing appends the accepted run."""
+        shortened: nanoinfer/spec/rows.py). Processing appends the accepted run, up to 1 + k tokens:
+        until then they count in flight, as if all were accepted, and so does the row's progress.
+        A row chained onto one still in flight starts where that one ends if all are accepted; the
+        device shifts it back by what it rejected (spec/chaining.py), processing the host's view."""
         batch.drafts[len(batch.seqs)] = None
         batch.seqs.append(seq)
         batch.starts.append(seq.num_computed_tokens)
         batch.query_lens.append(1 + k)
         batch.samples.append(True)
         seq.num_computed_tokens += 1 + k
-        seq.num_inflight += 1
+        seq.num_inflight += 1 + k
 
     def preempt(self, seq: Sequence):
         """Recompute preemption: drop its KV, put it first in line; it re-prefills prompt + output
@@ -290,9 +314,10 @@ class Scheduler:
         bm, eos, max_model_len = self.block_manager, self.eos_token_ids, self.max_model_len
         # a block is registered once full: most rows of most steps fill none and skip commit()
         caching, bs = bm.prefix_caching, bm.block_size
+        drafts = batch.drafts
         for row, (seq, token_id, samples) in enumerate(zip(batch.seqs, token_ids, batch.samples)):
             # (samples False: a prompt chunk short of its end samples nothing)
-            seq.num_inflight -= samples
+            seq.num_inflight -= batch.query_lens[row] if row in drafts else samples
             status = seq.status
             if status is SequenceStatus.FINISHED:
                 continue  # aborted, or stopped while this step was in flight: a wasted row
@@ -300,7 +325,7 @@ class Scheduler:
                 ending[row] = ("error", "non-finite logits")  # (its K/V are not cached either)
                 continue
             if runs and row in runs:
-                counts[row] = self._append_run(seq, batch.starts[row], runs[row], row, ending)
+                counts[row] = self._append_run(seq, batch.query_lens[row], runs[row], row, ending)
                 appended.append(row)
                 continue
             if status is SequenceStatus.RUNNING and caching:
@@ -323,10 +348,11 @@ class Scheduler:
                 ending[row] = (reason, stop_reason)
         return StepUpdate(appended, ending, counts)
 
-    def _append_run(self, seq: Sequence, start: int, run: list[int], row: int, ending: dict) -> int:
+    def _append_run(self, seq: Sequence, query_len: int, run: list[int], row: int, ending: dict) -> int:
         """Append a speculative row's accepted tokens until one ends the sequence; the K/V computed
         for the appended ones (all but the newest) are kept, those of rejected proposals are
-        overwritten later. Returns how many were appended."""
+        overwritten later. Its progress counted all query_len tokens: it gives back those not
+        appended (a row chained after it was scheduled from there). Returns how many were appended."""
         num = 0
         for token_id in run:
             seq.append_token(token_id)
@@ -337,8 +363,8 @@ class Scheduler:
                 ending[row] = (reason, stop_reason)
                 break
         if seq.status == SequenceStatus.RUNNING:
-            seq.num_computed_tokens = start + num
-            self.block_manager.commit(seq, start + num)
+            seq.num_computed_tokens -= query_len - num
+            self.block_manager.commit(seq, seq.num_tokens - 1)
         return num
 
     def finish_rows(self, batch: ScheduledBatch, update: StepUpdate, stop_strings: dict[int, str]) -> list[Sequence]:

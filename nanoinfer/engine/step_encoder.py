@@ -81,17 +81,19 @@ def encode_rows(batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> Step
     inflight_rows = [row for row, here in enumerate(on_host) if not here]
     inflight_sources = [prev_rows[seqs[row].seq_id] for row in inflight_rows]
     proposal_rows, proposal_sources = [], []
-    width = batch.proposals.tokens.shape[1] if batch.proposals is not None else 0
+    on_device = batch.proposals.index if batch.proposals is not None else {}
+    width = batch.proposals.tokens.shape[1] if on_device else 0
     for row in range(batch.num_decode, len(batch.seqs)):
-        start = batch.starts[row]
-        input_ids += batch.seqs[row].token_ids[start:start + batch.query_lens[row]]
+        seq, start, q = batch.seqs[row], batch.starts[row], batch.query_lens[row]
+        i = on_device.get(seq.seq_id) if row in batch.drafts else None
+        if i is not None:  # a speculative row whose whole query is on the device (spec/proposer.py)
+            proposal_rows += range(len(input_ids), len(input_ids) + q)
+            proposal_sources += range(i * width, i * width + q)
+            input_ids += [0] * q
+            continue
+        input_ids += seq.token_ids[start:start + q]
         if row in batch.drafts:  # a speculative row: its last token, then the proposals
-            draft = batch.drafts[row]
-            if width:  # (still on the device: the i-th speculative row's are row i there)
-                i = row - batch.num_decode
-                proposal_rows += range(len(input_ids), len(input_ids) + len(draft))
-                proposal_sources += range(i * width, i * width + len(draft))
-            input_ids += draft
+            input_ids += batch.drafts[row]
     return StepInput(batch.num_decode, batch.starts, batch.query_lens, input_ids,
                      [seq.block_table for seq in batch.seqs], inflight_rows, inflight_sources,
                      proposal_rows=proposal_rows, proposal_sources=proposal_sources)

@@ -70,11 +70,13 @@ class GreedyDraftChain:
             reset_context()
 
     @torch.inference_mode()
-    def launch(self, first: torch.Tensor, lengths: list[int], max_lens: list[int], tables: list[list[int]]):
+    def launch(self, first: torch.Tensor, lengths: list[int], max_lens: list[int], tables: list[list[int]],
+               offsets: torch.Tensor | None = None):
         """Enqueue the chain: `first` [n] the first proposals on the device (row i's is at position
-        lengths[i]); row i proposes max_lens[i] tokens in all. Returns the host copy of the
-        proposals after the first, [num_forwards, n] int64, and the event that marks it complete
-        (None on CPU, where it is complete)."""
+        lengths[i], moved by offsets[i] on the device if given: a chained row, spec/chaining.py);
+        row i proposes max_lens[i] tokens in all. Returns the host copy of the proposals after the
+        first, [num_forwards, n] int64, and the event that marks it complete (None on CPU, where
+        it is complete)."""
         n, f = len(lengths), self.num_forwards
         bucket = next((b for b in self.buckets if b >= n), None)
         width = bucket or n  # (a graph's padded rows: context 0, slot -1, ordered last)
@@ -99,10 +101,12 @@ class GreedyDraftChain:
         self.context_lens[:, :width] = context_d
         self.order[:, :width] = order_d
         self.block_tables[:n, :table.shape[1]] = table_d
+        if offsets is not None:
+            self._shift(n, offsets)
         if bucket is not None and bucket in self.graphs:
             self.graphs[bucket].replay()
         else:
-            self._forwards(n, context_lens[:, :n].tolist())
+            self._forwards(n, self.context_lens[:, :n].tolist() if offsets is not None else context_lens[:, :n].tolist())
         out = self.out[:, :n]
         if self.runner.device.type != "cuda":
             return out.clone(), None
@@ -111,6 +115,16 @@ class GreedyDraftChain:
         event = torch.cuda.Event()
         event.record()
         return host, event
+
+    def _shift(self, n: int, offsets: torch.Tensor):
+        """Move the active forwards of the first n rows by offsets [n] positions, with their slots
+        and context lengths (the order, longest context first, stays the scheduled one's: a hint)."""
+        active = self.slots[:, :n] >= 0
+        positions = self.positions[:, :n] + offsets[None, :] * active
+        blocks = self.block_tables[:n].gather(1, (positions // self.block_size).T.to(torch.int64)).T
+        self.positions[:, :n] = positions
+        self.context_lens[:, :n] = positions + 1
+        self.slots[:, :n] = torch.where(active, blocks * self.block_size + positions % self.block_size, -1)
 
     def release(self):
         self.graphs.clear()

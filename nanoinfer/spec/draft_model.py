@@ -26,6 +26,7 @@ from nanoinfer.spec.draft_chain import GreedyDraftChain
 from nanoinfer.spec.proposer import DeviceProposals, Proposer
 from nanoinfer.spec.rows import DraftView
 from nanoinfer.utils.hf_files import load_tokenizer
+from nanoinfer.utils.staging import Staging
 
 
 @dataclass(slots=True)
@@ -112,9 +113,8 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seqs: list, max_lens: list[int]) -> list[list[int]]:
-        launched = self.launch(seqs, max_lens)
-        if launched is not None:
-            return launched.finish()
+        if all(map(self.launches, seqs)):  # (all on the host here: tensor parallelism)
+            return self.launch(seqs, max_lens, [seq.num_tokens for seq in seqs]).finish()
         n = [seq.num_tokens for seq in seqs]
         proposals = [[] for _ in seqs]
         rows = list(range(len(seqs)))
@@ -129,29 +129,56 @@ class DraftModelProposer(Proposer):
         self._record(seqs, n, proposals, [seq.num_preemptions for seq in seqs])
         return proposals
 
+    def launches(self, seq) -> bool:
+        return proposes_argmax(seq.sampling_params)
+
     @torch.inference_mode()
-    def launch(self, seqs: list, max_lens: list[int]) -> DeviceProposals | None:
-        """Greedy requests whose proposals are the draft's argmax: the first from the catch-up
-        forward, the rest from one chain (spec/draft_chain.py), all left on the device."""
-        if not all(proposes_argmax(seq.sampling_params) for seq in seqs):
-            return None
-        n, preemptions = [seq.num_tokens for seq in seqs], [seq.num_preemptions for seq in seqs]
-        first = self._launch_first(seqs, n, False)
-        tokens, rest, event = first.tokens[:, None], None, None
+    def launch(self, seqs: list, max_lens: list[int], lengths: list[int], chained=None) -> DeviceProposals:
+        """Greedy requests whose proposals are the draft's argmax: the first from a catch-up
+        forward, the rest from one chain (spec/draft_chain.py), all left on the device. A chained
+        row's catch-up is its last two tokens, on the device (spec/chaining.py): the K/V before
+        them are the draft's already (its last launch computed them, with the proposals the target
+        accepted); its positions are shifted there. Rows are launched host rows first."""
+        on_host = [i for i in range(len(seqs)) if chained is None or i not in chained.rows]
+        order = on_host + (chained.rows if chained is not None else [])
+        seqs, max_lens, n = [seqs[i] for i in order], [max_lens[i] for i in order], [lengths[i] for i in order]
+        preemptions = [seq.num_preemptions for seq in seqs]
+        firsts, queries, offsets = [], [], None  # per group: its catch-up, its first query tokens
+        if on_host:
+            h = len(on_host)
+            firsts.append(self._launch_first(seqs[:h], n[:h], False))
+            staged = Staging()
+            part = staged.add([seq.token_ids[-1] for seq in seqs[:h]])
+            queries.append(staged.send(self.runner.device)[part])
+        if chained is not None:
+            c, h = len(chained.rows), len(on_host)
+            step = StepInput(0, [m - 2 for m in n[h:]], [2] * c, [0] * 2 * c, [seq.block_table for seq in seqs[h:]],
+                             proposal_rows=list(range(2 * c)), proposal_sources=list(range(2 * c)))
+            firsts.append(self.runner.launch(step, self._sample_input(seqs, list(range(c)), None, False), None,
+                                             torch.stack([chained.last, chained.bonus], 1), chained.shift))
+            queries.append(chained.bonus)
+            offsets = chained.shift if not on_host else \
+                torch.cat([torch.zeros(h, dtype=torch.int64, device=self.runner.device), chained.shift])
+        first = firsts[0].tokens if len(firsts) == 1 else torch.cat([f.tokens for f in firsts])
+        tokens = [(queries[0] if len(queries) == 1 else torch.cat(queries))[:, None], first[:, None]]
+        rest, event = None, None
         if max(max_lens) > 1:
-            rest, event = self.chain.launch(first.tokens, n, max_lens, [seq.block_table for seq in seqs])
-            tokens = torch.cat([tokens, self.chain.out[:, :len(seqs)].T], 1)
+            rest, event = self.chain.launch(first, n, max_lens, [seq.block_table for seq in seqs], offsets)
+            tokens.append(self.chain.out[:, :len(seqs)].T)
 
         def finish() -> list[list[int]]:
-            proposals = [[max(t, 0)] for t in self.runner.collect(first).tokens]  # (the device's, clamped)
+            # (the device's, clamped: a row with no finite logit proposed 0)
+            proposals = [[max(t, 0)] for f in firsts for t in self.runner.collect(f).tokens]
             if event is not None:
                 event.synchronize()
             if rest is not None:
                 for i, later in enumerate(rest.T.tolist()):
                     proposals[i] += later[:max_lens[i] - 1]
-            self._record(seqs, n, proposals, preemptions)  # (as of the launch: a preemption since voids them)
+            # (a chained row's length is the host's now: the step it was chained onto is processed;
+            # a preemption since the launch voids them)
+            self._record(seqs, [seq.num_tokens for seq in seqs], proposals, preemptions)
             return proposals
-        return DeviceProposals(tokens, finish)
+        return DeviceProposals(torch.cat(tokens, 1), finish, [seq.seq_id for seq in seqs], max_lens, offsets)
 
     def _launch_first(self, seqs: list, n: list[int], sampled: bool):
         """The forward that catches each row's draft K/V up to its last token and proposes its first

@@ -20,7 +20,9 @@ def attach_drafts(batch: ScheduledBatch, drafts: dict[int, list[int]]):
     for r in rows:
         draft = drafts.get(r) or []
         unused = batch.query_lens[r] - 1 - len(draft)
-        batch.seqs[r].num_computed_tokens -= unused
+        seq = batch.seqs[r]
+        seq.num_computed_tokens -= unused
+        seq.num_inflight -= unused
         batch.query_lens[r] -= unused
     for name in ("seqs", "starts", "query_lens", "samples"):
         column = getattr(batch, name)

@@ -1,0 +1,112 @@
+"""Speculative rows chained onto rows in flight (nanoinfer/spec/chaining.py): the device's count of
+accepted proposals, bonus token and shift; and, through the engine on CPU in float32, outputs equal
+to plain decoding under random workloads that chain rows while others arrive, preempt, sample, run
+out of max_tokens or stop mid-run, with a draft that is right about half the time."""
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.spec.chaining import chained_inputs
+from nanoinfer.spec.proposer import DeviceProposals
+
+
+def test_chained_inputs_match_the_host_verification():
+    rng = random.Random(0)
+    for _ in range(50):
+        rows, width = rng.randrange(1, 6), rng.randrange(1, 5)
+        lengths = [rng.randrange(1, width + 1) for _ in range(rows)]
+        queries = [[rng.randrange(5) for _ in range(1 + width)] for _ in range(rows)]
+        # the step's sampling rows: a decode row first, then each speculative row's 1 + k
+        sampled, first = [rng.randrange(5)], []
+        for k, q in zip(lengths, queries):
+            first.append(len(sampled))
+            sampled += [q[j + 1] if rng.random() < 0.6 and j < k else rng.randrange(5) for j in range(k + 1)]
+        prev = DeviceProposals(torch.tensor(queries), None, [10 + i for i in range(rows)], lengths,
+                               first_samples=first)
+        pick = rng.sample(range(rows), rng.randrange(1, rows + 1))
+        last, bonus, shift = chained_inputs(prev, torch.tensor(sampled), [10 + i for i in pick])
+        for j, i in enumerate(pick):
+            k, q, s = lengths[i], queries[i], sampled[first[i]:first[i] + lengths[i] + 1]
+            a = 0
+            while a < k and s[a] == q[a + 1]:
+                a += 1
+            assert (last[j].item(), bonus[j].item(), shift[j].item()) == (q[a], s[a], a - k)
+
+
+@pytest.fixture(scope="module")
+def draft_near(tiny_qwen3, tmp_path_factory):
+    """The target with noise on its weights: its greedy proposals are right about half the time."""
+    from safetensors.torch import load_file, save_file
+    path = str(tmp_path_factory.mktemp("near"))
+    shutil.copytree(tiny_qwen3, path, dirs_exist_ok=True)
+    g = torch.Generator().manual_seed(5)
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            w = load_file(os.path.join(path, name))
+            save_file({k: v + 0.1 * v.std() * torch.randn(v.shape, generator=g) if v.ndim > 1 else v
+                       for k, v in w.items()}, os.path.join(path, name))
+    return path
+
+
+def workload(seed: int):
+    """(prompt, params, the step it arrives at) for a dozen requests: greedy ones that chain, greedy
+    ones with a penalty and seeded sampled ones that propose on the host, short max_tokens, stop
+    token ids."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(12):
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(2, 40))]
+        kind = rng.choice(["argmax", "argmax", "argmax", "penalty", "sampled"])
+        max_tokens = rng.choice([1, 2, 5, rng.randrange(3, 40)])
+        extra = {"stop_token_ids": [rng.randrange(3, 300) for _ in range(20)]} if rng.random() < 0.3 else {}
+        if kind == "argmax":
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra)
+        elif kind == "penalty":
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, repetition_penalty=1.3)
+        else:
+            params = SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True, **extra)
+        out.append((prompt, params, rng.choice([0, 0, 0, rng.randrange(1, 30)])))
+    return out
+
+
+def drive(llm: LLM, requests) -> list:
+    """Add each request at its step, step to the end; every request's (tokens, finish reason)."""
+    rids, step = {}, 0
+    while len(rids) < len(requests) or not llm.is_finished():
+        for i, (prompt, params, at) in enumerate(requests):
+            if i not in rids and at <= step:
+                rids[i] = llm.add_request(prompt, params, keep_output=True)
+        llm.step()
+        step += 1
+        assert step < 2000
+    outs = [llm.pop_output(rids[i]).outputs[0] for i in range(len(requests))]
+    return [(o.token_ids, o.finish_reason) for o in outs]
+
+
+@pytest.mark.parametrize("pool", [None, 6])
+def test_chained_rows_give_plain_decoding_under_random_workloads(tiny_qwen3, draft_near, pool):
+    options = dict(kvcache_block_size=16, max_model_len=96, max_num_batched_tokens=48, num_kvcache_blocks=pool)
+    chained = preempted = 0
+    for seed in range(4):
+        requests = workload(seed)
+        plain = LLM(tiny_qwen3, **options)
+        expected = drive(plain, requests)
+        plain.exit()
+        llm = LLM(tiny_qwen3, **options, speculative_config={"model": draft_near, "num_speculative_tokens": 3})
+        try:
+            assert drive(llm, requests) == expected, f"seed {seed}"
+            bm = llm.scheduler.block_manager
+            assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+            stats = llm.spec_stats
+            assert 0.2 < stats.acceptance_rate < 0.8
+            chained += llm.speculator.num_chained
+            preempted += llm.scheduler.num_preemptions
+        finally:
+            llm.exit()
+    assert chained > (10 if pool else 40)
+    if pool is not None:
+        assert preempted > 0
