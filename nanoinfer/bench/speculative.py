@@ -8,10 +8,11 @@ weights real acceptance cannot be measured, so at each batch size this runs
   the worst-case overhead;
 - n-gram prompt lookup (on random prompts);
 
-and prints the measured cost of a speculative step (the disagreeing draft, synchronous: k proposals
-and their verification, every proposal rejected) and the speed-up it implies at acceptance rates
-0.6 / 0.7 / 0.8: E[tokens per step] * plain step / speculative step, with E = (1 - a^(k+1)) / (1 -
-a) for a per-position acceptance a. Those are computed from measured costs, not measured speed-ups.
+and prints the measured cost of a speculative step (the disagreeing draft: k proposals and their
+verification, every proposal rejected), synchronous and overlapped (each row chained onto the one
+in flight, spec/chaining.py), and the speed-up the overlapped one implies at acceptance rates 0.6
+/ 0.7 / 0.8: E[tokens per step] * plain step / speculative step, with E = (1 - a^(k+1)) / (1 - a)
+for a per-position acceptance a. Those are computed from measured costs, not measured speed-ups.
 The proposer's own host time a step is printed beside it (a greedy draft's forwards then run on
 the device while the host launches the verification, so their device time is inside the step).
 Greedy sampling throughout (a draft equal to its target then accepts all).
@@ -36,8 +37,8 @@ class TimedProposer:
     def propose(self, seqs, max_lens):
         return self._timed(self.proposer.propose, seqs, max_lens)
 
-    def launch(self, seqs, max_lens):
-        return self._timed(self.proposer.launch, seqs, max_lens)
+    def launch(self, *args):
+        return self._timed(self.proposer.launch, *args)
 
     def _timed(self, call, *args):
         t = time.perf_counter()
@@ -141,18 +142,21 @@ def print_table(results: dict, batches, k: int, output_len: int):
                 print(f"{b:>5} {name:<30} {r['tok_s']:9.0f} {r['step_ms']:8.2f} {r['tokens_per_step']:9.2f} "
                       f"{r['accepted']:12.2f} {r['propose_ms']:10.2f}")
     print("computed from measured costs (not measured speed-ups): E[tokens a step] x plain step / speculative step "
-          "(the disagreeing draft, sync: k proposals and their verification)")
-    print(f"{'batch':>5} {'plain step ms':>13} {'spec step ms':>12} {'propose ms (host)':>17} "
-          + " ".join(f"{'x at ' + str(a):>9}" for a in ACCEPTANCE_RATES)
+          "(the disagreeing draft: k proposals and their verification; overlapped where run, else sync)")
+    print(f"{'batch':>5} {'plain step ms':>13} {'spec step ms, sync':>18} {'overlapped':>10} "
+          f"{'propose ms (host)':>17} " + " ".join(f"{'x at ' + str(a):>9}" for a in ACCEPTANCE_RATES)
           + f" {'overhead, a=0 (policy on)':>26}")
     for b in batches:
         plain, sync = results.get(("plain", b)), results.get(("disagreeing draft, sync", b))
-        if plain is None or sync is None:
+        overlapped = results.get(("disagreeing draft", b))
+        spec = overlapped or sync
+        if plain is None or spec is None:
             continue
-        ups = [expected_tokens(a, k) * plain["step_ms"] / sync["step_ms"] for a in ACCEPTANCE_RATES]
+        ups = [expected_tokens(a, k) * plain["step_ms"] / spec["step_ms"] for a in ACCEPTANCE_RATES]
         policy = results.get(("disagreeing draft, policy on", b))
         overhead = f"{(plain['tok_s'] / policy['tok_s'] - 1) * 100:+.1f}%" if policy else "-"
-        print(f"{b:>5} {plain['step_ms']:13.2f} {sync['step_ms']:12.2f} {sync['propose_ms']:17.2f} "
+        cells = [f"{r['step_ms']:.2f}" if r else "-" for r in (sync, overlapped)]
+        print(f"{b:>5} {plain['step_ms']:13.2f} {cells[0]:>18} {cells[1]:>10} {spec['propose_ms']:17.2f} "
               + " ".join(f"{u:9.2f}" for u in ups) + f" {overhead:>26}")
 
 
