@@ -1,11 +1,11 @@
-"""The one-row GEMV kernel (kernels/gemv.py), plain and with its RMSNorm / SiLU*mul prologues,
-against the torch path it replaces: under TRITON_INTERPRET=1 on CPU (float32, float16), and on a
+"""The one-row GEMV kernel (kernels/gemv.py), plain and with its RMSNorm / SiLU*mul prologues, and
+the 2-4 row GEMV, against the torch path they replace: under TRITON_INTERPRET=1 on CPU (float32, float16), and on a
 GPU (bfloat16, float32) at the 0.6B shapes too."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.kernels.gemv import gemv
+from nanoinfer.kernels.gemv import MAX_ROWS, gemv, gemv_rows
 from nanoinfer.layers.activation import silu_and_mul
 from nanoinfer.layers.layernorm import add_rms_norm, rms_norm
 
@@ -64,7 +64,29 @@ def test_silu_mul_prologue(n, k, dtype):
     assert_close(gemv(gate_up, w, silu_mul=True), F.linear(silu_and_mul(gate_up).float(), w.float()), dtype)
 
 
+@pytest.mark.parametrize("rows", range(2, MAX_ROWS + 1))
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("dtype", dtypes())
+def test_a_few_rows(rows, n, k, dtype):
+    g = torch.Generator().manual_seed(rows * n + k)
+    x = (torch.randn(rows, k, generator=g) * 3).to(DEV, dtype)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype)
+    assert_close(gemv_rows(x, w), F.linear(x.float(), w.float()), dtype)
+    out = torch.empty(rows, n, dtype=dtype, device=DEV)
+    assert gemv_rows(x, w, b, out=out) is out
+    assert_close(out, F.linear(x.float(), w.float(), b.float()), dtype)
+    for i in range(rows):  # each row as the one-row kernel gives it (up to summation order)
+        assert_close(out[i:i + 1], gemv(x[i:i + 1], w, b), dtype)
+
+
 def test_bad_shapes_are_refused():
+    w = torch.zeros(8, 16, device=DEV)
+    for rows in (1, MAX_ROWS + 1):
+        with pytest.raises(ValueError, match="2-4 contiguous rows"):
+            gemv_rows(torch.zeros(rows, 16, device=DEV), w)
+    with pytest.raises(ValueError, match="out must be"):
+        gemv_rows(torch.zeros(2, 16, device=DEV), w, out=torch.zeros(3, 8, device=DEV))
     w = torch.zeros(8, 16, device=DEV)
     with pytest.raises(ValueError, match="one contiguous row"):
         gemv(torch.zeros(2, 16, device=DEV), w)
