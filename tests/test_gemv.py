@@ -131,3 +131,30 @@ def test_one_row_steps_through_the_gemv_match_hf(make_checkpoint, tmp_path, monk
     finally:
         llm.exit()
     assert len(calls) >= 5 * 3 and any(calls), "the one-row steps did not go through the (fused) GEMV"
+
+
+def test_steps_of_a_few_rows_through_gemv_rows_match_hf(make_checkpoint, monkeypatch):
+    """The engine's steps of 2-4 rows (three one-token prompts: a 3-row prefill, then 3-row decode
+    steps; every projection and the LM head through gemv_rows) against HF, on CPU under the
+    interpreter: the rule that routes such CUDA inputs to it is widened to CPU inputs."""
+    from hf_reference import assert_greedy_matches_hf
+    from nanoinfer import LLM, SamplingParams
+    from nanoinfer.layers import linear_method
+    path = make_checkpoint(attention_bias=True)
+    rows = []
+
+    def counted(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return gemv_rows(x, *args, **kwargs)
+
+    monkeypatch.setattr(linear_method, "takes_gemv_rows", lambda x, w: 2 <= x.shape[0] <= MAX_ROWS)
+    monkeypatch.setattr(linear_method, "gemv_rows", counted)
+    llm = LLM(path, device="cpu", kvcache_block_size=16, max_model_len=128, max_num_seqs=3)
+    try:
+        prompts = [[5], [9], [17]]
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert_greedy_matches_hf(path, p, o["token_ids"])
+    finally:
+        llm.exit()
+    assert rows.count(3) >= 4 * 3, "the 3-row steps did not go through gemv_rows"
