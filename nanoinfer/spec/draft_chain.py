@@ -106,7 +106,10 @@ class GreedyDraftChain:
         if bucket is not None and bucket in self.graphs:
             self.graphs[bucket].replay()
         else:
-            self._forwards(n, self.context_lens[:, :n].tolist() if offsets is not None else context_lens[:, :n].tolist())
+            # (the torch backend's host context lengths: shifted ones are read back, on the CPU alone)
+            lens = context_lens[:, :n].tolist() if offsets is None else \
+                self.context_lens[:, :n].tolist() if self.runner.device.type == "cpu" else None
+            self._forwards(n, lens)
         out = self.out[:, :n]
         if self.runner.device.type != "cuda":
             return out.clone(), None
