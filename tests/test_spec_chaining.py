@@ -110,3 +110,73 @@ def test_chained_rows_give_plain_decoding_under_random_workloads(tiny_qwen3, dra
     assert chained > (10 if pool else 40)
     if pool is not None:
         assert preempted > 0
+
+
+def test_a_step_undone_after_the_step_it_chained_onto_was_processed(tiny_qwen3, draft_near):
+    """A logits processor raising beside a structured request (its masks sample eagerly): the step is
+    undone after the one before it was processed, and a chained row's progress is given back by its
+    length. The engine keeps serving: the greedy request then ends as plain decoding does."""
+    from nanoinfer import StructuredOutputsParams
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    structured = SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(json=schema))
+    prompt = [11, 12, 13, 14, 15]
+    plain = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=256)
+    expected = plain.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    plain.exit()
+    llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=256,
+              speculative_config={"model": draft_near, "num_speculative_tokens": 3})
+    raised = 0
+    try:
+        for on_call in range(2, 8):
+            calls = []
+
+            def failing(out, logits, calls=calls, on_call=on_call):
+                calls.append(len(out))
+                if len(calls) == on_call:
+                    raise RuntimeError("processor failed")
+                return logits
+            ra = llm.add_request(prompt, greedy, keep_output=True)
+            rb = llm.add_request("Hello, my name is", structured, keep_output=True)
+            rc = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                           logits_processors=[failing]))
+            try:
+                while not llm.is_finished():
+                    llm.step()
+            except RuntimeError as e:
+                assert "processor failed" in str(e)
+                raised += 1
+            llm.abort_request(rc)
+            for _ in range(300):
+                if llm.is_finished():
+                    break
+                llm.step()
+            assert llm.pop_output(ra).outputs[0].token_ids == expected, f"on call {on_call}"
+            llm.pop_output(rb)
+        assert raised == 6 and llm.speculator.num_chained > 0
+        bm = llm.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.exit()
+
+
+def test_rows_that_cannot_chain_keep_their_proposals(tiny_qwen3):
+    """With no room for a chained step (max_num_seqs 2, both running), the sequence with a row in
+    flight waits and the other still scores all k proposals (a draft equal to its target accepts
+    them): each row but a sequence's last ones scores 3."""
+    prompts = [[5, 6, 7, 8] * 8, [9, 10, 11, 12, 13] * 6]
+    llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=256, max_num_seqs=2,
+              speculative_config={"model": tiny_qwen3, "num_speculative_tokens": 3})
+    try:
+        params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        llm.add_request(prompts[0], params)
+        llm.step()
+        llm.add_request(prompts[1], params)
+        while not llm.is_finished():
+            llm.step()
+        stats = llm.spec_stats
+        assert stats.num_draft_tokens == stats.num_accepted_tokens
+        assert stats.num_draft_tokens >= 3 * (stats.num_drafts - 2 * 2)  # (near max_tokens: fewer)
+        assert stats.num_drafts <= 2 * (60 // 4 + 2)
+    finally:
+        llm.exit()

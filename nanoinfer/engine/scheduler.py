@@ -185,12 +185,14 @@ class Scheduler:
         """With a speculative row in flight that the next one may chain onto (spec/speculator.py,
         `chains`): how many proposals this step's rows may score in all, so that it runs as a
         decode step of short rows (engine/forward_inputs.py), the only kind that places rows whose
-        positions the device shifts. None (no row chains): there is no such row, or a prompt chunk
-        may join the step."""
-        if not any(seq.num_inflight > 1 for seq in self.running) or self.waiting or \
-                any(seq.num_computed_tokens < len(seq.token_ids) - 1 for seq in self.running):
+        positions the device shifts. None (no row chains, and the other rows score up to k): there
+        is no such row, a prompt chunk may join the step, or the step has no room for proposals."""
+        spec = self.speculator
+        if not spec.chaining or not any(seq.num_inflight > 1 and spec.chains(seq) for seq in self.running) or \
+                self.waiting or any(seq.num_computed_tokens < len(seq.token_ids) - 1 for seq in self.running):
             return None
-        return max(self.short_rows_tokens - len(self.running), 0)
+        room = self.short_rows_tokens - len(self.running)
+        return room if room > 0 else None
 
     def _waits_for_host(self, sp) -> bool:
         """Whether a request with a token in flight must wait for it before its next row."""
@@ -228,9 +230,13 @@ class Scheduler:
 
     def unschedule(self, batch: ScheduledBatch):
         """Undo a step that could not be launched (an exception, e.g. in a user's logits processor):
-        its rows are scheduled again next time. Blocks it allocated stay with their sequences."""
-        for row, (seq, start, samples) in enumerate(zip(batch.seqs, batch.starts, batch.samples)):
-            seq.num_computed_tokens = start
+        its rows are scheduled again next time. Blocks it allocated stay with their sequences.
+        Progress is given back by each row's length, not reset to its start: a chained speculative
+        row's start assumed its predecessor's proposals all accepted, and processing that one may
+        already have given back the rejected ones."""
+        for row, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
+            if seq.status == SequenceStatus.RUNNING:  # (a preempted one starts over; a finished one is done)
+                seq.num_computed_tokens -= batch.query_lens[row]
             seq.num_inflight -= batch.query_lens[row] if row in batch.drafts else samples
 
     def _waits_for_inflight(self, seq: Sequence) -> bool:

@@ -1,6 +1,4 @@
-"""y = prologue(x) @ W^T (+ bias) for one row (decode at batch 1), one Triton kernel (CUDA); and
-y = x @ W^T for 2-4 rows (`gemv_rows`, no prologue), where cuBLAS's tiles read the weight at well
-under the copy bandwidth.
+"""y = prologue(x) @ W^T (+ bias) for one row (decode at batch 1), one Triton kernel (CUDA).
 
 At one row a GEMM only streams its weight. On the H200 cuBLAS, with the kernel before it, took
 longer than this kernel on every projection of the 0.6B and 8B shapes, the small ones most
@@ -92,76 +90,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, res_out_ptr, nw_ptr, eps,
     tl.store(y_ptr + rn, acc.to(DTYPE), mask=rn < N)
 
 
-@triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
-                      R_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr):
-    """The GEMV for 2-4 rows: each weight tile, loaded once, multiplies every row. The products
-    accumulate elementwise and are summed over K once, at the end."""
-    pid = tl.program_id(0)
-    DTYPE = w_ptr.dtype.element_ty
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if N * K >= 2 ** 31:  # weight offsets past int32
-        rows = rn.to(tl.int64) * K
-    else:
-        rows = rn * K
-    rr = tl.arange(0, R_PAD)
-    rk = tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + rows[:, None] + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-    if PDL:  # the weight tile above does not depend on the previous kernel; x does
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    x = tl.load(x_ptr + rr[:, None] * K + rk[None, :], mask=(rr[:, None] < ROWS) & (rk[None, :] < K), other=0.0)
-    acc = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rows[:, None] + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-        x = tl.load(x_ptr + rr[:, None] * K + rk[None, :], mask=(rr[:, None] < ROWS) & (rk[None, :] < K),
-                    other=0.0)
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-    y = tl.sum(acc, 2)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rr[:, None] * N + rn[None, :], y.to(DTYPE), mask=(rr[:, None] < ROWS) & (rn[None, :] < N))
-
-
 def default_config(n: int, k: int) -> dict:
     """Tiles and launch options for an [n, k] weight, from sweeps on the H200 (nanoinfer.bench.gemv
     --sweep: 0.6B and 8B projections, LM heads): four output features a program, so that even
     n = 1024 spreads over the SMs; 1024-wide K tiles; 8 warps, 4 for the 8B-sized K."""
     return dict(BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4 if k >= 4096 else 8,
                 num_stages=2)
-
-
-MAX_ROWS = 4  # gemv_rows: past this, the elementwise products outgrow the registers (and cuBLAS catches up)
-
-
-def rows_config(n: int, k: int, rows: int) -> dict:
-    """Tiles and launch options of the 2-4 row GEMV for an [n, k] weight."""
-    return dict(BLOCK_N=4, BLOCK_K=min(512 if rows <= 2 else 256, triton.next_power_of_2(k)), num_warps=4,
-                num_stages=3)
-
-
-def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-              config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T (+ bias) for x: [rows, K] contiguous, 2 <= rows <= MAX_ROWS (a speculative
-    verify step, a draft's catch-up, a decode step of a few sequences); weight [N, K] contiguous.
-    Every weight byte is read once, as by the one-row kernel. `out`: a contiguous [rows, N] tensor
-    to write y into."""
-    N, K = weight.shape
-    rows = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != K or not 2 <= rows <= MAX_ROWS or not (x.is_contiguous() and weight.is_contiguous()):
-        raise ValueError(f"gemv_rows takes 2-{MAX_ROWS} contiguous rows and a contiguous weight, got x "
-                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
-    if out is not None and (out.shape != (rows, N) or not out.is_contiguous() or out.dtype != weight.dtype):
-        raise ValueError(f"gemv_rows: out must be contiguous [{rows}, {N}] of {weight.dtype}, got "
-                         f"{tuple(out.shape)} of {out.dtype}")
-    y = torch.empty((rows, N), dtype=weight.dtype, device=x.device) if out is None else out
-    cfg = dict(config or rows_config(N, K, rows), **pdl_options(x.device))
-    _gemv_rows_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        x, weight, weight if bias is None else bias, y, N=N, K=K, ROWS=rows, R_PAD=triton.next_power_of_2(rows),
-        HAS_BIAS=bias is not None, **cfg)
-    return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

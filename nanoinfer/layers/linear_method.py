@@ -6,9 +6,8 @@ each checkpoint tensor's share into them, and computes the product. Dense weight
 its own product; an adapter method wraps another method's `apply`.
 
 Dense products go through `linear`: one-row inputs on CUDA take the GEMV kernel (kernels/gemv.py),
-which can also apply the RMSNorm or SiLU * mul before it (a `Deferred` input); 2-4 rows its
-several-row form; a few more rows against a narrow, deep weight take the few-row GEMM
-(kernels/skinny_gemm.py)."""
+which can also apply the RMSNorm or SiLU * mul before it (a `Deferred` input); a few rows against
+a narrow, deep weight take the few-row GEMM (kernels/skinny_gemm.py)."""
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -16,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from nanoinfer.kernels.gemv import gemv, gemv_rows
+from nanoinfer.kernels.gemv import gemv
 from nanoinfer.kernels.skinny_gemm import skinny_gemm
 from nanoinfer.utils.loader import check_shape
 
@@ -26,15 +24,6 @@ def takes_gemv(x: torch.Tensor) -> bool:
     """One contiguous row on CUDA (decode at batch 1): dense products use kernels/gemv.py, faster
     than cuBLAS there, which can also fuse the elementwise step before them (Deferred)."""
     return x.is_cuda and x.shape[0] == 1 and x.is_contiguous()
-
-
-def takes_gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2-4 rows of 16-bit values on CUDA (a speculative verify step, a draft's catch-up, decode at
-    batch 2-4): kernels/gemv.py's gemv_rows reads each weight once for all of them, faster than
-    cuBLAS and the few-row GEMM there on every projection of the 0.6B and 8B shapes
-    (nanoinfer.bench.gemv_rows)."""
-    return (x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= GEMV_MAX_ROWS and x.is_contiguous()
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous())
 
 
 def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -69,7 +58,7 @@ class Deferred:
 
 def linear(x: "torch.Tensor | Deferred", weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias): the GEMV kernel for 1-4 rows on CUDA, the few-row GEMM where it is
+    """x @ weight^T (+ bias): the GEMV kernel for one row on CUDA, the few-row GEMM where it is
     faster than cuBLAS, else F.linear. `out` (no bias):
     a contiguous [rows, out features] tensor to write the product into, which is returned."""
     if isinstance(x, Deferred):
@@ -77,8 +66,6 @@ def linear(x: "torch.Tensor | Deferred", weight: torch.Tensor, bias: torch.Tenso
                     residual_out=x.residual_out, silu_mul=x.silu_mul, out=out)
     if takes_gemv(x) and weight.is_contiguous():
         return gemv(x, weight, bias, out=out)
-    if takes_gemv_rows(x, weight):
-        return gemv_rows(x, weight, bias, out=out)
     if takes_skinny_gemm(x, weight):
         return skinny_gemm(x, weight, bias, out=out)
     if out is not None:

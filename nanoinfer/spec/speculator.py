@@ -121,6 +121,8 @@ class Speculator:
             batch.proposals = None
         tokens, runs, logprobs = accepted_runs(batch, result.tokens, result.logprobs)
         for row, run in runs.items():
+            if batch.seqs[row].is_finished:  # (a chained row of a sequence that ended meanwhile: wasted)
+                continue
             proposed, accepted = len(batch.drafts[row]), len(run) - 1
             self.stats.record(proposed, accepted)
             self.policy.record(batch.seqs[row], proposed, accepted)
