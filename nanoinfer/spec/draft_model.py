@@ -113,7 +113,7 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seqs: list, max_lens: list[int]) -> list[list[int]]:
-        if all(map(self.launches, seqs)):  # (all on the host here: tensor parallelism)
+        if all(map(self.launches, seqs)):  # (the same proposals, brought to the host)
             return self.launch(seqs, max_lens, [seq.num_tokens for seq in seqs]).finish()
         n = [seq.num_tokens for seq in seqs]
         proposals = [[] for _ in seqs]
@@ -139,7 +139,8 @@ class DraftModelProposer(Proposer):
         row's catch-up is its last two tokens, on the device (spec/chaining.py): the K/V before
         them are the draft's already (its last launch computed them, with the proposals the target
         accepted); its positions are shifted there. Rows are launched host rows first."""
-        on_host = [i for i in range(len(seqs)) if chained is None or i not in chained.rows]
+        chained_rows = set(chained.rows) if chained is not None else ()
+        on_host = [i for i in range(len(seqs)) if i not in chained_rows]
         order = on_host + (chained.rows if chained is not None else [])
         seqs, max_lens, n = [seqs[i] for i in order], [max_lens[i] for i in order], [lengths[i] for i in order]
         preemptions = [seq.num_preemptions for seq in seqs]
