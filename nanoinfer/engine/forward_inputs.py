@@ -103,8 +103,7 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
 def _place_shifted(positions: torch.Tensor, block_size: int, t: dict, context: dict):
     """A decode context's slots and context lengths, from positions some of which the device moved
     (each token a row of its own with its sequence's block table: context = position + 1)."""
-    blocks = t["block_tables"].gather(1, (positions // block_size)[:, None]).squeeze(1)
-    t["slot_mapping"] = blocks * block_size + positions % block_size
+    t["slot_mapping"] = device_cache_slots(t["block_tables"], positions[:, None], block_size).squeeze(1)
     t["context_lens"] = (positions + 1).to(torch.int32)
     context["context_lens_cpu"] = t["context_lens"].tolist() if positions.device.type == "cpu" else None
 
@@ -147,6 +146,12 @@ def cache_slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarra
     """The cache slots of `positions` of the sequences whose padded block tables are block_tables[rows]."""
     block, offset = np.divmod(positions, block_size)
     return block_tables[rows, block] * block_size + offset
+
+
+def device_cache_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache_slots on the device: the slots of positions [rows, m] of the rows whose block tables
+    are block_tables [rows, width]."""
+    return block_tables.gather(1, positions // block_size) * block_size + positions % block_size
 
 
 def _decode_context(step: StepInput, bs: int, staged: Staging, sort_rows: bool) -> tuple[dict[str, int], dict]:

@@ -13,7 +13,7 @@ argmax (draft_model.proposes_argmax).
 import numpy as np
 import torch
 
-from nanoinfer.engine.forward_inputs import cache_slots, padded_block_tables
+from nanoinfer.engine.forward_inputs import cache_slots, device_cache_slots, padded_block_tables
 from nanoinfer.engine.graph_runner import graph_batch_sizes
 from nanoinfer.utils.context import reset_context, set_context
 from nanoinfer.utils.staging import Staging
@@ -124,10 +124,10 @@ class GreedyDraftChain:
         and context lengths (the order, longest context first, stays the scheduled one's: a hint)."""
         active = self.slots[:, :n] >= 0
         positions = self.positions[:, :n] + offsets[None, :] * active
-        blocks = self.block_tables[:n].gather(1, (positions // self.block_size).T.to(torch.int64)).T
+        slots = device_cache_slots(self.block_tables[:n], positions.T, self.block_size).T
         self.positions[:, :n] = positions
         self.context_lens[:, :n] = positions + 1
-        self.slots[:, :n] = torch.where(active, blocks * self.block_size + positions % self.block_size, -1)
+        self.slots[:, :n] = torch.where(active, slots, -1)
 
     def release(self):
         self.graphs.clear()
