@@ -1,8 +1,8 @@
 """StepEncoder: what every rank gets, and when the ranks sample their vocabulary shards."""
 import pickle
+import random
 
 import pytest
-import torch
 
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.sequence import Sequence
@@ -28,26 +28,26 @@ def batch(params: list[SamplingParams]) -> ScheduledBatch:
 ])
 def test_plain_steps_sample_on_the_shards(params, plain):
     b = batch(params)
-    step, sample = StepEncoder(100, EOS, torch.Generator().manual_seed(5), True).encode(b, None)
+    step, sample = StepEncoder(100, EOS, random.Random(5), True).encode(b, None)
     if plain:
         temps, seed = step.plain_sample.temperatures, step.plain_sample.seed
         assert temps == sample.plan.temperatures == [0.6 if sp.temperature else 0.0 for sp in params]
-        assert seed == sample.plan.seed == int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(5)))
+        assert seed == sample.plan.seed == random.Random(5).randrange(2**31 - 1)
         assert pickle.loads(pickle.dumps(step)).plain_sample == step.plain_sample  # (sent to every rank)
     else:
         assert step.plain_sample is None
-    off, _ = StepEncoder(100, EOS, torch.Generator().manual_seed(5), False).encode(b, None)
+    off, _ = StepEncoder(100, EOS, random.Random(5), False).encode(b, None)
     assert off.plain_sample is None  # one rank, or CPU: rank 0 samples the full rows
 
 
 def test_the_seeds_come_from_the_engines_generator():
     """Plain steps draw their seed from the generator given (the engine's, seeded from its config):
-    the same sequence of seeds for the same config, whatever torch's default generator does."""
+    the same sequence of seeds for the same config, whatever Python's default generator does."""
     b = batch([SamplingParams(temperature=0.6)] * 3)
     runs = []
     for _ in range(2):
-        seeds = torch.Generator().manual_seed(11)
-        torch.rand(5)  # the default generator moves on between runs
+        seeds = random.Random(11)
+        random.random()  # the default generator moves on between runs
         encoder = StepEncoder(100, EOS, seeds, True)
         runs.append([encoder.encode(b, None)[0].plain_sample.seed for _ in range(4)])
     assert runs[0] == runs[1] and len(set(runs[0])) == 4

@@ -26,6 +26,7 @@ exit waits for the running step to end.
 import atexit
 import gc
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -67,7 +68,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer)
         eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
-        self._seeds = torch.Generator().manual_seed(config.seed)  # the fused sampling kernel's, per step
+        self._seeds = random.Random(config.seed)  # the fused sampling kernel's, per step
         self._exited = False
         # tp > 1: every rank in a spawned worker; num_blocks is the minimum over ranks
         if config.tensor_parallel_size > 1:

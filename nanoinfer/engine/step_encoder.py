@@ -1,6 +1,6 @@
 """Scheduled sequences -> the step message (engine/step_message.py). Runners never see a Sequence:
 this is where a step's rows, its sampling plan and its prompt-logprob work are read off them."""
-import torch
+import random
 
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.engine.step_message import (PlainSample, PromptLogprobsRequest, PromptSegment, SampleInput,
@@ -32,7 +32,7 @@ class StepEncoder:
     step's LoRA adapters in device slots (None: LoRA off). masks_later: a plan leaves its grammar
     bitmask to the engine, which fills it after the forward's launch (structured/step_masks.py)."""
 
-    def __init__(self, vocab_size: int, eos_token_ids, seeds: torch.Generator | None = None,
+    def __init__(self, vocab_size: int, eos_token_ids, seeds: random.Random | None = None,
                  sample_on_shards: bool = False, adapter_slots=None, masks_later: bool = False):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids

@@ -9,9 +9,8 @@ history: which tokens bad words ban, and the grammar bitmasks of structured outp
 matcher advances over its new tokens, then fills its next-token mask: structured/grammar_state.py),
 unless the engine fills those after launching the forward (`masks_later`: structured/step_masks.py).
 """
+import random
 from array import array
-
-import torch
 
 from nanoinfer.engine.step_message import SamplingPlan
 from nanoinfer.sampling.noise import seed_keys
@@ -22,10 +21,11 @@ TOP_K_OFF = 1 << 62  # larger than any vocabulary (logits may be wider than the 
 
 
 def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev_row_of=None,
-                        seeds: torch.Generator | None = None, masks_later: bool = False) -> SamplingPlan:
+                        seeds: random.Random | None = None, masks_later: bool = False) -> SamplingPlan:
     """One per step: a pass over the batch reading each request's options.
     `seeds`: where a plain plan draws its seed (the engine's generator, seeded from the
-    config; None: torch's default generator).
+    config; None: Python's default one). (A Python generator: torch.randint cost the host more
+    than the rest of a batch-1 plan.)
     `samples[i]`: row i's sample is counted in its sequence's num_inflight (a scheduled step).
     `prev_row_of`: seq_id -> row of the step still in flight, for rows that sampled: such a
     token is not on the host yet, so it counts for seeds and min_tokens, and joins the penalty
@@ -98,7 +98,7 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
         if not masks_later:
             p.grammar_bitmask = fill_bitmasks(grammar_seqs, vocab_size)
     if p.fused:
-        p.seed = int(torch.randint(0, 2**31 - 1, (1,), generator=seeds))
+        p.seed = (seeds or random).randrange(2**31 - 1)
     return p
 
 

@@ -12,6 +12,7 @@ sampling options and noise (`_sample_input`), the proposals so far read on the h
 stays valid for the tokens the target accepted; past them it is overwritten next time (a sequence
 re-allocated after a preemption starts over).
 """
+import random
 import weakref
 from dataclasses import dataclass
 
@@ -77,7 +78,7 @@ class DraftModelProposer(Proposer):
         dconf = draft_config(config, spec, num_blocks)
         check_same_vocabulary(config, dconf, tokenizer)
         self.vocab_size, self.eos_token_ids = config.hf_config.vocab_size, eos_token_ids  # (for sampling plans)
-        self.seeds = torch.Generator().manual_seed(config.seed + 1)  # fused plans' noise seeds: not the target's
+        self.seeds = random.Random(config.seed + 1)  # fused plans' noise seeds: not the target's
         self.runner = ModelRunner(dconf)
         self.chain = GreedyDraftChain(self.runner, spec.num_speculative_tokens - 1)
         self.block_size = config.kvcache_block_size
