@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from nanoinfer.kernels import triton_attention as ta
 from nanoinfer.kernels.torch_attention import paged_attention_torch
 from nanoinfer.kernels.triton_attention import (PREFILL_CFG, SHORT_PREFILL_CFG, decode_attention,
                                                 decode_num_splits, prefill_attention, prefill_config,
@@ -60,9 +61,15 @@ def run_prefill(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size,
 
 
 def run_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, width=None,
-               num_splits=None, config=None, device=DEV, ordered=False):
+               num_splits=None, config=None, device=DEV, ordered=False, fp8=False):
     num_blocks = sum((c + block_size - 1) // block_size for c in ctx_lens) + 2
     k_cache, v_cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    k_scale = v_scale = None
+    if fp8:  # an FP8 cache with non-unit scales; the reference reads it dequantized
+        k_scale = torch.tensor(0.05, device=device)
+        v_scale = torch.tensor(0.02, device=device)
+        k_cache = (k_cache.float() / k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        v_cache = (v_cache.float() / v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     bt = make_block_tables(ctx_lens, block_size, num_blocks, width=width, device=device)
     q = torch.randn(len(ctx_lens), num_heads, head_dim, dtype=dtype, device=device)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
@@ -72,13 +79,33 @@ def run_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, w
         order = torch.tensor(sorted(range(len(ctx_lens)), key=lambda i: -ctx_lens[i]), dtype=torch.int32,
                              device=device)
     out = decode_attention(q, k_cache, v_cache, ctx, bt, scale, num_splits=num_splits, config=config,
-                           order=order)
+                           order=order, k_scale=k_scale, v_scale=v_scale)
     keep = [i for i, c in enumerate(ctx_lens) if c > 0]
-    ref = paged_attention_torch(q[keep].float(), k_cache.float(), v_cache.float(), [1] * len(keep),
-                                [ctx_lens[i] for i in keep], bt[keep], scale)
+    kr, vr = (k_cache, v_cache) if fp8 else (k_cache.float(), v_cache.float())  # (fp8: dequantized as read)
+    ref = paged_attention_torch(q[keep].float(), kr, vr, [1] * len(keep), [ctx_lens[i] for i in keep], bt[keep],
+                                scale, k_scale=k_scale, v_scale=v_scale)
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.isfinite(out).all()
+    pad = [i for i, c in enumerate(ctx_lens) if c == 0]
+    assert torch.equal(out[pad], torch.zeros_like(out[pad]))  # padded rows: zeros
     return rel_err(out[keep], ref)
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty fills floating tensors with NaN: an output row nobody writes, or a partial the
+    split merge reads without its split having written it, shows up (CPU tests)."""
+    empty = torch.empty
+
+    def nan_filled(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_filled)
+
+
+def counters_are_zero():
+    return all(int(c.count_nonzero()) == 0 for c in ta._COUNTS.values())
 
 
 def tol(dtype):
@@ -209,6 +236,55 @@ def test_decode_all_padding_rows_writes_zeros():
         assert torch.equal(out, torch.zeros_like(out))
 
 
+# The split merge: only the splits that own a KV tile run; the last to arrive merges the partials
+# (the interpreter runs the programs one after another, so the highest active split merges here).
+@pytest.mark.parametrize("heads,head_dim,dtype", [((1, 1), 128, torch.float32), ((2, 1), 80, torch.float16),
+                                                  ((4, 1), 128, torch.float16), ((16, 2), 24, torch.float32)])
+def test_decode_many_splits_short_contexts(nan_empty, heads, head_dim, dtype):
+    """64 splits over contexts of 1 to 17 tiles: most splits own nothing (they write no partial and
+    are never read), a context within one split's share is written directly, 17 active splits take
+    two merge rounds. GQA groups 1, 2, 4, 8; head_dim 80 and 24 padded under masks."""
+    torch.manual_seed(20)
+    err = run_decode([1, 63, 64, 65, 300, 0, 1050], heads[0], heads[1], head_dim, 16, dtype, num_splits=64,
+                     ordered=True)
+    assert err < tol(dtype), err
+    assert counters_are_zero()
+
+
+@pytest.mark.parametrize("num_splits,merge_elems", [(5, 1), (3, 1), (6, 2 * 2 * 32), (8, 4 * 2 * 32)])
+def test_decode_uneven_splits_and_merge_rounds(nan_empty, num_splits, merge_elems):
+    """Splits that do not divide the tiles (7 tiles over 5 splits: 2, 2, 2, 1 and an empty fifth)
+    and merges of 1, 2 and 4 splits a round, so the running max carries across rounds."""
+    torch.manual_seed(21)
+    cfg = {"block_n": 16, "merge_elems": merge_elems}
+    for fp8 in (False, True):
+        err = run_decode([112, 0, 97, 33, 16, 17], 4, 2, 32, 16, torch.float16, num_splits=num_splits,
+                         config=cfg, ordered=True, fp8=fp8)
+        assert err < 2e-3, (fp8, err)
+        assert counters_are_zero()
+
+
+def test_decode_split_merge_twice_in_a_row_and_deterministic(nan_empty):
+    """Consecutive calls (layers, graph replays) share the arrival counters: every call leaves them
+    at zero, so a second call of another shape, and a repeat of the first, come out right; the
+    repeat bit for bit."""
+    torch.manual_seed(22)
+    k, v = make_cache(40, 16, 2, 32, torch.float32)
+    ctx_lens = [150, 0, 40, 300]
+    bt = make_block_tables(ctx_lens, 16, 40)
+    q = torch.randn(4, 8, 32, device=DEV)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
+    first = decode_attention(q, k, v, ctx, bt, 0.2, num_splits=8, config={"block_n": 32})
+    assert counters_are_zero()
+    err = run_decode([70, 130, 5], 6, 3, 16, 16, torch.float32, num_splits=8, config={"block_n": 16})
+    assert err < 1e-5, err
+    again = decode_attention(q, k, v, ctx, bt, 0.2, num_splits=8, config={"block_n": 32})
+    assert torch.equal(first, again)
+    keep = [0, 2, 3]
+    ref = paged_attention_torch(q[keep], k, v, [1] * 3, [ctx_lens[i] for i in keep], bt[keep], 0.2)
+    assert rel_err(first[keep], ref) < 1e-5 and torch.equal(first[1], torch.zeros_like(first[1]))
+
+
 def test_decode_num_splits_nearest_power_of_two_that_fills_the_sms():
     # 132 SMs x 4 programs = 528 programs wanted
     assert decode_num_splits(128, 8, 64, 132) == 1    # 1024 programs already
@@ -259,6 +335,37 @@ def test_cuda_decode(heads, head_dim, block_size, batch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((16, 8), 128), ((8, 8), 80), ((64, 8), 128)])
+def test_cuda_decode_split_merge_short_contexts(heads, head_dim):
+    """Batch 1-4 with short contexts, as the engine at low batch: up to 64 splits, most empty; the
+    merging split is whichever arrives last, so repeats must still agree bit for bit."""
+    torch.manual_seed(13)
+    for ctx_lens in ([1], [300], [63, 64, 65, 0], [700, 1, 129], [4000]):
+        for splits in (None, 64, 5):
+            err = run_decode(ctx_lens, heads[0], heads[1], head_dim, 16, torch.bfloat16, width=256,
+                             num_splits=splits, ordered=True)
+            assert err < 1.5e-2, (ctx_lens, splits, err)
+    k, v = make_cache(80, 16, heads[1], head_dim, torch.bfloat16)
+    ctx_lens = [900, 17, 300]
+    bt = make_block_tables(ctx_lens, 16, 80)
+    q = torch.randn(3, heads[0], head_dim, dtype=torch.bfloat16, device="cuda")
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    outs = [decode_attention(q, k, v, ctx, bt, head_dim ** -0.5, num_splits=64) for _ in range(20)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    torch.cuda.synchronize()
+    assert counters_are_zero()
+
+
+@pytest.mark.cuda
+def test_cuda_decode_counters_not_grown_in_a_capture(monkeypatch):
+    monkeypatch.setattr(ta, "_COUNTS", {})
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="before CUDA-graph capture"):
+        with torch.cuda.graph(g):
+            ta._arrival_counts(torch.device("cuda", torch.cuda.current_device()), 16)
+
+
+@pytest.mark.cuda
 def test_cuda_decode_graph_capture():
     torch.manual_seed(12)
     B, H, KVH, D, BS = 16, 16, 8, 128, 256
@@ -274,10 +381,15 @@ def test_cuda_decode_graph_capture():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = decode_attention(q, k, v, ctx, bt, D ** -0.5)
-    q.copy_(torch.randn_like(q))
-    g.replay()
-    torch.cuda.synchronize()
-    keep = [i for i in range(B) if ctx_lens[i] > 0]
-    ref = paged_attention_torch(q[keep].float(), k.float(), v.float(), [1] * len(keep),
-                                [ctx_lens[i] for i in keep], bt[keep], D ** -0.5)
-    assert torch.isfinite(out).all() and rel_err(out[keep], ref) < 1.5e-2
+    for step in range(3):  # replays with other contexts: the counters were left at zero
+        q.copy_(torch.randn_like(q))
+        if step:
+            ctx_lens = [max(1, c - 97 * step) if c else 0 for c in ctx_lens]
+            ctx.copy_(torch.tensor(ctx_lens, dtype=torch.int32))
+        g.replay()
+        torch.cuda.synchronize()
+        keep = [i for i in range(B) if ctx_lens[i] > 0]
+        ref = paged_attention_torch(q[keep].float(), k.float(), v.float(), [1] * len(keep),
+                                    [ctx_lens[i] for i in keep], bt[keep], D ** -0.5)
+        assert torch.isfinite(out).all() and rel_err(out[keep], ref) < 1.5e-2
+        assert torch.equal(out[3], torch.zeros_like(out[3])) and counters_are_zero()

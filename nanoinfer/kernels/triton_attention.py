@@ -21,8 +21,13 @@ the elementwise path (`dot_min_group` above 1) was several times slower on the G
 splits comes from shapes only (CUDA-graph safe: no host sync, the partials' workspace from
 torch.empty); each sequence's context is divided evenly among the splits at run time, so short
 contexts in a wide captured block table still spread over the splits. With one split the kernel
-normalises and writes the output; else it writes float32 (o, lse) partials and a small kernel (grid
-num_seqs x num_heads) merges them. A row with context length 0 (a padded row) writes zeros.
+normalises and writes the output. With more, only the splits that own a KV tile run (the others
+return at once); each stores float32 (o, lse) partials and counts its arrival on the (sequence, KV
+head)'s counter, and the split that arrives last merges the partials in split order (the result
+does not depend on timing), writes the output and resets the counter to zero: no second kernel on
+the critical path (nanoinfer/kernels/skinny_gemm.py's split-K does the same). A sequence whose
+context fits one split's share writes its output directly, and a row with context length 0 (a
+padded row) has split 0 write zeros.
 
 An optional `order` (sequence indices, longest context first) makes the GPU start the longest
 programs first (programs are dispatched roughly in grid order). An engine step's contexts are
@@ -81,13 +86,14 @@ def _q_for_fp8_cache(q, FP32: tl.constexpr):
 
 # --------------------------------------------------------------------------------------- decode
 @triton.jit(do_not_specialize=["stride_btb"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_ptr, plse_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_ptr, plse_ptr, count_ptr,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
                    stride_ob, stride_oh, qk_scale, k_scale_ptr, v_scale_ptr,
                    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, FP32: tl.constexpr,
-                   HAS_ORDER: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr):
+                   HAS_ORDER: tl.constexpr, KV_FP8: tl.constexpr, MERGE_G: tl.constexpr,
+                   MERGE_SPLITS: tl.constexpr, PDL: tl.constexpr):
     kvh = tl.program_id(0)
     if PDL:  # (kernels/pdl.py) q and the newest K/V come from the kernel before
         tl.extra.cuda.gdc_wait()
@@ -100,6 +106,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
     ctx = tl.load(ctx_ptr + seq)
     n_tiles = tl.cdiv(ctx, BLOCK_N)
     per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    # the splits that own a tile; the others have nothing to do (split 0 of an empty row writes zeros)
+    n_active = tl.cdiv(n_tiles, tl.maximum(per_split, 1))
+    if NUM_SPLITS > 1:
+        if split >= tl.maximum(n_active, 1):
+            return
     t_start = split * per_split
     t_end = tl.minimum(t_start + per_split, n_tiles)
 
@@ -167,44 +178,71 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if NUM_SPLITS == 1:
-        if D_PAD == HEAD_DIM:
-            o_mask = g_mask[:, None]
-        else:
-            o_mask = g_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        _store_out(out_ptr, seq, heads, offs_d, g_mask, o, stride_ob, stride_oh, HEAD_DIM, D_PAD)
+    elif n_active <= 1:  # one split holds the whole context (or none does: a padded row's zeros)
+        _store_out(out_ptr, seq, heads, offs_d, g_mask, o, stride_ob, stride_oh, HEAD_DIM, D_PAD)
     else:
         # partials: po [B, H, NUM_SPLITS, D_PAD] fp32, plse [B, H, NUM_SPLITS] (log2 domain)
-        row = (seq.to(tl.int64) * (tl.num_programs(0) * GROUP) + heads) * NUM_SPLITS + split
+        head_rows = (seq.to(tl.int64) * (tl.num_programs(0) * GROUP) + kvh * GROUP) * NUM_SPLITS
+        row = head_rows + offs_g * NUM_SPLITS + split
         tl.store(po_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(plse_ptr + row, lse, mask=g_mask)
+        # count the arrivals of this (sequence, KV head)'s active splits: the last one merges
+        tl.debug_barrier()  # every thread's partials are written before the arrival is counted
+        count = count_ptr + seq * tl.num_programs(0) + kvh
+        arrived = tl.atomic_add(count, 1, sem="acq_rel")
+        if arrived == n_active - 1:
+            tl.debug_barrier()  # the other threads read the partials after the acquiring atomic
+            merged = _merge_splits(po_ptr, plse_ptr, head_rows, n_active, offs_d, NUM_SPLITS, GROUP, D_PAD,
+                                   MERGE_G, MERGE_SPLITS)
+            offs_h = tl.arange(0, MERGE_G)
+            _store_out(out_ptr, seq, kvh * GROUP + offs_h, offs_d, offs_h < GROUP, merged, stride_ob, stride_oh,
+                       HEAD_DIM, D_PAD)
+            tl.atomic_xchg(count, 0)  # zero again for the next call (the next layer, a graph replay)
 
 
 @triton.jit
-def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh,
-                          NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          D_PAD: tl.constexpr, PDL: tl.constexpr):
-    seq = tl.program_id(0)
-    if PDL:  # (kernels/pdl.py) the partials come from the decode kernel
-        tl.extra.cuda.gdc_wait()
-    h = tl.program_id(1)
-    row = seq.to(tl.int64) * tl.num_programs(1) + h
-    offs_s = tl.arange(0, S_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    s_mask = offs_s < NUM_SPLITS
-    lse = tl.load(plse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    valid = lse > float("-inf")
-    w = tl.where(valid, tl.exp2(lse - tl.where(valid, m, 0.0)), 0.0)
-    po = tl.load(po_ptr + (row * NUM_SPLITS + offs_s)[:, None] * D_PAD + offs_d[None, :],
-                 mask=s_mask[:, None], other=0.0)
-    denom = tl.sum(w, 0)
-    o = tl.sum(w[:, None] * po, 0) / tl.where(denom > 0, denom, 1.0)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+def _store_out(out_ptr, seq, heads, offs_d, h_mask, o, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
+               D_PAD: tl.constexpr):
+    if D_PAD == HEAD_DIM:
+        o_mask = h_mask[:, None]
+    else:
+        o_mask = h_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _merge_splits(po_ptr, plse_ptr, head_rows, n_active, offs_d, NUM_SPLITS: tl.constexpr,
+                  GROUP: tl.constexpr, D_PAD: tl.constexpr, MERGE_G: tl.constexpr,
+                  MERGE_SPLITS: tl.constexpr):
+    """The normalised output [MERGE_G, D_PAD] of a KV head's query heads from the partials of its
+    first n_active splits. MERGE_SPLITS splits a round (one load of them all: a round trip to L2
+    each), merged in split order with a running max, so the result does not depend on which split
+    arrived last. .cg loads: other programs' partials, never a stale L1 line."""
+    offs_c = tl.arange(0, MERGE_SPLITS)
+    offs_h = tl.arange(0, MERGE_G)
+    h_rows = head_rows + offs_h * NUM_SPLITS
+    h_mask = offs_h < GROUP
+    m = tl.full([MERGE_G], float("-inf"), tl.float32)
+    l = tl.zeros([MERGE_G], tl.float32)
+    acc = tl.zeros([MERGE_G, D_PAD], tl.float32)
+    for c0 in range(0, n_active, MERGE_SPLITS):
+        s = c0 + offs_c
+        rows = s[:, None] + h_rows[None, :]  # [MERGE_SPLITS, MERGE_G]
+        mask = (s < n_active)[:, None] & h_mask[None, :]
+        lse = tl.load(plse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        po = tl.load(po_ptr + rows[:, :, None] * D_PAD + offs_d[None, None, :], mask=mask[:, :, None],
+                     other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # (no -inf - -inf)
+        w = tl.exp2(lse - m_ref[None, :])
+        alpha = tl.exp2(m - m_ref)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * po, 0)
+        l = l * alpha + tl.sum(w, 0)
+        m = m_new
+    return acc / tl.where(l > 0, l, 1.0)[:, None]
 
 
 _NUM_SMS = {}
@@ -222,10 +260,37 @@ def _num_sms(device: torch.device) -> int:
 # Tunables (nanoinfer/bench/kernels.py sweeps them); programs per SM the split heuristic aims for.
 # 4, from the --ragged sweep on an H200 (8 and 4 KV heads: one rank of an 8B model at tp=1 and 2):
 # even with longest-first ordering, ragged steps gained from splitting to about two waves of programs.
+# merge_elems: float32 partials the merging split loads a round (splits x heads x padded head_dim).
 DECODE_CFG = {"block_n": 64, "num_warps": 2, "num_stages": 3, "programs_per_sm": 4,
-              "max_splits": 64, "dot_min_group": 1}
+              "max_splits": 64, "dot_min_group": 1, "merge_elems": 4096}
 # over an FP8 cache (half the bytes a tile, more conversion work a byte) two stages beat three
 DECODE_FP8_CFG = {"num_stages": 2}
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+# Per device: the arrival counters of the split merge, one per (sequence, KV head), zero between
+# calls (the merging split resets its own). Calls on one stream run one after another (layers
+# included), so one buffer serves them all. Grown outside CUDA-graph capture only: a buffer made
+# during a capture would not be zeroed until the graph first replays. An outgrown buffer is kept,
+# since a graph captured earlier still points at it.
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN_COUNTS: list[torch.Tensor] = []
+
+
+def _arrival_counts(device: torch.device, n: int) -> torch.Tensor:
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"decode_attention: its split-merge counters ({n} needed, "
+                               f"{0 if counts is None else counts.numel()} allocated) must be allocated before "
+                               "CUDA-graph capture: run the same call once outside the capture first")
+        if counts is not None:
+            _OUTGROWN_COUNTS.append(counts)
+        counts = _COUNTS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return counts
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_sms: int,
@@ -270,26 +335,24 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: flo
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, max_tiles, _num_sms(q.device),
                                        cfg["programs_per_sm"], cfg["max_splits"])
+    merge_g = triton.next_power_of_2(group)
+    merge_splits = min(16, triton.next_power_of_2(num_splits), _floor_pow2(cfg["merge_elems"] // (merge_g * d_pad)))
     if num_splits > 1:
         po = torch.empty((batch, num_heads, num_splits, d_pad), dtype=torch.float32, device=q.device)
         plse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        counts = _arrival_counts(q.device, batch * num_kv_heads)
     else:
-        po = plse = out  # unused
+        po = plse = counts = out  # unused
     _decode_kernel[(num_kv_heads, num_splits, batch)](
         q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order, out, po, plse,
+        counts,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
         scale_or_unit(k_scale, q.device), scale_or_unit(v_scale, q.device),
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, USE_DOT=use_dot, FP32=q.dtype == torch.float32,
-        HAS_ORDER=order is not None, KV_FP8=is_fp8_cache(k_cache), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-        **pdl_options(q.device))
-    if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
-            po, plse, out, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-            S_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=4,
-            **pdl_options(q.device))
+        HAS_ORDER=order is not None, KV_FP8=is_fp8_cache(k_cache), MERGE_G=merge_g, MERGE_SPLITS=merge_splits,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device))
     return out
 
 
