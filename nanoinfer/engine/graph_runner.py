@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from nanoinfer.kernels.graph_inputs import fill_decode_graph_inputs
 from nanoinfer.utils.context import get_context, reset_context, set_context
 
 logger = logging.getLogger("nanoinfer")
@@ -71,14 +72,11 @@ class GraphRunner:
         n = input_ids.shape[0]
         bucket = next(b for b in self.batch_sizes if b >= n)
         ctx, g = get_context(), self.buffers
-        self._fill_tokens(g, input_ids, positions, ctx)
-        g["context_lens"].zero_()
-        g["context_lens"][:n] = ctx.context_lens
-        g["block_tables"][:n, :ctx.block_tables.shape[1]] = ctx.block_tables
-        if ctx.decode_order is not None:
-            g["decode_order"][:n] = ctx.decode_order
-            if bucket > n:  # padded rows (context 0) last
-                g["decode_order"][n:bucket] = g["rows"][n:bucket]
+        # (padded rows: slot -1, context 0, last in the order)
+        fill_decode_graph_inputs(g, bucket, input_ids, positions, ctx.slot_mapping, ctx.context_lens,
+                                 ctx.block_tables, ctx.decode_order)
+        if self.lora:
+            self._fill_lora_slots(g, n, ctx)
         self.graphs[bucket].replay()
         return self.model.compute_logits(g["outputs"][:n])
 
@@ -106,10 +104,15 @@ class GraphRunner:
         g["positions"][:n] = positions
         g["slot_mapping"].fill_(-1)
         g["slot_mapping"][:n] = ctx.slot_mapping
-        if self.lora:  # padded tokens, and every token of a step without adapters: the base model
-            g["lora_slots"].fill_(-1)
-            if ctx.lora_slots is not None:
-                g["lora_slots"][:n] = ctx.lora_slots
+        if self.lora:
+            self._fill_lora_slots(g, n, ctx)
+
+    @staticmethod
+    def _fill_lora_slots(g, n, ctx):
+        # padded tokens, and every token of a step without adapters: the base model
+        g["lora_slots"].fill_(-1)
+        if ctx.lora_slots is not None:
+            g["lora_slots"][:n] = ctx.lora_slots
 
     # ---- capture --------------------------------------------------------------------------------
     def _allocate_buffers(self, tokens: int) -> dict[str, torch.Tensor]:
