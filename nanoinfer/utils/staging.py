@@ -2,9 +2,8 @@
 
 Each input of a step (token ids, positions, slots, block tables, ...) sent on its own costs a host
 tensor, a pinned copy and a launch; packed into one buffer they cost one of each. Lists are packed
-by the array module, numpy arrays by their bytes. On CUDA the bytes are written into a pinned
-buffer kept for the purpose (_PinnedBuffers) and the copy does not block the host: pinning a fresh
-buffer every step cost the host more than the rest of the staging."""
+by the array module, numpy arrays by their bytes; on CUDA the buffer is pinned and the copy does
+not block the host."""
 import math
 from array import array
 
@@ -40,54 +39,13 @@ class Staging:
         """Every queued part on `device`, in order, with its shape and dtype, after one copy."""
         # (whole aligned words for the typed views; torch.frombuffer takes no empty buffer)
         self.buffer.extend(bytes(-len(self.buffer) % _ALIGN if self.buffer else _ALIGN))
+        buf = torch.frombuffer(self.buffer, dtype=torch.uint8)  # (shares the bytearray's memory)
         if device.type == "cuda":
-            dev = _pinned_buffers(device).send(self.buffer, device)
-        else:
-            dev = torch.frombuffer(self.buffer, dtype=torch.uint8)  # (shares the bytearray's memory)
+            buf = buf.pin_memory()
+        dev = buf.to(device, non_blocking=True)
         views = {dt: dev.view(_DTYPES[dt]) for dt in {dt for dt, _, _ in self.parts}}
         out = []
         for dt, start, shape in self.parts:
             t = views[dt][start:start + math.prod(shape)]
             out.append(t if len(shape) == 1 else t.view(shape))
         return out
-
-
-class _PinnedBuffers:
-    """A device's pinned host buffers, used in turn: a step's bytes are written into the next one
-    in place and copied out without waiting. A buffer is written again only once the copy out of
-    it has run (an event recorded behind the copy); with several in turn, that wait is all but
-    never one. A buffer too small for a step is replaced by a larger one (the caching host
-    allocator keeps the old one until its copy has run)."""
-    COUNT = 4
-
-    def __init__(self):
-        self.buffers: list[torch.Tensor | None] = [None] * self.COUNT
-        self.views: list[np.ndarray | None] = [None] * self.COUNT  # each buffer's bytes, writable from numpy
-        self.events: list[torch.cuda.Event | None] = [None] * self.COUNT
-        self.turn = 0
-
-    def send(self, data: bytearray, device: torch.device) -> torch.Tensor:
-        """data on `device` as uint8, enqueued on the current stream."""
-        i, n = self.turn, len(data)
-        self.turn = (i + 1) % self.COUNT
-        if self.buffers[i] is None or self.buffers[i].numel() < n:
-            self.buffers[i] = torch.empty(max(4096, 1 << (n - 1).bit_length()), dtype=torch.uint8, pin_memory=True)
-            self.views[i] = self.buffers[i].numpy()
-        elif self.events[i] is not None:
-            self.events[i].synchronize()
-        self.views[i][:n] = np.frombuffer(data, np.uint8)
-        dev = self.buffers[i][:n].to(device, non_blocking=True)
-        if self.events[i] is None:
-            self.events[i] = torch.cuda.Event()
-        self.events[i].record()
-        return dev
-
-
-_PINNED: dict[int, _PinnedBuffers] = {}
-
-
-def _pinned_buffers(device: torch.device) -> _PinnedBuffers:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _PINNED:
-        _PINNED[index] = _PinnedBuffers()
-    return _PINNED[index]
