@@ -104,6 +104,10 @@ def nan_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", nan_filled)
 
 
+# each way of merging the splits, whatever the group: in the kernel by the last split, or the reduce kernel
+MERGES = {"in kernel": {"merge_in_kernel_max_group": 64}, "reduce kernel": {"merge_in_kernel_max_group": 0}}
+
+
 def counters_are_zero():
     return all(int(c.count_nonzero()) == 0 for c in ta._COUNTS.values())
 
@@ -238,25 +242,27 @@ def test_decode_all_padding_rows_writes_zeros():
 
 # The split merge: only the splits that own a KV tile run; the last to arrive merges the partials
 # (the interpreter runs the programs one after another, so the highest active split merges here).
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("heads,head_dim,dtype", [((1, 1), 128, torch.float32), ((2, 1), 80, torch.float16),
                                                   ((4, 1), 128, torch.float16), ((16, 2), 24, torch.float32)])
-def test_decode_many_splits_short_contexts(nan_empty, heads, head_dim, dtype):
+def test_decode_many_splits_short_contexts(nan_empty, heads, head_dim, dtype, merge):
     """64 splits over contexts of 1 to 17 tiles: most splits own nothing (they write no partial and
     are never read), a context within one split's share is written directly, 17 active splits take
     two merge rounds. GQA groups 1, 2, 4, 8; head_dim 80 and 24 padded under masks."""
     torch.manual_seed(20)
     err = run_decode([1, 63, 64, 65, 300, 0, 1050], heads[0], heads[1], head_dim, 16, dtype, num_splits=64,
-                     ordered=True)
+                     ordered=True, config=MERGES[merge])
     assert err < tol(dtype), err
     assert counters_are_zero()
 
 
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("num_splits,merge_elems", [(5, 1), (3, 1), (6, 2 * 2 * 32), (8, 4 * 2 * 32)])
-def test_decode_uneven_splits_and_merge_rounds(nan_empty, num_splits, merge_elems):
+def test_decode_uneven_splits_and_merge_rounds(nan_empty, num_splits, merge_elems, merge):
     """Splits that do not divide the tiles (7 tiles over 5 splits: 2, 2, 2, 1 and an empty fifth)
     and merges of 1, 2 and 4 splits a round, so the running max carries across rounds."""
     torch.manual_seed(21)
-    cfg = {"block_n": 16, "merge_elems": merge_elems}
+    cfg = {"block_n": 16, "merge_elems": merge_elems, **MERGES[merge]}
     for fp8 in (False, True):
         err = run_decode([112, 0, 97, 33, 16, 17], 4, 2, 32, 16, torch.float16, num_splits=num_splits,
                          config=cfg, ordered=True, fp8=fp8)
@@ -264,7 +270,8 @@ def test_decode_uneven_splits_and_merge_rounds(nan_empty, num_splits, merge_elem
         assert counters_are_zero()
 
 
-def test_decode_split_merge_twice_in_a_row_and_deterministic(nan_empty):
+@pytest.mark.parametrize("merge", MERGES)
+def test_decode_split_merge_twice_in_a_row_and_deterministic(nan_empty, merge):
     """Consecutive calls (layers, graph replays) share the arrival counters: every call leaves them
     at zero, so a second call of another shape, and a repeat of the first, come out right; the
     repeat bit for bit."""
@@ -274,15 +281,25 @@ def test_decode_split_merge_twice_in_a_row_and_deterministic(nan_empty):
     bt = make_block_tables(ctx_lens, 16, 40)
     q = torch.randn(4, 8, 32, device=DEV)
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
-    first = decode_attention(q, k, v, ctx, bt, 0.2, num_splits=8, config={"block_n": 32})
+    first = decode_attention(q, k, v, ctx, bt, 0.2, num_splits=8, config={"block_n": 32, **MERGES[merge]})
     assert counters_are_zero()
-    err = run_decode([70, 130, 5], 6, 3, 16, 16, torch.float32, num_splits=8, config={"block_n": 16})
+    err = run_decode([70, 130, 5], 6, 3, 16, 16, torch.float32, num_splits=8, config={"block_n": 16, **MERGES[merge]})
     assert err < 1e-5, err
-    again = decode_attention(q, k, v, ctx, bt, 0.2, num_splits=8, config={"block_n": 32})
+    again = decode_attention(q, k, v, ctx, bt, 0.2, num_splits=8, config={"block_n": 32, **MERGES[merge]})
     assert torch.equal(first, again)
     keep = [0, 2, 3]
     ref = paged_attention_torch(q[keep], k, v, [1] * 3, [ctx_lens[i] for i in keep], bt[keep], 0.2)
     assert rel_err(first[keep], ref) < 1e-5 and torch.equal(first[1], torch.zeros_like(first[1]))
+
+
+def test_decode_merges_small_groups_in_the_kernel_and_larger_ones_in_the_reduce_kernel(monkeypatch):
+    """By default: groups of up to merge_in_kernel_max_group heads count arrivals (the counters
+    exist afterwards); larger groups leave that to the reduce kernel."""
+    monkeypatch.setattr(ta, "_COUNTS", {})
+    run_decode([300, 40], 16, 4, 16, 16, torch.float32, num_splits=4)  # a 4-head group
+    assert not ta._COUNTS
+    run_decode([300, 40], 8, 4, 16, 16, torch.float32, num_splits=4)  # a 2-head group
+    assert ta._COUNTS and counters_are_zero()
 
 
 def test_decode_num_splits_nearest_power_of_two_that_fills_the_sms():

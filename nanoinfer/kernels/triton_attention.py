@@ -21,13 +21,14 @@ the elementwise path (`dot_min_group` above 1) was several times slower on the G
 splits comes from shapes only (CUDA-graph safe: no host sync, the partials' workspace from
 torch.empty); each sequence's context is divided evenly among the splits at run time, so short
 contexts in a wide captured block table still spread over the splits. With one split the kernel
-normalises and writes the output. With more, only the splits that own a KV tile run (the others
-return at once); each stores float32 (o, lse) partials and counts its arrival on the (sequence, KV
-head)'s counter, and the split that arrives last merges the partials in split order (the result
-does not depend on timing), writes the output and resets the counter to zero: no second kernel on
-the critical path (nanoinfer/kernels/skinny_gemm.py's split-K does the same). A sequence whose
-context fits one split's share writes its output directly, and a row with context length 0 (a
-padded row) has split 0 write zeros.
+normalises and writes the output. With more, each stores float32 (o, lse) partials, merged one of
+two ways. For small GQA groups (`merge_in_kernel_max_group`) in the kernel: only the splits that own
+a KV tile run (the others return at once), each counts its arrival on the (sequence, KV head)'s
+counter, and the split that arrives last merges the partials in split order (the result does not
+depend on timing), writes the output and resets the counter to zero: no second kernel on the
+critical path (nanoinfer/kernels/skinny_gemm.py's split-K does the same); a sequence whose context
+fits one split's share writes its output directly. For larger groups a small kernel (grid num_seqs
+x num_heads) merges them, a head a program. A row with context length 0 (a padded row) gets zeros.
 
 An optional `order` (sequence indices, longest context first) makes the GPU start the longest
 programs first (programs are dispatched roughly in grid order). An engine step's contexts are
@@ -92,8 +93,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
                    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, FP32: tl.constexpr,
-                   HAS_ORDER: tl.constexpr, KV_FP8: tl.constexpr, MERGE_G: tl.constexpr,
-                   MERGE_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                   HAS_ORDER: tl.constexpr, KV_FP8: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+                   MERGE_G: tl.constexpr, MERGE_SPLITS: tl.constexpr, PDL: tl.constexpr):
     kvh = tl.program_id(0)
     if PDL:  # (kernels/pdl.py) q and the newest K/V come from the kernel before
         tl.extra.cuda.gdc_wait()
@@ -106,9 +107,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
     ctx = tl.load(ctx_ptr + seq)
     n_tiles = tl.cdiv(ctx, BLOCK_N)
     per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-    # the splits that own a tile; the others have nothing to do (split 0 of an empty row writes zeros)
+    # merged here: only the splits that own a tile run (split 0 of an empty row writes zeros); the
+    # reduce kernel instead reads every split's partials, empty ones included
     n_active = tl.cdiv(n_tiles, tl.maximum(per_split, 1))
-    if NUM_SPLITS > 1:
+    if NUM_SPLITS > 1 and MERGE_IN_KERNEL:
         if split >= tl.maximum(n_active, 1):
             return
     t_start = split * per_split
@@ -177,17 +179,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    # partials: po [B, H, NUM_SPLITS, D_PAD] fp32, plse [B, H, NUM_SPLITS] (log2 domain)
+    head_rows = (seq.to(tl.int64) * (tl.num_programs(0) * GROUP) + kvh * GROUP) * NUM_SPLITS
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     if NUM_SPLITS == 1:
         _store_out(out_ptr, seq, heads, offs_d, g_mask, o, stride_ob, stride_oh, HEAD_DIM, D_PAD)
+    elif not MERGE_IN_KERNEL:  # the reduce kernel merges them
+        _store_partials(po_ptr, plse_ptr, head_rows + offs_g * NUM_SPLITS + split, offs_d, g_mask, o, lse, D_PAD)
     elif n_active <= 1:  # one split holds the whole context (or none does: a padded row's zeros)
         _store_out(out_ptr, seq, heads, offs_d, g_mask, o, stride_ob, stride_oh, HEAD_DIM, D_PAD)
     else:
-        # partials: po [B, H, NUM_SPLITS, D_PAD] fp32, plse [B, H, NUM_SPLITS] (log2 domain)
-        head_rows = (seq.to(tl.int64) * (tl.num_programs(0) * GROUP) + kvh * GROUP) * NUM_SPLITS
-        row = head_rows + offs_g * NUM_SPLITS + split
-        tl.store(po_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(plse_ptr + row, lse, mask=g_mask)
+        _store_partials(po_ptr, plse_ptr, head_rows + offs_g * NUM_SPLITS + split, offs_d, g_mask, o, lse, D_PAD)
         # count the arrivals of this (sequence, KV head)'s active splits: the last one merges
         tl.debug_barrier()  # every thread's partials are written before the arrival is counted
         count = count_ptr + seq * tl.num_programs(0) + kvh
@@ -200,6 +202,38 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, order_ptr, out_ptr, po_
             _store_out(out_ptr, seq, kvh * GROUP + offs_h, offs_d, offs_h < GROUP, merged, stride_ob, stride_oh,
                        HEAD_DIM, D_PAD)
             tl.atomic_xchg(count, 0)  # zero again for the next call (the next layer, a graph replay)
+
+
+@triton.jit
+def _store_partials(po_ptr, plse_ptr, row, offs_d, g_mask, o, lse, D_PAD: tl.constexpr):
+    tl.store(po_ptr + row[:, None] * D_PAD + offs_d[None, :], o, mask=g_mask[:, None])
+    tl.store(plse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh,
+                          NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          D_PAD: tl.constexpr, PDL: tl.constexpr):
+    seq = tl.program_id(0)
+    if PDL:  # (kernels/pdl.py) the partials come from the decode kernel
+        tl.extra.cuda.gdc_wait()
+    h = tl.program_id(1)
+    row = seq.to(tl.int64) * tl.num_programs(1) + h
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    lse = tl.load(plse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    valid = lse > float("-inf")
+    w = tl.where(valid, tl.exp2(lse - tl.where(valid, m, 0.0)), 0.0)
+    po = tl.load(po_ptr + (row * NUM_SPLITS + offs_s)[:, None] * D_PAD + offs_d[None, :],
+                 mask=s_mask[:, None], other=0.0)
+    denom = tl.sum(w, 0)
+    o = tl.sum(w[:, None] * po, 0) / tl.where(denom > 0, denom, 1.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -262,8 +296,12 @@ def _num_sms(device: torch.device) -> int:
 # even with longest-first ordering, ragged steps gained from splitting to about two waves of programs.
 # merge_elems: float32 partials the merging split loads a round (splits x heads x padded head_dim);
 # 8192 (16 splits of a 4-head group a round) beat 4096 at batch 1 on the 0.6B and 8B shapes.
+# merge_in_kernel_max_group: the largest GQA group whose splits the last split merges; larger
+# groups keep the reduce kernel, which spreads the heads over programs (with a 4-head group, the
+# 8B shape, the in-kernel merge made the batch-1 step slower; with 2 heads, 0.6B, faster).
 DECODE_CFG = {"block_n": 64, "num_warps": 2, "num_stages": 3, "programs_per_sm": 4,
-              "max_splits": 64, "dot_min_group": 1, "merge_elems": 8192}
+              "max_splits": 64, "dot_min_group": 1, "merge_elems": 8192,
+              "merge_in_kernel_max_group": 2}
 # over an FP8 cache (half the bytes a tile, more conversion work a byte) two stages beat three
 DECODE_FP8_CFG = {"num_stages": 2}
 
@@ -338,12 +376,13 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: flo
                                        cfg["programs_per_sm"], cfg["max_splits"])
     merge_g = triton.next_power_of_2(group)
     merge_splits = min(16, triton.next_power_of_2(num_splits), _floor_pow2(cfg["merge_elems"] // (merge_g * d_pad)))
+    merge_in_kernel = group <= cfg["merge_in_kernel_max_group"]
+    po = plse = counts = out  # (unused with one split)
     if num_splits > 1:
         po = torch.empty((batch, num_heads, num_splits, d_pad), dtype=torch.float32, device=q.device)
         plse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        counts = _arrival_counts(q.device, batch * num_kv_heads)
-    else:
-        po = plse = counts = out  # unused
+        if merge_in_kernel:
+            counts = _arrival_counts(q.device, batch * num_kv_heads)
     _decode_kernel[(num_kv_heads, num_splits, batch)](
         q, k_cache, v_cache, block_tables, context_lens, context_lens if order is None else order, out, po, plse,
         counts,
@@ -352,8 +391,14 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale: flo
         scale_or_unit(k_scale, q.device), scale_or_unit(v_scale, q.device),
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, USE_DOT=use_dot, FP32=q.dtype == torch.float32,
-        HAS_ORDER=order is not None, KV_FP8=is_fp8_cache(k_cache), MERGE_G=merge_g, MERGE_SPLITS=merge_splits,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device))
+        HAS_ORDER=order is not None, KV_FP8=is_fp8_cache(k_cache), MERGE_IN_KERNEL=merge_in_kernel,
+        MERGE_G=merge_g, MERGE_SPLITS=merge_splits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_options(q.device))
+    if num_splits > 1 and not merge_in_kernel:
+        _decode_reduce_kernel[(batch, num_heads)](
+            po, plse, out, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+            S_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=4,
+            **pdl_options(q.device))
     return out
 
 
