@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer.bench.kernels import bench_graph
 from nanoinfer.bench.random_model import SHAPES
 from nanoinfer.kernels.gemv import gemv
 from nanoinfer.utils.ceilings import measure_ceilings
@@ -131,24 +132,9 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def time_graph(fn, replays: int = 20) -> float:
-    """Median seconds of one replay of a CUDA graph of fn()."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
+def time_graph(fn) -> float:
+    """Median seconds of fn() replayed from a CUDA graph."""
+    return bench_graph([fn], calls=1, replays=20) / 1e3
 
 
 def main():
