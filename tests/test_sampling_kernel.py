@@ -200,9 +200,7 @@ def test_pipeline_uses_the_kernel_on_cuda_only(monkeypatch):
     plain = SamplingTensors.build(seqs, 100, (7,), torch.device(DEV))
     tokens, lp = sample_logits(logits.to(DEV), plain)
     assert len(calls) == 1 and lp is None and tokens[1::2].tolist() == logits[1::2].argmax(-1).tolist()
-    torch.manual_seed(5)  # the seed comes from the global CPU generator: reproducible
-    again = sample_logits(logits.to(DEV), plain)[0]
-    torch.manual_seed(5)
+    again = sample_logits(logits.to(DEV), plain)[0]  # (the plan's seed, drawn when it was built: reproducible)
     assert torch.equal(again, sample_logits(logits.to(DEV), plain)[0])
     calls.clear()
     filtered = SamplingTensors.build([FakeSeq(SamplingParams(top_k=3))] * 4, 100, (7,), torch.device(DEV))

@@ -283,7 +283,8 @@ def test_decode_split_merge_twice_in_a_row_and_deterministic(nan_empty, merge):
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
     first = decode_attention(q, k, v, ctx, bt, 0.2, num_splits=8, config={"block_n": 32, **MERGES[merge]})
     assert counters_are_zero()
-    err = run_decode([70, 130, 5], 6, 3, 16, 16, torch.float32, num_splits=8, config={"block_n": 16, **MERGES[merge]})
+    err = run_decode([70, 130, 5], 6, 3, 16, 16, torch.float32, num_splits=8,
+                     config={"block_n": 16, **MERGES[merge]})
     assert err < 1e-5, err
     again = decode_attention(q, k, v, ctx, bt, 0.2, num_splits=8, config={"block_n": 32, **MERGES[merge]})
     assert torch.equal(first, again)

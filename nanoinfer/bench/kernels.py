@@ -9,8 +9,8 @@ Decode: bytes = K/V of every context token + q + out, over the median time (trit
 Prefill: causal FLOPs 4 * S^2 / 2 * H * D per sequence; torch SDPA (flash) on contiguous tensors.
 
 Read the CUDA-graph timings (--graph-splits, --ragged): the engine replays decode from CUDA graphs.
-Eager small decode calls are partly launch-bound (the Python wrapper and the Triton launch take as
-long as the kernel), so their eager timings vary from run to run. Decode can read a little above
+Eager small decode calls are partly launch-bound (the Python wrapper and its Triton launches, one or
+two, take as long as the kernel), so their eager timings vary from run to run. Decode can read a little above
 the copy ceiling: its KV stream is read-only, while a copy is half writes.
 """
 import argparse

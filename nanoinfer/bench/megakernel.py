@@ -9,9 +9,11 @@ distinct weights, more bytes than L2 holds), each projection's output feeding th
   projections they meet at a grid-wide barrier (an arrival counter); each program loads its first
   weight rows of the next projection before it waits there, since weights depend on nothing
   earlier, and prefetches a tile ahead as it goes.
-It prints microseconds per layer and the weights' bytes over the time against the copy bandwidth.
-The gap between the two is what per-kernel launch and ramp-up cost the step's GEMVs, the most a
-megakernel could win there; what the barrier costs is the persistent time less the streaming time.
+It prints microseconds per layer and the weights' bytes over the time against the copy bandwidth,
+and for the persistent kernel its time a projection beyond streaming the weights (barriers and
+whatever it streams short of the copy bandwidth). The barrier needs every program resident at
+once: a configuration with more programs an SM than its registers, threads or shared memory allow
+is skipped (it would wait forever).
 
     PYTHONPATH=. python3 -m nanoinfer.bench.megakernel [--config 0.6b] [--layers 28] [--programs 1,2]
 """
@@ -43,10 +45,11 @@ def _weight_tile(w_ptr, chunk, kc, N, K, rr, rk, valid, ROWS: tl.constexpr, BLOC
 @triton.jit
 def _persistent_chain_kernel(w_ptrs, ns, ks, act_ptr, bar_ptr, NUM_PHASES, ACT: tl.constexpr,
                              ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Every K a multiple of BLOCK_K. Phase p: y = W_p @ x, x the first K_p values of act half p % 2, y into half (p + 1) % 2.
-    Each program owns a contiguous run of ROWS-row chunks of W_p. bar_ptr[0] counts programs done
-    with a phase (phase p may read x once it reaches p * programs); bar_ptr[1] counts programs done
-    with every phase, and the last of them zeroes both for the next launch."""
+    """Every K a multiple of BLOCK_K. Phase p: y = W_p @ x, x the first K_p values of act half
+    p % 2, y into half (p + 1) % 2. Each program owns a contiguous run of ROWS-row chunks of W_p.
+    bar_ptr[0] counts programs done with a phase (phase p may read x once it reaches p * programs);
+    bar_ptr[1] counts programs done with every phase, and the last of them zeroes both for the next
+    launch."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     rr = tl.arange(0, ROWS)
@@ -122,10 +125,31 @@ class Chain:
             n, k = self.shapes[p]
             gemv(self.act[p % 2, :k].view(1, k), self.weights[p], out=self.act[(p + 1) % 2, :n].view(1, n))
 
+    def _args(self, phases: int, rows: int, block_k: int, warps: int) -> tuple[tuple, dict]:
+        return ((self.w_ptrs, self.ns, self.ks, self.act, self.bar, phases),
+                dict(ACT=self.act_size, ROWS=rows, BLOCK_K=block_k, num_warps=warps))
+
+    def resident_per_sm(self, rows: int, block_k: int, warps: int) -> int:
+        """How many programs of the persistent kernel an SM holds at once (1 if unknown)."""
+        args, kwargs = self._args(1, rows, block_k, warps)
+        try:
+            kernel = _persistent_chain_kernel.warmup(*args, grid=(1,), **kwargs)
+            kernel._init_handles()  # (sets n_regs)
+            props = torch.cuda.get_device_properties(self.act.device)
+            regs_per_warp = -(-kernel.n_regs * 32 // 256) * 256  # allocated in units of 256 a warp
+            fits = [getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps),
+                    getattr(props, "regs_per_multiprocessor", 65536) // max(regs_per_warp * warps, 1)]
+            if kernel.metadata.shared:
+                fits.append(getattr(props, "shared_memory_per_multiprocessor", 227 << 10) // kernel.metadata.shared)
+            return max(1, min(fits))
+        except Exception:  # (Triton internals that moved): one program an SM always fits
+            return 1
+
     def run_persistent(self, phases: int, programs: int, rows: int, block_k: int, warps: int):
+        """Needs `programs` resident at once (resident_per_sm)."""
         self.act[0].copy_(self.x0)
-        _persistent_chain_kernel[(programs,)](self.w_ptrs, self.ns, self.ks, self.act, self.bar, phases,
-                                              ACT=self.act_size, ROWS=rows, BLOCK_K=block_k, num_warps=warps)
+        args, kwargs = self._args(phases, rows, block_k, warps)
+        _persistent_chain_kernel[(programs,)](*args, **kwargs)
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -160,16 +184,21 @@ def main():
     best = None
     for per_sm, rows, warps in itertools.product(*(map(int, v.split(",")) for v in (args.programs, args.rows,
                                                                                       args.warps))):
+        fits = chain.resident_per_sm(rows, args.block_k, warps)
+        if per_sm > fits:
+            print(f"persistent, {per_sm} a SM, {rows:2} rows, {warps} warps: skipped, {fits} fit an SM")
+            continue
         chain.run_persistent(CHECK_PHASES, per_sm * sms, rows, args.block_k, warps)
         err = relative_difference(chain.output(CHECK_PHASES), ref)
         run = lambda: chain.run_persistent(phases, per_sm * sms, rows, args.block_k, warps)  # noqa: E731
         t = time_graph(run)
-        barrier_us = (t - stream_s) / phases * 1e6
+        beyond_us = (t - stream_s) / phases * 1e6
         print(f"persistent, {per_sm} a SM, {rows:2} rows, {warps} warps: {t / args.layers * 1e6:7.2f} us a layer, "
-              f"{stream_s / t * 100:5.1f} % of copy, {barrier_us:.2f} us a projection over streaming, "
+              f"{stream_s / t * 100:5.1f} % of copy, {beyond_us:.2f} us a projection beyond streaming, "
               f"difference from the chain after {CHECK_PHASES} projections {err:.1e}")
         best = t if best is None else min(best, t)
-    print(f"best persistent / chain: {best / time_graph(lambda: chain.run_chain(phases)):.2f}")
+    if best is not None:
+        print(f"best persistent / chain: {best / time_graph(lambda: chain.run_chain(phases)):.2f}")
 
 
 if __name__ == "__main__":

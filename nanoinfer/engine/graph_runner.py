@@ -125,10 +125,9 @@ class GraphRunner:
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
             block_tables=torch.full((max_bs, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
             outputs=torch.zeros(tokens, self.hidden_size, dtype=self.dtype, device=dev),
-            rows=torch.arange(max_bs, dtype=torch.int32, device=dev),
             lora_slots=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
         )
-        g["decode_order"] = g["rows"].clone()
+        g["decode_order"] = torch.arange(max_bs, dtype=torch.int32, device=dev)
         return g
 
     def _capture_one(self, tokens: int, pool):
@@ -152,6 +151,9 @@ class GraphRunner:
         self.batch_sizes = graph_batch_sizes(self.max_num_seqs)
         g = self.buffers = self._allocate_buffers(max([self.max_num_seqs, *self.mixed_sizes]))
         order = g["decode_order"] if self.sorts_decode_rows else None
+        # (the inputs' kernel compiles now, not on the first step served: its buffers onto themselves)
+        fill_decode_graph_inputs(g, 1, g["input_ids"][:1], g["positions"][:1], g["slot_mapping"][:1],
+                                 g["context_lens"][:1], g["block_tables"][:1], None if order is None else order[:1])
         pool = None
         lora = (lambda n: g["lora_slots"][:n]) if self.lora else (lambda n: None)
         for bs in reversed(self.batch_sizes):

@@ -33,8 +33,6 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
-
 from nanoinfer.config import Config
 from nanoinfer.engine.input_processor import InputProcessor, check_priorities
 from nanoinfer.engine.model_runner import ModelRunner

@@ -294,8 +294,8 @@ def _num_sms(device: torch.device) -> int:
 # Tunables (nanoinfer/bench/kernels.py sweeps them); programs per SM the split heuristic aims for.
 # 4, from the --ragged sweep on an H200 (8 and 4 KV heads: one rank of an 8B model at tp=1 and 2):
 # even with longest-first ordering, ragged steps gained from splitting to about two waves of programs.
-# merge_elems: float32 partials the merging split loads a round (splits x heads x padded head_dim);
-# 8192 (16 splits of a 4-head group a round) beat 4096 at batch 1 on the 0.6B and 8B shapes.
+# merge_elems: float32 partials the merging split loads a round (splits x heads x padded head_dim),
+# at most 16 splits a round: it bounds the round's registers.
 # merge_in_kernel_max_group: the largest GQA group whose splits the last split merges; larger
 # groups keep the reduce kernel, which spreads the heads over programs (with a 4-head group, the
 # 8B shape, the in-kernel merge made the batch-1 step slower; with 2 heads, 0.6B, faster).
