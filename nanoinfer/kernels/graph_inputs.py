@@ -3,9 +3,11 @@
 The graph of batch bucket B reads the first B rows of its static buffers: token ids, positions,
 cache slots, context lengths, block tables and (for the Triton decode kernel) the rows' order.
 Filling them with a copy or fill per buffer cost the host a launch each (with the slicing around
-it) on every decode step; this writes them all in one launch. Rows n..B-1 are padding: slot -1
-(no K/V written), context 0 (attention writes zeros) and, in the order, last. Block tables are
-copied over the step's width only: a row's entries past its context are never read.
+it) on every decode step; this writes them all in one launch, a program per tile of rows and
+block-table columns (the first column of programs also writes the per-row values). Rows n..B-1
+are padding: slot -1 (no K/V written), context 0 (attention writes zeros) and, in the order, last.
+Block tables are copied over the step's width only: a row's entries past its context are never
+read.
 Integers that change from step to step are not specialised on (no compile while serving).
 """
 import torch
@@ -23,20 +25,20 @@ def _fill_kernel(ids_src, pos_src, slot_src, ctx_src, bt_src, order_src,
                  HAS_ORDER: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     live = r < n
-    out = r < bucket
-    tl.store(ids_dst + r, tl.load(ids_src + r, mask=live, other=0), mask=live)
-    tl.store(pos_dst + r, tl.load(pos_src + r, mask=live, other=0), mask=live)
-    tl.store(slot_dst + r, tl.load(slot_src + r, mask=live, other=-1), mask=out)
-    tl.store(ctx_dst + r, tl.load(ctx_src + r, mask=live, other=0), mask=out)
-    if HAS_ORDER:
-        order = tl.load(order_src + r, mask=live, other=0)
-        tl.store(order_dst + r, tl.where(live, order, r), mask=out)
+    if tl.program_id(1) == 0:
+        out = r < bucket
+        tl.store(ids_dst + r, tl.load(ids_src + r, mask=live, other=0), mask=live)
+        tl.store(pos_dst + r, tl.load(pos_src + r, mask=live, other=0), mask=live)
+        tl.store(slot_dst + r, tl.load(slot_src + r, mask=live, other=-1), mask=out)
+        tl.store(ctx_dst + r, tl.load(ctx_src + r, mask=live, other=0), mask=out)
+        if HAS_ORDER:
+            order = tl.load(order_src + r, mask=live, other=0)
+            tl.store(order_dst + r, tl.where(live, order, r), mask=out)
     rows = r.to(tl.int64)
-    for c0 in range(0, width, BLOCK_COLS):
-        c = c0 + tl.arange(0, BLOCK_COLS)
-        m = live[:, None] & (c[None, :] < width)
-        table = tl.load(bt_src + rows[:, None] * bt_src_stride + c[None, :], mask=m)
-        tl.store(bt_dst + rows[:, None] * bt_dst_stride + c[None, :], table, mask=m)
+    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    m = live[:, None] & (c[None, :] < width)
+    table = tl.load(bt_src + rows[:, None] * bt_src_stride + c[None, :], mask=m)
+    tl.store(bt_dst + rows[:, None] * bt_dst_stride + c[None, :], table, mask=m)
 
 
 def fill_decode_graph_inputs(g: dict[str, torch.Tensor], bucket: int, input_ids: torch.Tensor,
@@ -55,7 +57,7 @@ def fill_decode_graph_inputs(g: dict[str, torch.Tensor], bucket: int, input_ids:
         raise ValueError(f"block tables {tuple(block_tables.shape)} {block_tables.dtype} or bucket {bucket} do not "
                          f"fit the graph's buffers {tuple(g['block_tables'].shape)}")
     order = decode_order if decode_order is not None else context_lens
-    _fill_kernel[(triton.cdiv(bucket, BLOCK_ROWS),)](
+    _fill_kernel[(triton.cdiv(bucket, BLOCK_ROWS), triton.cdiv(width, BLOCK_COLS))](
         input_ids, positions, slot_mapping, context_lens, block_tables, order,
         g["input_ids"], g["positions"], g["slot_mapping"], g["context_lens"], g["block_tables"], g["decode_order"],
         n, bucket, width, block_tables.stride(0), g["block_tables"].stride(0),
