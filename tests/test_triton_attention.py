@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nanoinfer.kernels import triton_attention as ta
+from nanoinfer.kernels.arrival_counters import ArrivalCounters
 from nanoinfer.kernels.torch_attention import paged_attention_torch
 from nanoinfer.kernels.triton_attention import (PREFILL_CFG, SHORT_PREFILL_CFG, decode_attention,
                                                 decode_num_splits, prefill_attention, prefill_config,
@@ -109,7 +110,7 @@ MERGES = {"in kernel": {"merge_in_kernel_max_group": 64}, "reduce kernel": {"mer
 
 
 def counters_are_zero():
-    return all(int(c.count_nonzero()) == 0 for c in ta._COUNTS.values())
+    return all(int(c.count_nonzero()) == 0 for c in ta._COUNTERS.counts.values())
 
 
 def tol(dtype):
@@ -296,11 +297,11 @@ def test_decode_split_merge_twice_in_a_row_and_deterministic(nan_empty, merge):
 def test_decode_merges_small_groups_in_the_kernel_and_larger_ones_in_the_reduce_kernel(monkeypatch):
     """By default: groups of up to merge_in_kernel_max_group heads count arrivals (the counters
     exist afterwards); larger groups leave that to the reduce kernel."""
-    monkeypatch.setattr(ta, "_COUNTS", {})
+    monkeypatch.setattr(ta, "_COUNTERS", ArrivalCounters())
     run_decode([300, 40], 16, 4, 16, 16, torch.float32, num_splits=4)  # a 4-head group
-    assert not ta._COUNTS
+    assert not ta._COUNTERS.counts
     run_decode([300, 40], 8, 4, 16, 16, torch.float32, num_splits=4)  # a 2-head group
-    assert ta._COUNTS and counters_are_zero()
+    assert ta._COUNTERS.counts and counters_are_zero()
 
 
 def test_decode_num_splits_nearest_power_of_two_that_fills_the_sms():
@@ -376,7 +377,7 @@ def test_cuda_decode_split_merge_short_contexts(heads, head_dim):
 
 @pytest.mark.cuda
 def test_cuda_decode_counters_not_grown_in_a_capture(monkeypatch):
-    monkeypatch.setattr(ta, "_COUNTS", {})
+    monkeypatch.setattr(ta, "_COUNTERS", ArrivalCounters())
     g = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="before CUDA-graph capture"):
         with torch.cuda.graph(g):

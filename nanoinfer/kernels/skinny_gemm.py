@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer.kernels.arrival_counters import ArrivalCounters
 from nanoinfer.kernels.pdl import pdl_options
 
 MAX_ROWS = 64
@@ -149,25 +150,22 @@ _STAGE_BUDGET = 128 * 1024
 
 
 class _Workspace:
-    """Per device: float32 partials for split-K and the per-tile arrival counters (kept at zero
-    between calls: the last split resets its tile's). Calls on one stream are ordered, so one
-    workspace serves them all. Grown when a call needs more; an outgrown buffer is kept, since a
-    CUDA graph captured earlier still points at it."""
+    """Per device: float32 partials for split-K and the per-tile arrival counters
+    (kernels/arrival_counters.py: the last split resets its tile's). Calls on one stream are
+    ordered, so one workspace serves them all. Grown when a call needs more; an outgrown buffer is
+    kept, since a CUDA graph captured earlier still points at it."""
 
     def __init__(self):
         self.parts: dict[torch.device, torch.Tensor] = {}
-        self.counts: dict[torch.device, torch.Tensor] = {}
+        self.counters = ArrivalCounters()
         self.outgrown: list[torch.Tensor] = []
 
     def get(self, device, parts: int, tiles: int):
-        p, c = self.parts.get(device), self.counts.get(device)
+        p = self.parts.get(device)
         if p is None or p.numel() < parts:
             self.outgrown += [] if p is None else [p]
             p = self.parts[device] = torch.empty(max(parts, 1 << 18), dtype=torch.float32, device=device)
-        if c is None or c.numel() < tiles:
-            self.outgrown += [] if c is None else [c]
-            c = self.counts[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        return p, c
+        return p, self.counters.get(device, tiles)
 
 
 _WORKSPACE = _Workspace()

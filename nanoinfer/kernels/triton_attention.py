@@ -63,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer.kernels.arrival_counters import ArrivalCounters
 from nanoinfer.kernels.kv_store import is_fp8_cache, scale_or_unit
 from nanoinfer.kernels.pdl import pdl_options
 
@@ -310,26 +311,17 @@ def _floor_pow2(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-# Per device: the arrival counters of the split merge, one per (sequence, KV head), zero between
-# calls (the merging split resets its own). Calls on one stream run one after another (layers
-# included), so one buffer serves them all. Grown outside CUDA-graph capture only: a buffer made
-# during a capture would not be zeroed until the graph first replays. An outgrown buffer is kept,
-# since a graph captured earlier still points at it.
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN_COUNTS: list[torch.Tensor] = []
+# The split merge's arrival counters, one per (sequence, KV head) (kernels/arrival_counters.py).
+# Grown outside CUDA-graph capture only: a buffer made during a capture would not be zeroed until
+# the graph first replays.
+_COUNTERS = ArrivalCounters()
 
 
 def _arrival_counts(device: torch.device, n: int) -> torch.Tensor:
-    counts = _COUNTS.get(device)
-    if counts is None or counts.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode_attention: its split-merge counters ({n} needed, "
-                               f"{0 if counts is None else counts.numel()} allocated) must be allocated before "
-                               "CUDA-graph capture: run the same call once outside the capture first")
-        if counts is not None:
-            _OUTGROWN_COUNTS.append(counts)
-        counts = _COUNTS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return counts
+    if not _COUNTERS.fits(device, n) and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"decode_attention: its split-merge counters ({n} needed) must be allocated before "
+                           "CUDA-graph capture: run the same call once outside the capture first")
+    return _COUNTERS.get(device, n)
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_tiles: int, num_sms: int,
