@@ -71,13 +71,17 @@ def test_the_expand_kernel_path_gives_the_torch_paths_result(monkeypatch):
     torch.testing.assert_close(base, x @ layer.weight.t(), rtol=1e-6, atol=1e-6)
 
 
-def test_a_deferred_row_reaches_the_shrink_normalised():
+def test_a_deferred_row_reaches_the_shrink_normalised(monkeypatch):
     """One row on CUDA arrives as a Deferred (its RMSNorm or SiLU * mul left to the GEMV): the LoRA
-    layer's base GEMV and its shrink GEMV both apply it (here under the interpreter)."""
+    layer's base GEMV and its shrink GEMV both apply it (here under the interpreter: the one-row
+    rule is widened to CPU inputs)."""
+    from nanoinfer.layers import linear_method
     from nanoinfer.layers.layernorm import add_rms_norm
     from nanoinfer.layers.linear_method import Deferred
+    monkeypatch.setattr(linear_method, "takes_gemv", lambda x: x.shape[0] == 1 and x.is_contiguous())
     layer = build(QKVParallelLinear, 16, 4, 2, 1, prefix="model.layers.0.self_attn.qkv_proj")
-    assert layer.accepts_deferred, "as its dense base"
+    assert layer.takes_deferred(torch.randn(1, 16)), "as its dense base"
+    assert not layer.takes_deferred(torch.randn(2, 16)), "a few rows on CPU: no fusing kernel"
     layer.method.write_shard(layer, 1, 0, torch.randn(4, 16), torch.randn(8, 4), 1.5)
     x, res, w = torch.randn(1, 16), torch.randn(1, 16), torch.rand(16) + 0.5
     normed, new_res = add_rms_norm(x, res, w, 1e-6)

@@ -20,7 +20,9 @@ from nanoinfer.utils.loader import load_model
 class ChannelScaledMethod(DenseLinearMethod):
     """y = (x @ W^T) * weight_scale, weight_scale [out_features] cut like the weight's rows. It
     applies its own product, so it takes no Deferred input."""
-    accepts_deferred = False
+
+    def takes_deferred(self, layer, x):
+        return False
 
     def create_weights(self, layer, input_size, output_size, bias):
         super().create_weights(layer, input_size, output_size, bias)
@@ -78,7 +80,7 @@ def test_a_weight_method_with_its_own_parameters_loads_through_the_tp_cut():
     build = ModelBuild(TensorParallel(1, 2), linear_method=lambda prefix: SCALED)
     qkv = QKVParallelLinear(6, 2, 4, 1, build=build, prefix="qkv_proj")
     scale = qkv.weight_scale
-    assert scale.shard_ids == ("q", "k", "v") and not qkv.accepts_deferred
+    assert scale.shard_ids == ("q", "k", "v") and not qkv.takes_deferred(torch.ones(1, 6))
     full = {"q": torch.arange(8.0), "k": torch.tensor([10.0, 11.0]), "v": torch.tensor([20.0, 21.0])}
     for shard, t in full.items():
         scale.weight_loader(scale, t, shard)

@@ -1,10 +1,12 @@
-"""y = prologue(x) @ W^T (+ bias) for one row (decode at batch 1), one Triton kernel (CUDA).
+"""y = prologue(x) @ W^T (+ bias) for one row (decode at batch 1) or a few, one Triton kernel (CUDA).
 
 At one row a GEMM only streams its weight. On the H200 cuBLAS, with the kernel before it, took
 longer than this kernel on every projection of the 0.6B and 8B shapes, the small ones most
-(nanoinfer.bench.gemv compares them); at 2-16 rows a tensor-core variant lost to cuBLAS, so those
-keep cuBLAS. Each program owns BLOCK_N output features and walks all of K, so every weight byte is
-read once and no partial sums cross programs.
+(nanoinfer.bench.gemv compares them). Each program owns BLOCK_N output features and walks all of
+K, so every weight byte is read once and no partial sums cross programs. It multiplies on CUDA
+cores, so its arithmetic grows with the rows while the weight's bytes do not: past two rows the
+tensor-core few-row GEMM (kernels/skinny_gemm.py) or cuBLAS is faster (layers/linear_method.py
+picks).
 
 The prologue fuses the small kernel that would otherwise run just before the GEMV:
 - norm_weight: x (+ residual) through RMSNorm, with layers/layernorm.py's roundings. Every program
@@ -21,6 +23,9 @@ import triton
 import triton.language as tl
 
 from nanoinfer.kernels.pdl import pdl_options
+from nanoinfer.kernels.skinny_gemm import _input_tile_t, _rows_rstd
+
+MAX_ROWS = 4
 
 
 @triton.jit
@@ -60,9 +65,10 @@ def _row_rstd(x_ptr, res_ptr, res_out_ptr, pid, eps, K: tl.constexpr, HAS_RES: t
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, res_out_ptr, nw_ptr, eps,
+def _gemv_kernel(x_ptr, stride_x, w_ptr, b_ptr, y_ptr, stride_y, res_ptr, stride_r, res_out_ptr, nw_ptr, M, eps,
                  N: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     pid = tl.program_id(0)
     DTYPE = w_ptr.dtype.element_ty
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,58 +81,88 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, res_out_ptr, nw_ptr, eps,
     if PDL:  # the weight tile above does not depend on the previous kernel; x and residual do
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    rstd = 0.0
-    if PROLOGUE == 1:
-        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, pid, eps, K, HAS_RES, DTYPE, BLOCK_K)
-    x = _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk0, K, PROLOGUE, HAS_RES, DTYPE)
-    acc = tl.sum(w_first.to(tl.float32) * x[None, :], 1)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk, K, PROLOGUE, HAS_RES, DTYPE)
-        w = tl.load(w_ptr + rows[:, None] + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, acc.to(DTYPE), mask=rn < N)
+    if BLOCK_M == 1:
+        rstd = 0.0
+        if PROLOGUE == 1:
+            rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, pid, eps, K, HAS_RES, DTYPE, BLOCK_K)
+        x = _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk0, K, PROLOGUE, HAS_RES, DTYPE)
+        acc = tl.sum(w_first.to(tl.float32) * x[None, :], 1)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk, K, PROLOGUE, HAS_RES, DTYPE)
+            w = tl.load(w_ptr + rows[:, None] + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, acc.to(DTYPE), mask=rn < N)
+    else:  # a rows axis: [BLOCK_N, BLOCK_M, BLOCK_K] products summed over K
+        rm = tl.arange(0, BLOCK_M)
+        rstd = tl.zeros((BLOCK_M,), tl.float32)
+        if PROLOGUE == 1:
+            rstd = _rows_rstd(x_ptr, stride_x, res_ptr, stride_r, res_out_ptr, rm, M, pid == 0, eps, K, HAS_RES,
+                              DTYPE, 256, BLOCK_M)
+        x = tl.trans(_input_tile_t(x_ptr, stride_x, res_ptr, stride_r, nw_ptr, rstd, rm, rk0, M, K, PROLOGUE,
+                                   HAS_RES, DTYPE)).to(tl.float32)
+        acc = tl.sum(w_first.to(tl.float32)[:, None, :] * x[None, :, :], 2)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rows[:, None] + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+            x = tl.trans(_input_tile_t(x_ptr, stride_x, res_ptr, stride_r, nw_ptr, rstd, rm, rk, M, K, PROLOGUE,
+                                       HAS_RES, DTYPE)).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32)[:, None, :] * x[None, :, :], 2)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + rm[None, :] * stride_y + rn[:, None], acc.to(DTYPE),
+                 mask=(rn[:, None] < N) & (rm[None, :] < M))
 
-
-def default_config(n: int, k: int) -> dict:
-    """Tiles and launch options for an [n, k] weight, from sweeps on the H200 (nanoinfer.bench.gemv
-    --sweep: 0.6B and 8B projections, LM heads): four output features a program, so that even
-    n = 1024 spreads over the SMs; 1024-wide K tiles; 8 warps, 4 for the 8B-sized K."""
-    return dict(BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4 if k >= 4096 else 8,
-                num_stages=2)
+def default_config(n: int, k: int, m: int = 1) -> dict:
+    """Tiles and launch options for m rows of an [n, k] weight, from sweeps on the H200
+    (nanoinfer.bench.gemv --sweep: 0.6B and 8B projections, LM heads): four output features a
+    program, so that even n = 1024 spreads over the SMs; 1024-wide K tiles; 8 warps, 4 for the
+    8B-sized K and for several rows."""
+    return dict(BLOCK_M=triton.next_power_of_2(m), BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(k)),
+                num_warps=4 if k >= 4096 or m > 1 else 8, num_stages=2)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
          residual_out: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None,
          out: torch.Tensor | None = None):
-    """x: [1, K] (silu_mul: [1, 2K]), contiguous; weight: [N, K], contiguous. Returns y: [1, N].
-    With norm_weight ([K]), y = rms_norm(x (+ residual)) @ W^T, and x + residual is stored into
-    residual_out, a [1, K] tensor that must not share memory with x or residual (every program
-    reads them while program 0 writes it). `out`: a contiguous [1, N] tensor to write y into."""
+    """x: [M, K] (silu_mul: [M, 2K]), 1 <= M <= MAX_ROWS, rows contiguous (one row: contiguous);
+    weight: [N, K], contiguous. Returns y: [M, N]. With norm_weight ([K]), y = rms_norm(x (+ residual))
+    @ W^T, and x + residual is stored into residual_out, a contiguous [M, K] tensor that must not
+    share memory with x or residual (every program reads them while program 0 writes it). `out`: an
+    [M, N] tensor with contiguous rows (one row: contiguous) to write y into."""
     N, K = weight.shape
-    if x.shape != (1, 2 * K if silu_mul else K) or not (x.is_contiguous() and weight.is_contiguous()):
-        raise ValueError(f"gemv takes one contiguous row and a contiguous weight, got x {tuple(x.shape)}, "
-                         f"weight {tuple(weight.shape)}")
+    M = x.shape[0] if x.dim() == 2 else 0
+    rows_ok = x.is_contiguous() if M == 1 else x.stride(-1) == 1
+    if x.dim() != 2 or x.shape[1] != (2 * K if silu_mul else K) or not 1 <= M <= MAX_ROWS or not rows_ok \
+            or not weight.is_contiguous():
+        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows with contiguous features and a contiguous weight, got "
+                         f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"gemv: norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
     if residual is not None:
         if norm_weight is None or residual_out is None:
             raise ValueError("gemv: a residual needs norm_weight and residual_out")
-        if residual.shape != (1, K) or residual_out.shape != (1, K) or not residual.is_contiguous():
-            raise ValueError(f"gemv: residual and residual_out must be contiguous [1, {K}]")
+        res_ok = residual.is_contiguous() if M == 1 else residual.stride(-1) == 1
+        if residual.shape != (M, K) or residual_out.shape != (M, K) or not res_ok or not residual_out.is_contiguous():
+            raise ValueError(f"gemv: residual and residual_out must be [{M}, {K}], residual_out contiguous and "
+                             f"residual with contiguous rows")
         if any(residual_out.data_ptr() == t.data_ptr() for t in (x, residual)):
             raise ValueError("gemv: residual_out must not share memory with x or residual")
-    if out is not None and (out.shape != (1, N) or not out.is_contiguous() or out.dtype != weight.dtype):
-        raise ValueError(f"gemv: out must be contiguous [1, {N}] of {weight.dtype}, got {tuple(out.shape)} "
-                         f"of {out.dtype}")
-    y = torch.empty((1, N), dtype=weight.dtype, device=x.device) if out is None else out
-    cfg = dict(config or default_config(N, K), **pdl_options(x.device))
+    out_ok = out is None or ((out.is_contiguous() if M == 1 else out.stride(-1) == 1) and out.shape == (M, N)
+                             and out.dtype == weight.dtype)
+    if not out_ok:
+        raise ValueError(f"gemv: out must be [{M}, {N}] of {weight.dtype} with contiguous rows, got "
+                         f"{tuple(out.shape)} of {out.dtype}")
+    y = torch.empty((M, N), dtype=weight.dtype, device=x.device) if out is None else out
+    cfg = dict(config or default_config(N, K, M), **pdl_options(x.device))
+    cfg["BLOCK_M"] = triton.next_power_of_2(M)  # (a config is a tiling; the rows are the call's)
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        x, weight, weight if bias is None else bias, y, x if residual is None else residual,
-        y if residual_out is None else residual_out, weight if norm_weight is None else norm_weight, eps,
+        x, x.stride(0), weight, weight if bias is None else bias, y, y.stride(0), x if residual is None else residual,
+        0 if residual is None else residual.stride(0), y if residual_out is None else residual_out,
+        weight if norm_weight is None else norm_weight, M, eps,
         N=N, K=K, PROLOGUE=1 if norm_weight is not None else 2 if silu_mul else 0, HAS_RES=residual is not None,
         HAS_BIAS=bias is not None, **cfg)
     return y

@@ -184,7 +184,9 @@ class FusedMoE(nn.Module):
     """The sparse MLP block: `gate` (the router, [E, H]) and `experts` (stacked weights). Submodule
     names follow the checkpoints' (mlp.gate, mlp.experts.N.*). Its input is used twice (router and
     experts), so it takes no Deferred input; it all-reduces its own output."""
-    accepts_deferred = False
+
+    def takes_deferred(self, x: torch.Tensor) -> bool:
+        return False
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  *, build: ModelBuild, prefix: str):

@@ -3,13 +3,12 @@ hidden, normalise, for `consumer`" (the next linear layer, or a block starting w
 
 - hidden is a PartialSum (tensor parallel: the row-parallel projection before left its all-reduce
   to us): the all-reduce, residual add and norm run as one kernel (kernels/all_reduce_norm.py).
-- one row on CUDA and the consumer accepts a Deferred input: the norm is left to the consumer's
-  GEMV, which applies it while loading its input (layers/linear_method.py), and which also writes
-  the new residual into the tensor returned here.
+- the consumer takes a Deferred of this input (one row or a few on CUDA, layers/linear_method.py):
+  the norm is left to the consumer's product, which applies it while loading its input and also
+  writes the new residual into the tensor returned here.
 - otherwise the norm (layers/layernorm.py)."""
 import torch
 
-from nanoinfer.layers import linear_method
 from nanoinfer.layers.all_reduce import PartialSum
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear_method import Deferred
@@ -18,17 +17,16 @@ from nanoinfer.layers.linear_method import Deferred
 def add_norm_for(norm: RMSNorm, hidden: "torch.Tensor | PartialSum", residual: torch.Tensor | None,
                  consumer=None) -> "tuple[torch.Tensor | Deferred, torch.Tensor]":
     """Returns (the normed input for `consumer`, the new residual). residual None (the first
-    layer): hidden is the residual. consumer: anything with `accepts_deferred`, or None (the
+    layer): hidden is the residual. consumer: anything with `takes_deferred(x)`, or None (the
     result is read as a tensor)."""
     if isinstance(hidden, PartialSum):
         if residual is None:  # (the sum, which would be the residual, never leaves the kernel)
             raise ValueError("add_norm_for: a PartialSum needs a residual")
         return hidden.reduce_norm(norm.weight, norm.eps, residual)
-    if consumer is not None and consumer.accepts_deferred and linear_method.takes_gemv(hidden) \
-            and (residual is None or residual.is_contiguous()):
+    if consumer is not None and (residual is None or residual.is_contiguous()) and consumer.takes_deferred(hidden):
         if residual is None:
             return Deferred(hidden, norm.weight, norm.eps), hidden
-        out = torch.empty_like(residual)  # written by the GEMV
+        out = torch.empty_like(residual)  # written by the consumer's kernel
         return Deferred(hidden, norm.weight, norm.eps, residual, out), out
     if residual is None:
         return norm(hidden), hidden

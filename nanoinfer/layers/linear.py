@@ -30,10 +30,9 @@ class LinearBase(nn.Module):
             if shard_ids is not None:
                 param.shard_ids = shard_ids
 
-    @property
-    def accepts_deferred(self) -> bool:
-        """Whether forward takes a Deferred input (its method fuses the step before it)."""
-        return self.method.accepts_deferred
+    def takes_deferred(self, x: torch.Tensor) -> bool:
+        """Whether forward takes a Deferred of input x (its method fuses the step before it)."""
+        return self.method.takes_deferred(self, x)
 
     def shard_slice(self, shard_id: Hashable) -> ShardSlice:
         """Where checkpoint tensor `shard_id` of this layer goes on this rank. Default: replicated."""

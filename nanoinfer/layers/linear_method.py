@@ -5,9 +5,10 @@ each checkpoint tensor's share into them, and computes the product. Dense weight
 `DenseLinearMethod`; a quantized format creates its own parameters (e.g. weight + scales) and applies
 its own product; an adapter method wraps another method's `apply`.
 
-Dense products go through `linear`: one-row inputs on CUDA take the GEMV kernel (kernels/gemv.py),
-which can also apply the RMSNorm or SiLU * mul before it (a `Deferred` input); a few rows against
-a narrow, deep weight take the few-row GEMM (kernels/skinny_gemm.py)."""
+Dense products go through `linear`: one-row inputs on CUDA take the GEMV kernel (kernels/gemv.py);
+a few rows against a weight small enough that cuBLAS runs it below copy speed take the GEMV or
+the few-row GEMM (kernels/skinny_gemm.py) (`few_row_kernel`). Those kernels can also apply the
+RMSNorm or SiLU * mul before them (a `Deferred` input)."""
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -17,7 +18,13 @@ from torch import nn
 
 from nanoinfer.kernels.gemv import gemv
 from nanoinfer.kernels.skinny_gemm import skinny_gemm
+from nanoinfer.layers.layernorm import add_rms_norm, rms_norm
 from nanoinfer.utils.loader import check_shape
+
+# few-row products: the GEMV for up to GEMV_ROWS rows of a weight of at most GEMV_WEIGHT_BYTES, the
+# few-row GEMM for up to FEW_ROWS rows of one of at most FEW_ROWS_WEIGHT_BYTES; cuBLAS otherwise
+GEMV_ROWS, GEMV_WEIGHT_BYTES = 2, 16 << 20
+FEW_ROWS, FEW_ROWS_WEIGHT_BYTES = 16, 32 << 20
 
 
 def takes_gemv(x: torch.Tensor) -> bool:
@@ -26,24 +33,36 @@ def takes_gemv(x: torch.Tensor) -> bool:
     return x.is_cuda and x.shape[0] == 1 and x.is_contiguous()
 
 
-def takes_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2-16 rows of 16-bit values on CUDA against a weight of at most 1024 output features and at
-    least 2048 input features (an o_proj or down_proj of a small model): there cuBLAS splits K and
-    adds a reduce kernel, and kernels/skinny_gemm.py, one kernel, was faster on the H200
-    (nanoinfer.bench.skinny_gemm). On larger weights cuBLAS streams faster."""
-    return (x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= 16 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.shape[0] <= 1024 and weight.shape[1] >= 2048 and x.stride(-1) == 1
-            and weight.is_contiguous())
+def few_row_kernel(x: torch.Tensor, weight: torch.Tensor):
+    """The kernel for 2-FEW_ROWS rows of 16-bit values on CUDA against `weight`, or None for
+    cuBLAS. On the H200 (nanoinfer.bench.skinny_gemm) cuBLAS reads a small weight (a 0.6B model's
+    projections, an 8B one's o_proj) at a few rows far below copy speed, with split-K and a
+    reduce kernel, after the kernel before it; the GEMV, on CUDA cores, is faster at two rows of
+    the smaller ones, the tensor-core few-row GEMM up to FEW_ROWS rows. On larger weights cuBLAS
+    streams faster."""
+    if not (x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= FEW_ROWS and x.stride(-1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous()):
+        return None
+    nbytes = weight.numel() * weight.element_size()
+    if x.shape[0] <= GEMV_ROWS and nbytes <= GEMV_WEIGHT_BYTES:
+        return gemv
+    return skinny_gemm if nbytes <= FEW_ROWS_WEIGHT_BYTES else None
+
+
+def fuses_prologue(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` multiplies input x by `weight` in a kernel that applies a Deferred step
+    itself (the GEMV or the few-row GEMM)."""
+    return (takes_gemv(x) and weight.is_contiguous()) or few_row_kernel(x, weight) is not None
 
 
 @dataclass
 class Deferred:
     """A linear layer's input whose last elementwise step, RMSNorm (with the residual add) or
-    SiLU * mul, is left to the layer's GEMV, which applies it while loading: one kernel fewer per
-    use at batch 1. Made for takes_gemv inputs only (layers/fused_norm.py, SiluAndMul(defer=True)),
-    for a layer whose method `accepts_deferred`. For silu_mul, `x` is [1, 2K] (gate, up); with a
-    residual, the GEMV stores x + residual into `residual_out`, which the norm has already returned
-    as the new residual."""
+    SiLU * mul, is left to the layer's product, which applies it while loading: one kernel fewer
+    per use at small batch. Made only for a layer that `takes_deferred` this input
+    (layers/fused_norm.py, SiluAndMul(defer_to=...)). For silu_mul, `x` is [rows, 2K] (gate, up);
+    with a residual, the product stores x + residual into `residual_out`, which the norm has
+    already returned as the new residual."""
     x: torch.Tensor
     norm_weight: torch.Tensor | None = None
     eps: float = 0.0
@@ -55,19 +74,35 @@ class Deferred:
     def rows(self) -> int:
         return self.x.shape[0]
 
+    def materialize(self) -> torch.Tensor:
+        """The pending step run on its own (for a product without a fusing kernel), storing the
+        new residual as the fused kernels do."""
+        if self.silu_mul:
+            gate, up = self.x.chunk(2, -1)
+            return F.silu(gate) * up
+        if self.residual is None:
+            return rms_norm(self.x, self.norm_weight, self.eps)
+        normed, new_residual = add_rms_norm(self.x, self.residual, self.norm_weight, self.eps)
+        self.residual_out.copy_(new_residual)
+        return normed
+
 
 def linear(x: "torch.Tensor | Deferred", weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias): the GEMV kernel for one row on CUDA, the few-row GEMM where it is
-    faster than cuBLAS, else F.linear. `out` (no bias):
-    a contiguous [rows, out features] tensor to write the product into, which is returned."""
+    """x @ weight^T (+ bias): the GEMV kernel for one row on CUDA, the few-row kernels where they
+    are faster than cuBLAS (few_row_kernel), else F.linear. `out` (no bias): a [rows, out
+    features] tensor with contiguous rows to write the product into, which is returned."""
     if isinstance(x, Deferred):
-        return gemv(x.x, weight, bias, norm_weight=x.norm_weight, eps=x.eps, residual=x.residual,
-                    residual_out=x.residual_out, silu_mul=x.silu_mul, out=out)
+        kernel = gemv if takes_gemv(x.x) and weight.is_contiguous() else few_row_kernel(x.x, weight)
+        if kernel is not None:
+            return kernel(x.x, weight, bias, norm_weight=x.norm_weight, eps=x.eps, residual=x.residual,
+                          residual_out=x.residual_out, silu_mul=x.silu_mul, out=out)
+        x = x.materialize()
     if takes_gemv(x) and weight.is_contiguous():
         return gemv(x, weight, bias, out=out)
-    if takes_skinny_gemm(x, weight):
-        return skinny_gemm(x, weight, bias, out=out)
+    kernel = few_row_kernel(x, weight)
+    if kernel is not None:
+        return kernel(x, weight, bias, out=out)
     if out is not None:
         if bias is not None:
             raise ValueError("linear: out= takes no bias")
@@ -120,9 +155,7 @@ def load_feature_slice(param: nn.Parameter, loaded: torch.Tensor, where: ShardSl
 
 
 class LinearMethod:
-    """How one linear layer's weights are created, loaded and applied. `accepts_deferred`: whether
-    `apply` takes a Deferred input (a GEMV that fuses the step before it)."""
-    accepts_deferred = False
+    """How one linear layer's weights are created, loaded and applied."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool):
         """Register the layer's parameters for its shard, [output_size, input_size] features (this
@@ -141,10 +174,14 @@ class LinearMethod:
         """x @ W^T (+ bias); `out` as in `linear`."""
         raise NotImplementedError
 
+    def takes_deferred(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether `apply` would fuse the elementwise step that makes input x (a Deferred of it)
+        into its product. Default: no."""
+        return False
+
 
 class DenseLinearMethod(LinearMethod):
     """Unquantized weights, [output_size, input_size] in the model's dtype."""
-    accepts_deferred = True
 
     def create_weights(self, layer, input_size, output_size, bias):
         layer.weight = linear_parameter(torch.empty(output_size, input_size), 0, 1)
@@ -152,6 +189,9 @@ class DenseLinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias=None, out=None):
         return linear(x, layer.weight, bias, out)
+
+    def takes_deferred(self, layer, x):
+        return fuses_prologue(x, layer.weight)
 
 
 _DENSE = DenseLinearMethod()

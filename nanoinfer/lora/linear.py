@@ -32,7 +32,8 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
-from nanoinfer.layers.linear_method import Deferred, DenseLinearMethod, LinearMethod, linear, linear_parameter
+from nanoinfer.layers.linear_method import (Deferred, DenseLinearMethod, LinearMethod, fuses_prologue, linear,
+                                             linear_parameter)
 from nanoinfer.lora.targets import layer_shards
 from nanoinfer.utils.context import Context, get_context
 
@@ -45,11 +46,11 @@ class LoRALinearMethod(LinearMethod):
         self.base, self.shards = base, shards
         self.num_slots, self.max_rank = num_slots, max_rank
 
-    @property
-    def accepts_deferred(self) -> bool:
-        """As the base method: a Deferred input (one row on CUDA) reaches the shrink's GEMV too,
+    def takes_deferred(self, layer, x) -> bool:
+        """As the base method, and over a dense base also the joint product's kernel (the base
+        weight with the shrink's rows below it): a Deferred input reaches the shrink's product too,
         which applies the pending RMSNorm or SiLU * mul itself."""
-        return self.base.accepts_deferred
+        return self.base.takes_deferred(layer, x) and (not self.fused or fuses_prologue(x, layer.weight_and_lora_a))
 
     @property
     def width(self) -> int:
@@ -94,7 +95,7 @@ class LoRALinearMethod(LinearMethod):
         y), then the expand of each row's slot (ctx.lora_slots), the Triton kernel on CUDA, else a
         mask and an addmm. Written into `out` if given, else into y when y is contiguous (a new
         tensor otherwise)."""
-        if shrunk is None:  # (one row on CUDA: the GEMV; it rewrites a Deferred's residual alike)
+        if shrunk is None:  # (a Deferred input: the fused kernel again; it rewrites the residual alike)
             shrunk = linear(x, layer.lora_a)
         if out is None:
             out = y if y.is_contiguous() else torch.empty(y.shape, dtype=y.dtype, device=y.device)

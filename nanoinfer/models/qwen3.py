@@ -39,9 +39,8 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    @property
-    def accepts_deferred(self) -> bool:
-        return self.qkv_proj.accepts_deferred
+    def takes_deferred(self, x: torch.Tensor) -> bool:
+        return self.qkv_proj.takes_deferred(x)
 
     def forward(self, positions: torch.Tensor, hidden: "torch.Tensor | Deferred", reduce_later: bool = False):
         """reduce_later: the caller normalises the output next, and can take a PartialSum
@@ -62,19 +61,18 @@ class Qwen3MLP(nn.Module):
                                            prefix=join(prefix, "down_proj"))
         self.act_fn = SiluAndMul()
 
-    @property
-    def accepts_deferred(self) -> bool:
-        return self.gate_up_proj.accepts_deferred
+    def takes_deferred(self, x: torch.Tensor) -> bool:
+        return self.gate_up_proj.takes_deferred(x)
 
     def forward(self, x: "torch.Tensor | Deferred", reduce_later: bool = False):
         """reduce_later: as Qwen3Attention's."""
-        h = self.act_fn(self.gate_up_proj(x), defer=self.down_proj.accepts_deferred)
+        h = self.act_fn(self.gate_up_proj(x), defer_to=self.down_proj)
         return self.down_proj(h, reduce_later)
 
 
 class Qwen3DecoderLayer(nn.Module):
     """Pre-norm attention, then pre-norm MLP. `mlp`: any block with forward(x, reduce_later) and
-    `accepts_deferred` (dense or sparse)."""
+    `takes_deferred(x)` (dense or sparse)."""
 
     def __init__(self, config: PretrainedConfig, self_attn: Qwen3Attention, mlp: nn.Module):
         super().__init__()
@@ -84,7 +82,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        # (each norm runs inside the next projection's GEMV at batch 1 on CUDA, or inside the
+        # (each norm runs inside the next projection's kernel at small batch on CUDA, or inside the
         # tensor-parallel all-reduce before it: layers/fused_norm.py; reduce_later lets the
         # all-reduces after attention and the MLP move into the norms that follow them)
         hidden, residual = add_norm_for(self.input_layernorm, hidden, residual, self.self_attn)

@@ -39,8 +39,8 @@ def scaled_mm_ok(device: torch.device, n: int, k: int) -> bool:
 
 
 class Fp8LinearMethod(LinearMethod):
-    """One instance per scheme, shared by the layers; per-layer state lives on the layer."""
-    accepts_deferred = True
+    """One instance per scheme, shared by the layers; per-layer state lives on the layer. A
+    Deferred input (one row on CUDA) reaches the FP8 GEMV, which applies its pending step."""
 
     def __init__(self, scheme: Fp8Scheme):
         self.scheme = scheme
@@ -150,6 +150,9 @@ class Fp8LinearMethod(LinearMethod):
         if out is not None:
             return out.copy_(y)
         return y
+
+    def takes_deferred(self, layer, x):
+        return takes_gemv(x)
 
     def _w8a8(self, layer, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         x = x.reshape(-1, x.shape[-1])
