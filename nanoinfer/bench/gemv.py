@@ -33,8 +33,8 @@ SHAPES = [
 
 
 def make_calls(n, k, prologue, fused: bool, config=None, copies=None, rows=1, kernel=gemv):
-    """Calls of one projection over distinct weights: the fused `kernel` (the GEMV, or
-    kernels/skinny_gemm.py for several rows) with its prologue, or cuBLAS after the kernel it fuses."""
+    """Calls of one projection over distinct weights at `rows` rows: the fused `kernel` (the GEMV,
+    or kernels/skinny_gemm.py) with its prologue, or cuBLAS after the kernel it fuses."""
     if copies is None:  # more bytes of weights than L2 holds, cycled through
         copies = min(24, max(2, -(-(256 << 20) // (2 * n * k))))
     ws = [torch.randn(n, k, device="cuda", dtype=DTYPE) / k ** 0.5 for _ in range(copies)]

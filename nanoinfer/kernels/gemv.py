@@ -10,9 +10,9 @@ picks).
 
 The prologue fuses the small kernel that would otherwise run just before the GEMV:
 - norm_weight: x (+ residual) through RMSNorm, with layers/layernorm.py's roundings. Every program
-  computes the row's norm itself (one extra pass over K values, from L2), and program 0 stores
+  computes the rows' norms itself (one extra pass over K values, from L2), and program 0 stores
   x + residual, the new residual.
-- silu_mul: x is [1, 2K] (gate, up); the GEMV reads silu(gate) * up, with layers/activation.py's
+- silu_mul: x is [M, 2K] (gate, up); the GEMV reads silu(gate) * up, with layers/activation.py's
   roundings.
 
 On Hopper and later it is a programmatic dependent launch (kernels/pdl.py): it loads its first
@@ -135,9 +135,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     [M, N] tensor with contiguous rows (one row: contiguous) to write y into."""
     N, K = weight.shape
     M = x.shape[0] if x.dim() == 2 else 0
-    rows_ok = x.is_contiguous() if M == 1 else x.stride(-1) == 1
-    if x.dim() != 2 or x.shape[1] != (2 * K if silu_mul else K) or not 1 <= M <= MAX_ROWS or not rows_ok \
-            or not weight.is_contiguous():
+    rows_ok = M > 0 and (x.is_contiguous() if M == 1 else x.stride(-1) == 1)
+    if not rows_ok or x.shape[1] != (2 * K if silu_mul else K) or M > MAX_ROWS or not weight.is_contiguous():
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows with contiguous features and a contiguous weight, got "
                          f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if norm_weight is not None and norm_weight.shape != (K,):

@@ -133,15 +133,18 @@ def default_config(m: int, n: int, k: int, element_bytes: int = 2) -> dict:
     sweeps on the H200 (nanoinfer.bench.skinny_gemm --sweep): enough programs to cover the SMs,
     splitting K when the output features alone are too few; 16-row tiles while they hold M;
     as many pipeline stages (up to 4) as fit the shared memory, which float32 tiles fill twice as
-    fast. A shallow weight (k <= 1024, a small model's qkv or gate_up) has output features enough
-    for wide tiles walked in a few long K steps."""
+    fast. A shallow weight (k <= 1024, a small model's qkv or gate_up) is walked in a few long K
+    steps, in wide tiles where its output features give enough of them; splitting its K to fill
+    the SMs was slower there."""
     block_m = max(16, triton.next_power_of_2(m))
-    if k <= 1024:
-        block_n, block_k, split_k, max_stages = 64, min(256, triton.next_power_of_2(k)), 1, 3
+    if k <= 1024:  # (tl.dot needs K tiles of at least 16)
+        block_n = 64 if triton.cdiv(n, 64) >= 48 else 32
+        block_k, min_programs, max_stages = max(16, min(256, triton.next_power_of_2(k))), 48, 3
     else:
-        block_n, block_k, split_k, max_stages = 32 if n < 8192 and k <= 2048 else 64, 128, 1, 4
-        while triton.cdiv(n, block_n) * split_k < 128 and k // (split_k * 2) >= 256:
-            split_k *= 2
+        block_n, block_k, min_programs, max_stages = 32 if n < 8192 and k <= 2048 else 64, 128, 128, 4
+    split_k = 1
+    while triton.cdiv(n, block_n) * split_k < min_programs and k // (split_k * 2) >= 256:
+        split_k *= 2
     stage_bytes = (block_m + block_n) * block_k * element_bytes  # one stage's x and weight tiles
     stages = max(1, min(max_stages, _STAGE_BUDGET // stage_bytes))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=stages)

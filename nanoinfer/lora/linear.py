@@ -18,7 +18,8 @@ slots, small against the base product at decode. On CUDA the expand is one Trito
 (kernels/lora_expand.py) that multiplies only the slots a block of rows uses.
 
 Over a dense base, `lora_a`'s rows sit right below the base weight's in one buffer, so one product
-(GEMM, or the one-row GEMV with a Deferred input's pending RMSNorm or SiLU * mul) computes the base
+(GEMM, or at a few rows on CUDA the GEMV or the few-row GEMM, which also apply a Deferred input's
+pending RMSNorm or SiLU * mul) computes the base
 output and the shrink together: at decode, where each kernel costs more to run than its bytes, the
 adapters then add one kernel per layer, the expand, which writes base + adapter into a contiguous
 output. Over another base (FP8) the shrink is its own product.
