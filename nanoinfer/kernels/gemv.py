@@ -119,9 +119,14 @@ def default_config(n: int, k: int, m: int = 1) -> dict:
     """Tiles and launch options for m rows of an [n, k] weight, from sweeps on the H200
     (nanoinfer.bench.gemv --sweep: 0.6B and 8B projections, LM heads): four output features a
     program, so that even n = 1024 spreads over the SMs; 1024-wide K tiles; 8 warps, 4 for the
-    8B-sized K and for several rows."""
-    return dict(BLOCK_M=triton.next_power_of_2(m), BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(k)),
-                num_warps=4 if k >= 4096 or m > 1 else 8, num_stages=2)
+    8B-sized K and for several rows. (The rows tile is the call's, not the config's.)"""
+    return dict(BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4 if k >= 4096 or m > 1 else 8,
+                num_stages=2)
+
+
+def _rows_contiguous(t: torch.Tensor, m: int) -> bool:
+    """One row: contiguous; several: contiguous within each row (rows may be strided)."""
+    return t.is_contiguous() if m == 1 else t.stride(-1) == 1
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -135,8 +140,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     [M, N] tensor with contiguous rows (one row: contiguous) to write y into."""
     N, K = weight.shape
     M = x.shape[0] if x.dim() == 2 else 0
-    rows_ok = M > 0 and (x.is_contiguous() if M == 1 else x.stride(-1) == 1)
-    if not rows_ok or x.shape[1] != (2 * K if silu_mul else K) or M > MAX_ROWS or not weight.is_contiguous():
+    if not 1 <= M <= MAX_ROWS or not _rows_contiguous(x, M) or x.shape[1] != (2 * K if silu_mul else K) \
+            or not weight.is_contiguous():
         raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows with contiguous features and a contiguous weight, got "
                          f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if norm_weight is not None and norm_weight.shape != (K,):
@@ -144,20 +149,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if residual is not None:
         if norm_weight is None or residual_out is None:
             raise ValueError("gemv: a residual needs norm_weight and residual_out")
-        res_ok = residual.is_contiguous() if M == 1 else residual.stride(-1) == 1
-        if residual.shape != (M, K) or residual_out.shape != (M, K) or not res_ok or not residual_out.is_contiguous():
+        if residual.shape != (M, K) or residual_out.shape != (M, K) or not _rows_contiguous(residual, M) \
+                or not residual_out.is_contiguous():
             raise ValueError(f"gemv: residual and residual_out must be [{M}, {K}], residual_out contiguous and "
                              f"residual with contiguous rows")
         if any(residual_out.data_ptr() == t.data_ptr() for t in (x, residual)):
             raise ValueError("gemv: residual_out must not share memory with x or residual")
-    out_ok = out is None or ((out.is_contiguous() if M == 1 else out.stride(-1) == 1) and out.shape == (M, N)
-                             and out.dtype == weight.dtype)
-    if not out_ok:
+    if out is not None and (out.shape != (M, N) or not _rows_contiguous(out, M) or out.dtype != weight.dtype):
         raise ValueError(f"gemv: out must be [{M}, {N}] of {weight.dtype} with contiguous rows, got "
                          f"{tuple(out.shape)} of {out.dtype}")
     y = torch.empty((M, N), dtype=weight.dtype, device=x.device) if out is None else out
     cfg = dict(config or default_config(N, K, M), **pdl_options(x.device))
-    cfg["BLOCK_M"] = triton.next_power_of_2(M)  # (a config is a tiling; the rows are the call's)
+    cfg["BLOCK_M"] = triton.next_power_of_2(M)
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, x.stride(0), weight, weight if bias is None else bias, y, y.stride(0), x if residual is None else residual,
         0 if residual is None else residual.stride(0), y if residual_out is None else residual_out,
