@@ -117,6 +117,44 @@ def test_bf16_graphs_agree_with_eager(make_checkpoint):
     assert agree >= len(prompts) * 3 // 4, f"only {agree}/{len(prompts)} sequences identical"
 
 
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_sampling_inside_the_decode_graphs_equals_sampling_after_them(make_checkpoint, make_llm, monkeypatch,
+                                                                      batch):
+    """A decode step at temperature alone samples in the graphs (the LM head and the fused kernel
+    replayed with the step's seed and temperatures, graph_runner.sample_decode): the same tokens as
+    the same engine sampling eagerly after the forward's graph, greedy and sampled rows mixed, and
+    a batch between buckets (3: padded rows). A prompt of a few tokens runs as a decode step of a
+    row per token (forward_inputs.py) but samples one row: not in the graphs."""
+    from nanoinfer.engine.graph_runner import GraphRunner
+    from nanoinfer.sampling.sampler import Sampler
+    path = make_checkpoint(**SMALL)
+    prompts = prompts_for(384, n=batch, seed=3)
+    prompts[-1] = prompts[-1][:5]
+    params = [SamplingParams(temperature=0 if i % 3 == 2 else 0.9, max_tokens=24, ignore_eos=True)
+              for i in range(batch)]
+    in_graph = []
+    sample_decode = GraphRunner.sample_decode
+
+    def counting(self, *args):
+        out = sample_decode(self, *args)
+        in_graph.append(out is not None)
+        return out
+
+    monkeypatch.setattr(GraphRunner, "sample_decode", counting)
+    results = []
+    for graphs in (True, False):
+        if not graphs:
+            monkeypatch.setattr(Sampler, "fused_in_graph", lambda *a: False)
+        llm = make_llm(path, dtype="float32", kvcache_block_size=16, max_model_len=512, max_num_seqs=8, seed=7)
+        try:
+            results.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.exit()
+    assert sum(in_graph) >= 20  # (the decode steps of the first engine)
+    assert results[0] == results[1]
+    assert len(set(map(tuple, results[0]))) == batch  # (sampled rows differ)
+
+
 def test_bad_input_on_gpu_is_a_clear_error(make_checkpoint, shared_llm):
     llm = shared_llm(make_checkpoint(**SMALL), **graphs_options(16))
     for bad in ([1, 10**6], [], [1] * (llm.config.max_model_len + 1)):

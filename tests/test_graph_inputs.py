@@ -60,3 +60,19 @@ def test_a_step_that_does_not_fit_the_buffers_is_refused():
     ids, pos, slots, ctx, tables, order = step(4, 3, random.Random(0))
     with pytest.raises(ValueError, match="context_lens"):
         fill_decode_graph_inputs(buffers(), 4, ids, pos, slots, ctx.long(), tables, order)
+
+
+@pytest.mark.parametrize("n, bucket", [(1, 1), (3, 4), (65, 80)])
+def test_a_step_sampled_in_the_graphs_sends_its_temperatures_and_seed(n, bucket):
+    """Padded rows get temperature 0 (greedy: no noise drawn for them); the seed goes to its buffer."""
+    rng = random.Random(n)
+    ids, pos, slots, ctx, tables, order = step(n, 5, rng)
+    t = torch.tensor([rng.random() for _ in range(n)], dtype=torch.float32, device=DEV)
+    g = buffers()
+    fill_decode_graph_inputs(g, bucket, ids, pos, slots, ctx, tables, order, t, 2**31 - 5)
+    assert g["temperatures"][:bucket].tolist() == t.tolist() + [0.0] * (bucket - n)
+    assert g["seed"].tolist() == [2**31 - 5] and torch.equal(g["input_ids"][:n], ids)
+    with pytest.raises(ValueError, match="temperatures"):
+        fill_decode_graph_inputs(g, bucket, ids, pos, slots, ctx, tables, order, t.double(), 1)
+    with pytest.raises(ValueError, match="seed"):
+        fill_decode_graph_inputs(g, bucket, ids, pos, slots, ctx, tables, order, t, 2**31)

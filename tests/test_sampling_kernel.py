@@ -133,6 +133,20 @@ def test_seeds_rows_and_chunking():
     assert torch.equal(a[:5], sample_gumbel_argmax(x[:5], t[:5], seed=1))  # whatever the batch size
 
 
+def test_a_seed_read_from_the_device_samples_as_the_same_seed_given():
+    """What a CUDA graph replays (engine/graph_runner.py): the seed in a device tensor, the tokens
+    into a given buffer."""
+    x = torch.zeros(6, 300, device=DEV)
+    t = temps([1.0, 0.0, 0.5, 2.0, 1.0, 0.0])
+    x[1, 17] = 1.0  # the greedy rows' argmax
+    x[5, 250] = 1.0
+    for seed in (0, 5, 2**31 - 2):
+        out = torch.full((6,), -7, dtype=torch.int64, device=DEV)
+        got = sample_gumbel_argmax(x, t, torch.tensor([seed], device=DEV), out=out)
+        assert got is out and torch.equal(out, sample_gumbel_argmax(x, t, seed))
+        assert out[1] == 17 and out[5] == 250
+
+
 def test_row_stride():
     torch.manual_seed(0)
     V = 300

@@ -5,12 +5,16 @@ backend that can (`mixed_step_graphs`) and a dense model, steps with prompt chun
 of the smallest token bucket. Padded rows and tokens have slot -1 (they write no K/V) and context
 length 0. Larger steps, and every step without graphs, run eagerly: their device time dwarfs the
 launches. The LM head runs outside the graphs, on the step's own context (the rows that need logits
-vary by step)."""
+vary by step), except in a decode step sampled at temperature alone (`sample_decode`; one rank):
+there a second graph per batch bucket runs the LM head and the fused sampling kernel after the
+forward's, with the rows' temperatures and the step's seed sent with its inputs. That saves the host
+the launches of the head and the sampling kernels on the steps that are most of a run."""
 import logging
 
 import torch
 
 from nanoinfer.kernels.graph_inputs import fill_decode_graph_inputs
+from nanoinfer.kernels.sampling import sample_gumbel_argmax
 from nanoinfer.utils.context import get_context, reset_context, set_context
 
 logger = logging.getLogger("nanoinfer")
@@ -43,7 +47,7 @@ class GraphRunner:
 
     def __init__(self, model, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, mixed_steps: bool,
-                 sorts_decode_rows: bool, lora: bool = False):
+                 sorts_decode_rows: bool, lora: bool = False, sample_graphs: bool = False):
         self.model = model
         self.max_num_seqs, self.max_blocks_per_seq = max_num_seqs, max_blocks_per_seq
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
@@ -51,7 +55,9 @@ class GraphRunner:
         self.mixed_sizes = mixed_graph_sizes(max_num_batched_tokens) if mixed_steps else []
         self.sorts_decode_rows = sorts_decode_rows
         self.lora = lora  # the model has LoRA layers: each token's adapter slot is a static buffer too
+        self.sample_graphs = sample_graphs  # capture the LM head + fused sampling of decode steps too
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_replays = 0
         self.buffers: dict[str, torch.Tensor] | None = None
@@ -60,25 +66,47 @@ class GraphRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, decode_only: bool) -> torch.Tensor:
         """The step's logits (this rank's vocabulary shard), under the context prepare_inputs set."""
         n = input_ids.shape[0]
-        # (a step with image embeddings or [3, N] M-RoPE positions runs eagerly)
-        graphable = positions.dim() == 1 and get_context().mm_embeds is None
+        graphable = self._graphable(positions)
         if decode_only and self.graphs and n <= self.batch_sizes[-1] and graphable:
-            return self._replay_decode(input_ids, positions)
+            self._replay_decode(input_ids, positions)
+            return self.model.compute_logits(self.buffers["outputs"][:n])
         if not decode_only and self.mixed_graphs and n <= self.mixed_sizes[-1] and graphable:
             return self._replay_mixed(input_ids, positions)
         return self.model.compute_logits(self.model(input_ids, positions))
 
-    def _replay_decode(self, input_ids, positions):
+    @torch.inference_mode()
+    def sample_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, temperatures: torch.Tensor,
+                      seed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step whose rows sample at temperature alone (no grammar, no logprobs), its
+        logits never leaving the graphs: the step's tokens [n] (NON_FINITE where a row's logits
+        are not finite) and the same clamped to >= 0 (the next step's in-flight inputs), or None
+        when no sampling graph holds the step (the caller runs forward() and samples). Copied out
+        of the static buffers (one copy for both), which the next replay overwrites."""
+        n, ctx = input_ids.shape[0], get_context()
+        if not self.sampling_graphs or n > self.batch_sizes[-1] or ctx.is_prefill or ctx.logits_indices is not None \
+                or temperatures.shape != (n,) or not self._graphable(positions):
+            return None
+        bucket = self._replay_decode(input_ids, positions, temperatures, seed)
+        self.sampling_graphs[bucket].replay()
+        out = self.buffers["sampled"][:, :n].clone()
+        return out[0], out[1]
+
+    @staticmethod
+    def _graphable(positions: torch.Tensor) -> bool:
+        # (a step with image embeddings or [3, N] M-RoPE positions runs eagerly)
+        return positions.dim() == 1 and get_context().mm_embeds is None
+
+    def _replay_decode(self, input_ids, positions, temperatures=None, seed=0) -> int:
         n = input_ids.shape[0]
         bucket = next(b for b in self.batch_sizes if b >= n)
         ctx, g = get_context(), self.buffers
         # (padded rows: slot -1, context 0, last in the order)
         fill_decode_graph_inputs(g, bucket, input_ids, positions, ctx.slot_mapping, ctx.context_lens,
-                                 ctx.block_tables, ctx.decode_order)
+                                 ctx.block_tables, ctx.decode_order, temperatures, seed)
         if self.lora:
             self._fill_lora_slots(g, n, ctx)
         self.graphs[bucket].replay()
-        return self.model.compute_logits(g["outputs"][:n])
+        return bucket
 
     def _replay_mixed(self, input_ids, positions):
         """The graph's attention has max_num_seqs rows and the bucket's query length: rows past the
@@ -126,6 +154,10 @@ class GraphRunner:
             block_tables=torch.full((max_bs, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
             outputs=torch.zeros(tokens, self.hidden_size, dtype=self.dtype, device=dev),
             lora_slots=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
+            # a decode step sampled in the graphs: its rows' temperatures and seed in, tokens out
+            temperatures=torch.zeros(max_bs, dtype=torch.float32, device=dev),
+            seed=torch.zeros(1, dtype=torch.int64, device=dev),
+            sampled=torch.zeros(2, max_bs, dtype=torch.int64, device=dev),  # the tokens, then them >= 0
         )
         g["decode_order"] = torch.arange(max_bs, dtype=torch.int32, device=dev)
         return g
@@ -139,6 +171,25 @@ class GraphRunner:
         get_context().lora_mask = None  # (made by the warm-up outside the graph: the capture makes its own)
         with torch.cuda.graph(graph, pool):
             g["outputs"][:tokens] = self.model(g["input_ids"][:tokens], g["positions"][:tokens])
+        torch.cuda.synchronize(self.device)
+        reset_context()
+        return graph
+
+    def _capture_sampling(self, bs: int, pool):
+        """The LM head over the first `bs` rows of the forward's outputs and the fused sampling
+        kernel at the buffers' temperatures and seed, for a decode step (warmed up, then captured)."""
+        g = self.buffers
+
+        def head_and_sample():
+            logits = self.model.compute_logits(g["outputs"][:bs])
+            tokens = sample_gumbel_argmax(logits, g["temperatures"][:bs], g["seed"], out=g["sampled"][0, :bs])
+            torch.clamp_min(tokens, 0, out=g["sampled"][1, :bs])
+
+        set_context(is_prefill=False)  # (every row's logits)
+        head_and_sample()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool):
+            head_and_sample()
         torch.cuda.synchronize(self.device)
         reset_context()
         return graph
@@ -163,6 +214,8 @@ class GraphRunner:
             self.graphs[bs] = self._capture_one(bs, pool)
             if pool is None:
                 pool = self.graphs[bs].pool()
+            if self.sample_graphs:
+                self.sampling_graphs[bs] = self._capture_sampling(bs, pool)
         for t in reversed(self.mixed_sizes):
             set_context(is_prefill=True, cu_seqlens_q=g["cu_seqlens_q"], max_seqlen_q=t, context_lens=g["context_lens"],
                         block_tables=g["block_tables"], slot_mapping=g["slot_mapping"][:t], lora_slots=lora(t))
@@ -173,5 +226,6 @@ class GraphRunner:
 
     def release(self):
         self.graphs.clear()
+        self.sampling_graphs.clear()
         self.mixed_graphs.clear()
         self.buffers = None

@@ -66,7 +66,7 @@ class ModelRunner:
             self.model, config.max_num_seqs, config.max_num_batched_tokens, self.kv_cache.max_blocks_per_seq,
             config.hf_config.hidden_size, config.torch_dtype, self.device,
             mixed_steps=self.attention.mixed_step_graphs and dense, sorts_decode_rows=self.attention.sorts_decode_rows,
-            lora=config.enable_lora)
+            lora=config.enable_lora, sample_graphs=self.world_size == 1)
         self.adapters = None  # the LoRA slots and host cache of adapters (nanoinfer/lora)
         if config.enable_lora:
             from nanoinfer.lora.device_adapters import DeviceAdapters
@@ -92,6 +92,7 @@ class ModelRunner:
         prev_tokens = prev.tokens if prev is not None else None
         if step.lora is not None:  # (first: a later failure leaves the slots as the message says)
             self.adapters.ensure(step.lora.adapters)
+        in_graph = None  # (tokens, inputs) of a step sampled inside the decode graphs
         try:
             mm_embeds = self.encoder_cache.step_embeds(step.multi_modal) if step.multi_modal is not None else None
             input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
@@ -106,15 +107,21 @@ class ModelRunner:
             else:
                 pooled = None
                 args = self.sampler.prepare(sample, prev_tokens)
-                # (this rank's shard; a step of few short rows runs as decode too: forward_inputs.py)
-                logits = self.graph_runner.forward(input_ids, positions, not get_context().is_prefill)
-                if args is not None and args.grammar_rows is not None and args.grammar_bitmask is None:
-                    return InFlight(None, None, awaiting=(step, sample, args, logits))
-                sampled = self.sampler.sample(step, sample, args, logits)
+                if self.sampler.fused_in_graph(step, sample, args):
+                    in_graph = self.graph_runner.sample_decode(input_ids, positions, args.temperatures, args.seed)
+                if in_graph is not None:
+                    sampled, inputs = Sampled(in_graph[0], args), in_graph[1]
+                else:
+                    # (this rank's shard; a step of few short rows runs as decode too: forward_inputs.py)
+                    logits = self.graph_runner.forward(input_ids, positions, not get_context().is_prefill)
+                    if args is not None and args.grammar_rows is not None and args.grammar_bitmask is None:
+                        return InFlight(None, None, awaiting=(step, sample, args, logits))
+                    sampled = self.sampler.sample(step, sample, args, logits)
         finally:
             reset_context()
-        # (a row marked NON_FINITE is failed by the host; an overlapped next step may still read it)
-        inputs = sampled.tokens.clamp_min(0)
+        if in_graph is None:
+            # (a row marked NON_FINITE is failed by the host; an overlapped next step may still read it)
+            inputs = sampled.tokens.clamp_min(0)
         if sample is None:
             return InFlight(sampled, inputs)
         return self._copy_to_host(sampled, inputs, pooled)

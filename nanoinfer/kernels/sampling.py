@@ -73,12 +73,15 @@ def _in_shard(c, col0, end, SHARD: tl.constexpr):
 # which would JIT-compile a new variant in the middle of serving.
 @triton.jit(do_not_specialize=["seed", "tiles_per_chunk", "col0", "first_tile", "part_stride"])
 def _sample_kernel(logits_ptr, temp_ptr, out_ptr, part_v_ptr, part_i_ptr, stride_b, V, col0, first_tile,
-                   part_stride, seed, tiles_per_chunk, QUARTER: tl.constexpr, FAST_LOG: tl.constexpr,
-                   SHARD: tl.constexpr):
+                   part_stride, seed, seed_ptr, tiles_per_chunk, QUARTER: tl.constexpr, FAST_LOG: tl.constexpr,
+                   SHARD: tl.constexpr, SEED_PTR: tl.constexpr):
     """SHARD: the logits are columns [col0, col0 + V) of the vocabulary (a tensor-parallel rank's
     shard); the tiles are the full row's, so each column gets the noise it gets in the full row.
-    The program then always writes its (max, index) to the partials."""
+    The program then always writes its (max, index) to the partials. SEED_PTR: the seed is read
+    from seed_ptr (a CUDA graph's buffer, written before each replay) instead of `seed`."""
     row = tl.program_id(0)
+    if SEED_PTR:
+        seed = tl.load(seed_ptr)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
     t = tl.load(temp_ptr + row)
@@ -180,15 +183,19 @@ def _max_chunks(cfg: dict) -> int:
     return 1 << (cfg["max_chunks"] - 1).bit_length()  # the pick kernel's width: fixed, one variant
 
 
-def sample_gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
-                         config: dict | None = None) -> torch.Tensor:
+def sample_gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed: "int | torch.Tensor",
+                         config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] bf16/fp16/fp32 (last dim contiguous, any row stride); temperatures [B] float32
-    (rows < SAMPLING_EPS are greedy); seed in [0, 2^31). Returns the token ids [B] int64 on the
-    logits' device. Enqueue-only: no host sync."""
+    (rows < SAMPLING_EPS are greedy); seed in [0, 2^31), or a one-element int64 device tensor
+    holding it (read by the kernel: what a CUDA graph replays with a new seed). Returns the token
+    ids [B] int64 on the logits' device (in `out` if given). Enqueue-only: no host sync."""
     B, V = logits.shape
     assert logits.stride(1) == 1 and temperatures.shape == (B,) and temperatures.dtype == torch.float32
-    assert 0 <= seed < 2**31
-    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    seed_ptr = isinstance(seed, torch.Tensor)
+    assert (seed.dtype == torch.int64 and seed.numel() == 1) if seed_ptr else 0 <= seed < 2**31
+    if out is None:
+        out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    assert out.shape == (B,) and out.dtype == torch.int64 and out.is_contiguous()
     if B == 0:
         return out
     cfg = _config(logits.device, config)
@@ -199,9 +206,10 @@ def sample_gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed:
     part_v = torch.empty((B, num_chunks), dtype=torch.float32, device=logits.device)
     part_i = torch.empty((B, num_chunks), dtype=torch.int32, device=logits.device)
     _sample_kernel[(B, num_chunks)](logits, temperatures, out, part_v, part_i, logits.stride(0), V, 0, 0,
-                                    num_chunks, seed, tiles_per_chunk, QUARTER=quarter,
+                                    num_chunks, 0 if seed_ptr else seed, seed if seed_ptr else out,
+                                    tiles_per_chunk, QUARTER=quarter,
                                     FAST_LOG=logits.is_cuda and torch.version.hip is None,  # NVIDIA libdevice
-                                    SHARD=False, num_warps=cfg["num_warps"])
+                                    SHARD=False, SEED_PTR=seed_ptr, num_warps=cfg["num_warps"])
     if num_chunks > 1:
         _pick_chunk_kernel[(B,)](part_v, part_i, out, num_chunks, num_chunks, 0, RANKS=1,
                                  MAX_CHUNKS=_max_chunks(cfg), num_warps=1)
@@ -229,10 +237,10 @@ def gumbel_argmax_partials(logits: torch.Tensor, temperatures: torch.Tensor, see
     # (a chunk past this shard's last tile finds no column: it reports -inf at index 0, which any
     # finite logit beats, and which an all -inf row takes, as on the whole row)
     _sample_kernel[(B, num_chunks)](logits, temperatures, parts, parts.view(torch.float32)[:, 0], parts[:, 1],
-                                    logits.stride(0), V, col0, col0 // tile, 2 * num_chunks, seed,
+                                    logits.stride(0), V, col0, col0 // tile, 2 * num_chunks, seed, parts,
                                     tiles_per_chunk, QUARTER=quarter,
                                     FAST_LOG=logits.is_cuda and torch.version.hip is None,
-                                    SHARD=True, num_warps=cfg["num_warps"])
+                                    SHARD=True, SEED_PTR=False, num_warps=cfg["num_warps"])
     return parts
 
 

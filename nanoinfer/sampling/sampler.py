@@ -65,6 +65,14 @@ class Sampler:
             return None
         return SamplingTensors.from_plan(sample.plan, self.device, prev_tokens, self.columns)
 
+    def fused_in_graph(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None) -> bool:
+        """Whether this step may sample inside the decode graphs (engine/graph_runner.py
+        sample_decode): one rank, a decode-only step (a token a row, each row sampling), every row
+        at temperature alone with the fused kernel (sample_logits' CUDA path), no grammar."""
+        return (self.world_size == 1 and step.is_decode_only and args is not None and args.plain
+                and args.grammar_rows is None and self.device.type == "cuda" and step.sample_rows is None
+                and not step.prompt_logit_rows and sample.prompt_logprobs is None)
+
     def sample(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None,
                logits: torch.Tensor) -> Sampled:
         """The step's tokens on every rank. `logits`: this rank's shard, the step's rows first,
