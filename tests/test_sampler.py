@@ -389,3 +389,32 @@ def test_two_gpus_sample_their_vocabulary_shards():
     results = mp.Manager().dict()
     mp.spawn(_vocab_shard_rank, args=(free_port(), results), nprocs=2)
     assert dict(results) == {0: [True] * 9, 1: [True] * 9}
+
+
+def test_which_steps_sample_inside_the_decode_graphs():
+    """engine/graph_runner.py sample_decode serves one rank's decode-only steps whose rows all sample
+    at temperature alone (greedy included), a row's last token each; everything else samples
+    after the forward (the logits pipeline, a grammar's mask, prompt logprobs, a row per token)."""
+    from nanoinfer.engine.step_message import PromptLogprobsRequest, SampleInput, StepInput
+    from nanoinfer.sampling.sampler import Sampler
+
+    cuda = torch.device("cuda")  # (a device name only: nothing here touches a GPU)
+
+    def decision(step=None, args=None, prompt_logprobs=None, world_size=1, device=cuda, **params):
+        step = step or StepInput(2, [5, 9], [1, 1], [3, 4], [[0], [1]])
+        seqs = [FakeSeq(SamplingParams(**params)), FakeSeq(SamplingParams(**params))]
+        args = args or SamplingTensors.build(seqs, 32, EOS, CPU)
+        sample = SampleInput(None, prompt_logprobs)
+        return Sampler(None, 0, world_size, device).fused_in_graph(step, sample, args)
+
+    assert decision(temperature=0.7) and decision(temperature=0)
+    assert not decision(temperature=0.7, top_p=0.9) and not decision(temperature=0.7, logprobs=2)
+    assert not decision(temperature=0.7, world_size=2) and not decision(temperature=0.7, device=CPU)
+    mixed = StepInput(1, [5, 0], [1, 3], [3, 4, 5, 6], [[0], [1]])  # a prompt chunk
+    assert not decision(step=mixed, temperature=0.7)
+    short = StepInput(2, [5, 9], [1, 1], [3, 4], [[0], [1]], sample_rows=[1])
+    assert not decision(step=short, temperature=0.7)
+    assert not decision(temperature=0.7, prompt_logprobs=PromptLogprobsRequest([], [], 0))
+    grammar = SamplingTensors.build([FakeSeq(SamplingParams(temperature=0.7))] * 2, 32, EOS, CPU)
+    grammar.grammar_rows = torch.tensor([0])
+    assert not decision(args=grammar)
