@@ -66,11 +66,10 @@ class GraphRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, decode_only: bool) -> torch.Tensor:
         """The step's logits (this rank's vocabulary shard), under the context prepare_inputs set."""
         n = input_ids.shape[0]
-        graphable = self._graphable(positions)
-        if decode_only and self.graphs and n <= self.batch_sizes[-1] and graphable:
+        if decode_only and self._fits_decode_graph(n, positions):
             self._replay_decode(input_ids, positions)
             return self.model.compute_logits(self.buffers["outputs"][:n])
-        if not decode_only and self.mixed_graphs and n <= self.mixed_sizes[-1] and graphable:
+        if not decode_only and self.mixed_graphs and n <= self.mixed_sizes[-1] and self._graphable(positions):
             return self._replay_mixed(input_ids, positions)
         return self.model.compute_logits(self.model(input_ids, positions))
 
@@ -83,8 +82,9 @@ class GraphRunner:
         when no sampling graph holds the step (the caller runs forward() and samples). Copied out
         of the static buffers (one copy for both), which the next replay overwrites."""
         n, ctx = input_ids.shape[0], get_context()
-        if not self.sampling_graphs or n > self.batch_sizes[-1] or ctx.is_prefill or ctx.logits_indices is not None \
-                or temperatures.shape != (n,) or not self._graphable(positions):
+        # (the sampling graph's LM head takes every row: no step that names its logit rows)
+        if not self.sampling_graphs or ctx.is_prefill or ctx.logits_indices is not None \
+                or not self._fits_decode_graph(n, positions):
             return None
         bucket = self._replay_decode(input_ids, positions, temperatures, seed)
         self.sampling_graphs[bucket].replay()
@@ -95,6 +95,9 @@ class GraphRunner:
     def _graphable(positions: torch.Tensor) -> bool:
         # (a step with image embeddings or [3, N] M-RoPE positions runs eagerly)
         return positions.dim() == 1 and get_context().mm_embeds is None
+
+    def _fits_decode_graph(self, n: int, positions: torch.Tensor) -> bool:
+        return bool(self.graphs) and n <= self.batch_sizes[-1] and self._graphable(positions)
 
     def _replay_decode(self, input_ids, positions, temperatures=None, seed=0) -> int:
         n = input_ids.shape[0]
