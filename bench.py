@@ -186,6 +186,8 @@ def main():
     p.add_argument("--image-size", type=int, default=448)
     p.add_argument("--image-input-len", type=int, default=128)
     p.add_argument("--image-output-len", type=int, default=256)
+    p.add_argument("--log-compiles", action="store_true",
+                   help="list the Triton compiles and new allocator segments inside each timed workload run")
     p.add_argument("--profile", type=int, nargs=2, metavar=("FIRST", "LAST"), action="append", default=[],
                    help="profile steps FIRST..LAST with torch.profiler (perturbs the timing); repeatable")
     p.add_argument("--lora", type=int, metavar="N", default=0,
@@ -225,11 +227,13 @@ def main():
     else:
         model = args.model or make_random_model_dir(args.config)
     max_model_len = max(args.max_model_len, args.long_prompt_len + 1) if args.long_prompts else args.max_model_len
+    started = time.perf_counter()
     llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, load_format="auto" if args.model else "dummy",
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
-    if not args.images:
+    print(f"start-up (LLM(...), random weights included): {time.perf_counter() - started:.1f} s")
+    if not args.images and (args.sweep or args.long_prompts):  # (the plain workload's first run is timed as the engine starts)
         warm_up(llm, args)
     if args.long_prompts:
         long_prompt_arrivals(llm, args)
@@ -262,10 +266,40 @@ def main():
     elif args.sweep:
         sweep(llm, args, bound_of)
     else:
-        steps = nano_vllm_workload(llm, args, bound_of)
+        steps = first_and_second_run(llm, args, bound_of)
         if args.plot:
             plot(steps, args.plot)
     llm.exit()
+
+
+def first_and_second_run(llm: LLM, args, bound_of):
+    """The workload right after LLM(...) (no warm-up: what the engine did not compile or tune at
+    start-up is paid here), then again with fresh prompts of the same lengths; prints the first
+    run's speed over the second's. Returns the second run's steps."""
+    shape = [(randint(args.min_input_len, args.max_input_len), randint(args.min_output_len, args.max_output_len))
+             for _ in range(args.num_seqs)]
+    speeds = []
+    for name in ("first run", "second run"):
+        print(f"--- {name} (fresh prompts, same lengths)")
+        log = None
+        if args.log_compiles:
+            from nanoinfer.bench.compile_log import CompileLog
+            log = CompileLog()
+        with log if log is not None else _null():
+            steps, t, out_tokens = nano_vllm_workload(llm, args, bound_of, shape=shape, profile=name == "second run")
+        speeds.append(out_tokens / t)
+        if log is not None:
+            print(log.report(name))
+    print(f"first run / second run: {speeds[0]:.0f} / {speeds[1]:.0f} tok/s = {speeds[0] / speeds[1]:.3f}")
+    return steps
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def warm_up(llm: LLM, args):
@@ -281,11 +315,16 @@ def warm_up(llm: LLM, args):
     llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
 
 
-def nano_vllm_workload(llm: LLM, args, bound_of, verbose: bool = True):
-    prompts = [random_tokens(llm, randint(args.min_input_len, args.max_input_len)) for _ in range(args.num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True,
-                             max_tokens=randint(args.min_output_len, args.max_output_len)) for _ in prompts]
-    steps, t = run(llm, prompts, params, Profiler(llm, [range(first, last + 1) for first, last in args.profile]))
+def nano_vllm_workload(llm: LLM, args, bound_of, verbose: bool = True, shape=None, profile: bool = True):
+    """shape: (prompt length, output tokens) per request (None: drawn here); returns (steps, time,
+    output tokens), after printing the run's figures when verbose."""
+    if shape is None:
+        shape = [(randint(args.min_input_len, args.max_input_len), randint(args.min_output_len, args.max_output_len))
+                 for _ in range(args.num_seqs)]
+    prompts = [random_tokens(llm, n) for n, _ in shape]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for _, m in shape]
+    windows = [range(first, last + 1) for first, last in args.profile] if profile else []
+    steps, t = run(llm, prompts, params, Profiler(llm, windows))
     out_tokens = sum(sp.max_tokens for sp in params)
     if not verbose:
         return steps, t, out_tokens
@@ -315,7 +354,7 @@ def nano_vllm_workload(llm: LLM, args, bound_of, verbose: bool = True):
         bound = bound_of(steps)
         print(f"lower bound for this run: {bound:.2f}s ({out_tokens / bound:.0f} tok/s); "
               f"measured time is {bound / t * 100:.1f}% of the bound's speed")
-    return steps
+    return steps, t, out_tokens
 
 
 def step_walls(steps) -> list[float]:

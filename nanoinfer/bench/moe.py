@@ -52,6 +52,16 @@ def time_ms(fn, graph: bool) -> float:
 def sweep_configs():
     for bm, bn, bk, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8), (3,)):
         yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    for bm, bn, bk, warps, stages in ((16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (16, 64, 128, 4, 4),
+                                      (16, 128, 256, 8, 3), (32, 128, 128, 8, 4), (16, 32, 256, 4, 4)):
+        yield dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+def gemv_sweep_configs():
+    """Tiles of the few-token kernels (kernels/moe_gemv.py), gate_up and down swept together."""
+    for bn, bk, warps in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)):
+        yield dict(gate_up=dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps),
+                   down=dict(BLOCK_N=bn, BLOCK_K=min(bk, 256), num_warps=warps))
 
 
 def parse_args(argv=None):
@@ -101,6 +111,19 @@ def bench(args, device, dtype=torch.bfloat16, timer=time_ms, ceilings=measure_ce
         report(f"fused_moe {cfg}", timer(lambda: fused_moe(x, w13, w2, weights, ids), graph))
         align_ms = timer(lambda: moe_align(ids, num_experts, cfg["BLOCK_M"]), graph)
         print(f"    of which moe_align (3 kernels): {align_ms * 1e3:.1f} us")
+        if m <= 16:
+            from nanoinfer.kernels.moe_gemv import moe_gemv, route_topk
+            logits = torch.randn(m, num_experts, device=device, generator=gen).to(dtype)
+            report("few-token kernels (moe_gemv)", timer(lambda: moe_gemv(x, w13, w2, weights, ids), graph))
+            report("routing + grouped path (select_experts, fused_moe)",
+                   timer(lambda: fused_moe(x, w13, w2, *select_experts(logits, top_k, True)), graph))
+            report("routing + few-token path (route_topk, moe_gemv)",
+                   timer(lambda: moe_gemv(x, w13, w2, *route_topk(logits, top_k, True)), graph))
+            if args.sweep:
+                results = sorted((timer(lambda: moe_gemv(x, w13, w2, weights, ids, c), graph), i, c)
+                                 for i, c in enumerate(gemv_sweep_configs()))
+                for ms, _, c in results[:3]:
+                    report(f"sweep {c}", ms)
         if not args.no_torch:
             report("torch loop of per-expert GEMMs (eager)",
                    timer(lambda: fused_moe_torch(x, w13, w2, weights, ids), False))

@@ -223,6 +223,9 @@ class GraphRunner:
             set_context(is_prefill=True, cu_seqlens_q=g["cu_seqlens_q"], max_seqlen_q=t, context_lens=g["context_lens"],
                         block_tables=g["block_tables"], slot_mapping=g["slot_mapping"][:t], lora_slots=lora(t))
             self.mixed_graphs[t] = self._capture_one(t, pool)
+        for graph in (*self.graphs.values(), *self.sampling_graphs.values(), *self.mixed_graphs.values()):
+            graph.replay()  # (a graph's first replay uploads it: not on a served step; the buffers are inert)
+        torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs for decode batch sizes up to %d and %d for steps with prompt chunks "
                     "up to %d tokens", len(self.graphs), self.max_num_seqs, len(self.mixed_graphs),
                     max(self.mixed_sizes, default=0))

@@ -18,6 +18,7 @@ from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS, prepare_input
 from nanoinfer.engine.graph_runner import GraphRunner
 from nanoinfer.engine.kv_cache import KVCache
 from nanoinfer.engine.step_message import SampleInput, StepInput, StepResult
+from nanoinfer.engine.warm_up import warm_up
 from nanoinfer.layers.all_reduce import use_symmetric_memory
 from nanoinfer.layers.attention_backend import select_attention_backend
 from nanoinfer.layers.fused_moe import FusedMoE
@@ -79,6 +80,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if self.device.type == "cuda" and not self.config.enforce_eager and self.config.runner != "pooling":
             self.graph_runner.capture()  # (embedding steps run eager)
+        # compile and allocate what the first requests' steps outside the graphs need, now (one rank
+        # that samples; not for embeddings or images, whose steps the warm-up does not make)
+        if self.device.type == "cuda" and self.world_size == 1 and self.config.runner != "pooling" \
+                and getattr(self.config.hf_config, "vision_config", None) is None:
+            warm_up(self, num_blocks)
+            self.graph_runner.mixed_replays = 0
 
     # ---- a step ---------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -19,6 +19,9 @@ from nanoinfer.layers.model_build import ModelBuild, TensorParallel, join
 from nanoinfer.utils.loader import check_shape
 
 
+GEMV_MAX_TOKENS = 4  # steps of at most this many tokens run the few-token expert kernels (CUDA)
+
+
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     """Softmax over the experts, then the top_k, renormalised to sum to 1 when asked; float32 on
     every device and dtype (as HF computes the routing). Returns (weights float32, ids int64) [M, top_k]."""
@@ -208,11 +211,20 @@ class FusedMoE(nn.Module):
             self.all_reduce = AllReduce(hidden_size)
 
     def forward(self, x: torch.Tensor, reduce_later: bool = False) -> torch.Tensor:
-        """reduce_later (the caller could take a PartialSum) is not taken up: the output is summed here."""
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        """reduce_later (the caller could take a PartialSum) is not taken up: the output is summed here.
+        CUDA: the routing in one kernel; up to GEMV_MAX_TOKENS tokens, experts in the few-token
+        kernels (kernels/moe_gemv.py), more in the grouped GEMMs (kernels/fused_moe.py)."""
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         w13, w2 = gate_up.weight, down.weight
-        if gate_up.scale is not None:  # FP8 experts, kept FP8 (CUDA)
+        if x.is_cuda:
+            from nanoinfer.kernels.moe_gemv import route_topk
+            weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)
+        else:
+            weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        if x.is_cuda and gate_up.scale is None and x.shape[0] <= GEMV_MAX_TOKENS:
+            from nanoinfer.kernels.moe_gemv import moe_gemv
+            out = moe_gemv(x, w13, w2, weights, ids)
+        elif gate_up.scale is not None:  # FP8 experts, kept FP8 (CUDA)
             from nanoinfer.kernels.fused_moe import fused_moe
             out = fused_moe(x, w13, w2, weights, ids, w13_scale=gate_up.scale, w2_scale=down.scale,
                             group_k13=gate_up.group_k, group_k2=down.group_k)
