@@ -30,6 +30,9 @@ def keeps_fp8(device: torch.device) -> bool:
 # Up to this many rows the Triton GEMM (narrow tiles that stream the weight) beats cuBLASLt's
 # row-wise FP8 GEMM, which picks tiles made for large M (`python -m nanoinfer.bench.fp8`).
 SCALED_MM_MIN_ROWS = 64
+# From 2 rows up to this many, W8A8 with per-token (or per-group) dynamic activation scales takes the
+# RMSNorm / SiLU * mul before it into its quantization kernel (kernels/fp8_prologue_quant.py)
+FUSED_QUANT_MAX_ROWS = 256
 
 
 def scaled_mm_ok(device: torch.device, n: int, k: int) -> bool:
@@ -139,10 +142,10 @@ class Fp8LinearMethod(LinearMethod):
             if isinstance(x, Deferred):
                 return linear(x, dense.contiguous(), bias, out)
             return linear(x, dense, bias, out)
-        if isinstance(x, Deferred):
+        if isinstance(x, Deferred) and takes_gemv(x.x):
             return fp8_gemv(x.x, layer.weight, scale, layer.fp8_group_k, bias, norm_weight=x.norm_weight, eps=x.eps,
                             residual=x.residual, residual_out=x.residual_out, silu_mul=x.silu_mul, out=out)
-        if takes_gemv(x):
+        if not isinstance(x, Deferred) and takes_gemv(x):
             return fp8_gemv(x, layer.weight, scale, layer.fp8_group_k, bias, out=out)
         y = self._w8a8(layer, x, scale)
         if bias is not None:
@@ -152,19 +155,34 @@ class Fp8LinearMethod(LinearMethod):
         return y
 
     def takes_deferred(self, layer, x):
-        return takes_gemv(x)
+        return takes_gemv(x) or self._quantizes_after(layer, x)
 
-    def _w8a8(self, layer, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        x = x.reshape(-1, x.shape[-1])
+    def _quantizes_after(self, layer, x) -> bool:
+        """Whether the W8A8 path takes x's pending step into its activation quantization."""
+        return (x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= FUSED_QUANT_MAX_ROWS and x.stride(-1) == 1
+                and not self.scheme.static_input and layer.weight.dtype == FP8_DTYPE
+                and getattr(layer, "fp8_kernels_ok", False))
+
+    def _w8a8(self, layer, x: "torch.Tensor | Deferred", scale: torch.Tensor) -> torch.Tensor:
         s, dtype = self.scheme, layer.compute_dtype
         gk = layer.fp8_group_k if scale.shape[1] > 1 else None
+        if isinstance(x, Deferred):  # (_quantizes_after said yes)
+            from nanoinfer.kernels.fp8_prologue_quant import quantize_fp8_after
+            xq, x_scale = quantize_fp8_after(x.x, norm_weight=x.norm_weight, eps=x.eps, residual=x.residual,
+                                             residual_out=x.residual_out, silu_mul=x.silu_mul, group_k=gk)
+            return self._product(layer, xq, x_scale, scale, dtype)
+        x = x.reshape(-1, x.shape[-1])
         if s.static_input:
             xq = fp8_math.quantize_static(x, layer.input_scale)
             x_scale = layer.input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
         else:
             from nanoinfer.kernels.fp8_quant import quantize_fp8
             xq, x_scale = quantize_fp8(x if x.stride(-1) == 1 else x.contiguous(), gk)
-        if layer.use_scaled_mm and x.shape[0] > SCALED_MM_MIN_ROWS:  # row-wise scales need a bf16 output
+        return self._product(layer, xq, x_scale, scale, dtype)
+
+    @staticmethod
+    def _product(layer, xq: torch.Tensor, x_scale: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:
+        if layer.use_scaled_mm and xq.shape[0] > SCALED_MM_MIN_ROWS:  # row-wise scales need a bf16 output
             # fast accumulation (no periodic promotion of the FP8 accumulator), as vLLM's CUTLASS
             # FP8 kernels for Hopper run: the tensor cores' full FP8 rate
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale_row,
