@@ -597,7 +597,7 @@ def test_engine_core_takes_each_steps_deltas_in_one_call(llm, monkeypatch):
     """The engine process asks the engine for a step's deltas once (not once per request), and
     each delta reaches its submission and prompt: the deltas concatenate to the final outputs."""
     from nanoinfer.serve.engine_process import EngineCore
-    from nanoinfer.serve.messages import Submit
+    from nanoinfer.serve.messages import Submit, pack_command
 
     commands, events = _Pipe(), _Pipe()
     core = EngineCore(llm, commands, events)
@@ -606,7 +606,8 @@ def test_engine_core_takes_each_steps_deltas_in_one_call(llm, monkeypatch):
     monkeypatch.setattr(llm, "take_stream_deltas", lambda ids: calls.append(1) or take(ids))
     monkeypatch.setattr(llm, "stream_deltas", lambda *a: pytest.fail("one call per request"))
     sp = SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=12, ignore_eos=True, logprobs=1, stop=["e"])
-    commands.send([Submit(7, PROMPTS[:3], sp, True), Submit(8, PROMPTS[3:], SamplingParams(max_tokens=5), True)])
+    commands.send([pack_command(Submit(7, PROMPTS[:3], sp, True)),
+                   pack_command(Submit(8, PROMPTS[3:], SamplingParams(max_tokens=5), True))])
     steps = 0
     while not steps or core.requests:
         core._apply_commands()

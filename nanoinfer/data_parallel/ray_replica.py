@@ -17,7 +17,8 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from nanoinfer.serve.engine_client import EngineClient, end_engine_process, launch_engine_process
+from nanoinfer.serve.engine_client import EngineClient
+from nanoinfer.serve.engine_launch import end_engine_process, launch_engine_process
 from nanoinfer.serve.messages import Ready, StartFailed
 
 PLACEMENT_TIMEOUT_S = float(os.environ.get("NANOINFER_RAY_PLACEMENT_TIMEOUT", 600))
@@ -129,6 +130,9 @@ class RayEngineClient(EngineClient):
         return message
 
     def _end_process(self, timeout: float):
+        if getattr(self, "_ended", False):  # (the reader, a failing thread and close() may each end it)
+            return
+        self._ended = True
         try:
             ray.get(self._actor.close.remote(timeout), timeout=3 * timeout)
         except RayError:

@@ -8,72 +8,20 @@ on its asyncio queue (one list per submission per step).
 import asyncio
 import itertools
 import logging
-import multiprocessing as mp
-import os
 import queue
 import threading
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
 from nanoinfer.outputs import RequestOutput
-from nanoinfer.pooling.outputs import PoolingRequestOutput
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.serve.engine_process import EXIT_SIGNAL, engine_main
+from nanoinfer.serve.engine_launch import STOP_TIMEOUT_S, end_engine_process, launch_engine_process
+from nanoinfer.serve.messages import Abort, EngineDead, Ready, StartFailed, StepNews, Stop, Submit, pack_command
 from nanoinfer.serve.metrics import ServerMetrics
-from nanoinfer.serve.messages import Abort, EngineDead, Ready, StartFailed, StepNews, Stop, Submit
+from nanoinfer.serve.submission import FINAL_OUTPUTS, EngineDeadError, ShutdownCut, Submission
+
+__all__ = ["EngineClient", "EngineDeadError", "FINAL_OUTPUTS", "ShutdownCut", "Submission"]
 
 logger = logging.getLogger("nanoinfer.serve")
-
-STOP_TIMEOUT_S = 5.0   # a stopping engine aborts its requests and stops its workers; then SIGTERM, SIGKILL
-
-
-FINAL_OUTPUTS = (RequestOutput, PoolingRequestOutput)  # a request's last event: its output
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class ShutdownCut(Exception):
-    """The server is shutting down and its grace period is over: a request still running is cut."""
-
-
-@dataclass
-class Submission:
-    """One HTTP request's prompts, queued together (all or none). Its `events` get, per engine step,
-    a list of (prompt_index, StreamDelta) while streaming and (prompt_index, RequestOutput) at the
-    end of each prompt, or an exception if the engine fails."""
-    id: int
-    prompts: list
-    params: SamplingParams
-    stream: bool
-    added: asyncio.Future          # resolved with None, or the add_requests error
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    unfinished: int = 0            # prompts without their RequestOutput yet (the engine client's count)
-    costs: list[int] = field(default_factory=list)  # each prompt's tokens to prefill and generate, at most
-
-    async def batches(self):
-        """Lists of the events queued since the previous list (waiting for at least one), until
-        every prompt's RequestOutput has arrived."""
-        left = len(self.prompts)
-        while left:
-            items = [await self.events.get()]
-            while not self.events.empty():
-                items.append(self.events.get_nowait())
-            batch = []
-            for item in items:
-                if isinstance(item, BaseException):
-                    raise item
-                batch.extend(item)
-            left -= sum(isinstance(event, FINAL_OUTPUTS) for _, event in batch)
-            yield batch
-
-    async def results(self):
-        """The events one by one."""
-        async for batch in self.batches():
-            for event in batch:
-                yield event
 
 
 class EngineClient:
@@ -99,6 +47,7 @@ class EngineClient:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self._ending = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="nanoinfer-engine-reader", daemon=True)
         self._writer = threading.Thread(target=self._write, name="nanoinfer-engine-writer", daemon=True)
         self.metrics: ServerMetrics | None = None  # set by the app: fed from every engine message
@@ -204,7 +153,8 @@ class EngineClient:
                 t.join(10)
 
     def _end_process(self, timeout: float):
-        end_engine_process(self.process, timeout)
+        with self._ending:  # (the reader, a failing thread and close() may each end it)
+            end_engine_process(self.process, timeout)
 
     def _dispatch(self, message: StepNews | EngineDead):
         """One engine message, on the event loop."""
@@ -272,90 +222,86 @@ class EngineClient:
         try:
             while True:
                 message = self._events.recv()
-                self._call(self._dispatch, message)
+                self._call(self._dispatch_or_fail, message)
                 if isinstance(message, EngineDead):
+                    self._reap()
                     return
         except (EOFError, OSError):
             self.process.join(5)
             self._call(self._failed, f"the engine process exited (code {self.process.exitcode})")
+            self._reap()
         except Exception as e:  # a message that cannot be read: fail every waiting client, never hang them
             logger.exception("reading the engine's messages failed")
-            self._call(self._failed, f"{type(e).__name__}: {e}")
+            self._die(f"{type(e).__name__}: {e}")
 
     def _write(self):
-        while True:
-            batch = [self._outbox.get()]
+        """Sends the queued commands in batches, each command pickled on its own: a submission that
+        cannot be pickled is refused alone (its client's 400); any other failure here leaves no
+        way to reach the engine, so the engine is declared dead and ended."""
+        try:
             while True:
-                try:
-                    batch.append(self._outbox.get_nowait())
-                except queue.Empty:
-                    break
-            commands = [c for c in batch if c is not None]
-            if commands:
-                try:
-                    self._commands.send(commands)
-                except OSError:  # the engine is gone; the reader reports it
-                    pass
-            if len(commands) < len(batch):
-                return
+                batch = [self._outbox.get()]
+                while True:
+                    try:
+                        batch.append(self._outbox.get_nowait())
+                    except queue.Empty:
+                        break
+                packed = [p for p in map(self._pack, (c for c in batch if c is not None)) if p is not None]
+                if packed:
+                    try:
+                        self._commands.send(packed)
+                    except OSError:  # the engine is gone; the reader reports it
+                        pass
+                if None in batch:
+                    return
+        except Exception as e:
+            logger.exception("sending commands to the engine failed")
+            self._die(f"{type(e).__name__}: {e}")
+
+    def _pack(self, command):
+        try:
+            return pack_command(command)
+        except Exception as e:
+            if not isinstance(command, Submit):
+                raise
+            reason = "it is nested too deeply" if isinstance(e, RecursionError) else f"{type(e).__name__}: {e}"
+            self._call(self._refuse, (command.sub_id, ValueError(f"request: cannot be passed to the engine: {reason}")))
+            return None
+
+    def _refuse(self, refusal: tuple[int, Exception]):
+        """On the event loop: a submission the engine never got fails with `error`."""
+        sub_id, error = refusal
+        sub = self._subs.pop(sub_id, None)
+        if sub is not None:
+            self.outstanding_tokens -= sum(sub.costs)
+            _resolve(sub.added, error)
+
+    def _dispatch_or_fail(self, message):
+        try:
+            self._dispatch(message)
+        except Exception as e:  # a client left waiting for ever is worse than a dead engine
+            logger.exception("handling the engine's message failed")
+            self._die(f"{type(e).__name__}: {e}")
+
+    def _die(self, reason: str):
+        """From any thread: every waiting client gets an error, the engine counts as dead (/health 503,
+        a data-parallel replica is restarted) and its process is ended in the background."""
+        self._call(self._failed, reason)
+        threading.Thread(target=self._end_process, args=(STOP_TIMEOUT_S,), name="nanoinfer-engine-end",
+                         daemon=True).start()
+
+    def _reap(self):
+        """The engine process is exiting by itself (EngineDead, or its pipe closed): wait for it so
+        that it does not linger as a zombie, ending it if its clean-up hangs."""
+        with self._ending:
+            self.process.join(3 * STOP_TIMEOUT_S)
+        self._end_process(STOP_TIMEOUT_S)  # (a no-op once it has exited)
 
     def _call(self, fn, arg):
         try:
             self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:  # the event loop is closed: nobody is waiting any more
             pass
-
-
-def launch_engine_process(model: str, options: dict, log_level: str, env: dict):
-    """Start an engine process (engine_process.py); returns it and the ends of its two pipes that
-    this process keeps: commands (send) and events (recv)."""
-    ctx = mp.get_context("spawn")
-    commands_reader, commands = ctx.Pipe(duplex=False)
-    events, events_writer = ctx.Pipe(duplex=False)
-    # Not daemonic: a daemonic process cannot start the tensor-parallel workers. It exits by
-    # itself when this process dies (engine_process.py); stop() / close() end it otherwise.
-    process = ctx.Process(target=engine_main, name="nanoinfer-engine",
-                          args=(model, options, commands_reader, events_writer, log_level))
-    with _environ(env):
-        process.start()
-    commands_reader.close()  # our copies: the engine's end closing is then an EOF here
-    events_writer.close()
-    return process, commands, events
-
-
-def end_engine_process(process, timeout: float = STOP_TIMEOUT_S):
-    """End an engine process if it still runs (EXIT_SIGNAL: it cleans up; then SIGKILL)."""
-    if process.is_alive():
-        try:
-            os.kill(process.pid, EXIT_SIGNAL)  # it ignores SIGTERM; this one makes it clean up and exit
-        except ProcessLookupError:  # it ended since is_alive()
-            pass
-        process.join(timeout)
-    if process.is_alive():
-        process.kill()
-        process.join()
-
-
-_environ_lock = threading.Lock()
-
-
-@contextmanager
-def _environ(env: dict):
-    """os.environ with `env` on top, while a process starts (a spawned process copies it)."""
-    if not env:
-        yield
-        return
-    with _environ_lock:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def _public(reason: str) -> str:

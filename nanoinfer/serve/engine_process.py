@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection, wait
 from nanoinfer.llm import LLM
 from nanoinfer.pooling.outputs import PoolingRequestOutput
 from nanoinfer.serve.messages import (Abort, Admission, EngineDead, EngineStats, Ready, RemoteError, StartFailed,
-                                      StepNews, Submit)
+                                      StepNews, Submit, unpack_command)
 
 logger = logging.getLogger("nanoinfer.serve")
 
@@ -114,7 +114,10 @@ class EngineCore:
         while not self.commands.poll(HEALTH_CHECK_S):  # idle: notice a dead rank without a step
             self.llm.check_health()
         while True:
-            for command in self.commands.recv():
+            for packed in self.commands.recv():
+                command = self._unpack(packed)
+                if command is None:
+                    continue
                 if isinstance(command, Submit):
                     self._add(command)
                 elif isinstance(command, Abort):
@@ -125,6 +128,20 @@ class EngineCore:
                     return False
             if not self.commands.poll():
                 return True
+
+    def _unpack(self, packed):
+        """The command, or None if it cannot be unpickled: then its submission is refused (any
+        other command is the server's own, and its failure a broken pipe)."""
+        try:
+            return unpack_command(packed)
+        except Exception as e:
+            sub_id = packed[0]
+            if sub_id is None:
+                raise
+            logger.warning("a submission could not be unpickled: %s: %s", type(e).__name__, e)
+            error = ValueError(f"the request could not be read by the engine ({type(e).__name__})")
+            self.news.admissions.append(Admission(sub_id, error=RemoteError.of(error)))
+            return None
 
     def _add(self, sub: Submit):
         try:  # all or none; as vLLM's server, prompt + max_tokens over max_model_len is an error

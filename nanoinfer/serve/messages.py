@@ -1,13 +1,14 @@
 """Everything the HTTP process and the engine process send each other, one dataclass per kind
 (pickled over two one-way pipes; each send is a batch). A leaf: it imports no serve code.
 
-  HTTP -> engine, a list of commands per send:   Submit, Abort, Stop
+  HTTP -> engine, a list of packed commands per send (pack_command):   Submit, Abort, Stop
   engine -> HTTP:  StartFailed or Ready once, then a StepNews per engine step that has news,
                    and EngineDead if the engine loop fails (the process then exits)
 
 A stream's deltas are the engine's own StreamDelta objects (StepNews pickles them compactly); a
 finished prompt crosses as its RequestOutput.
 """
+import pickle
 from dataclasses import dataclass, field
 
 from nanoinfer.outputs import RequestOutput, StreamDelta
@@ -36,6 +37,21 @@ class Abort:
 @dataclass(slots=True)
 class Stop:
     """Abort everything and exit."""
+
+
+# Each command is pickled on its own, so that one that cannot be pickled (or unpickled) fails only
+# the submission it carries, never the batch it was sent with.
+PackedCommand = tuple[int | None, bytes]  # (the Submit's sub_id, or None; the pickled command)
+
+
+def pack_command(command) -> PackedCommand:
+    """Raises what pickling raises (RecursionError for a request nested too deeply)."""
+    sub_id = command.sub_id if isinstance(command, Submit) else None
+    return sub_id, pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_command(packed: PackedCommand):
+    return pickle.loads(packed[1])
 
 
 # ---- engine -> HTTP -----------------------------------------------------------------------------
