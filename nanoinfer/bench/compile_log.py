@@ -16,7 +16,7 @@ class CompileLog:
         self._started = None
 
     def __enter__(self):
-        from triton import knobs
+        from triton import knobs  # (Triton >= 3.4: the JIT hooks live in knobs.runtime)
         self._knobs = knobs.runtime
         self._saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
