@@ -42,7 +42,9 @@ class SchemaLimits:
                 if depth > self.max_depth:
                     raise ValueError(f"{field} is nested more than {self.max_depth} levels deep "
                                      "(--max-schema-depth)")
-                size += 2 + len(node)  # brackets and separators
+                size += 2 + len(node)  # brackets and separators: a long list is refused before it is walked
+                if size > self.max_bytes:
+                    break
                 if isinstance(node, dict):
                     for key, item in node.items():
                         size += _scalar_size(key) + 1
@@ -51,8 +53,10 @@ class SchemaLimits:
                     stack.extend((item, depth + 1) for item in node)
             else:
                 size += _scalar_size(node)
-            if size > self.max_bytes:
-                raise ValueError(f"{field} is larger than {self.max_bytes} bytes (--max-schema-bytes)")
+                if size > self.max_bytes:
+                    break
+        if size > self.max_bytes:
+            raise ValueError(f"{field} is larger than {self.max_bytes} bytes (--max-schema-bytes)")
 
     def check_json_text(self, field: str, text: str) -> None:
         """A spec given as JSON text: its size, then its bracket depth (outside string literals)."""
