@@ -114,7 +114,7 @@ class Scheduler:
         `after`'s prompt is computed so that it shares `after`'s prompt blocks. One whose intake
         work is running waits in `preparing` first."""
         if after is None or after.is_finished or after.num_completion_tokens or after.num_inflight:
-            if seq.intake is not None and not seq.intake.done():
+            if seq.intake is not None:
                 self.preparing[seq] = None
             else:
                 self.waiting.append(seq)
@@ -138,11 +138,13 @@ class Scheduler:
         for seq in [s for s in self.preparing if s.intake.done()]:
             del self.preparing[seq]
             error = seq.intake.exception() if not seq.intake.cancelled() else RuntimeError("intake cancelled")
+            group = [seq, *self.held.get(seq.seq_id, ())]
             if error is None:
+                for member in group:
+                    member.intake = None  # (done: its held samples need not wait for it either)
                 self.waiting.append(seq)
                 continue
             message = str(error) or type(error).__name__
-            group = [seq, *self.held.get(seq.seq_id, ())]
             for member in group:
                 self.finish(member, "error", message)
             failed += group
@@ -201,7 +203,7 @@ class Scheduler:
         adapters = running_adapters(self.running) if self.max_loras else None
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.intake is not None and not seq.intake.done():  # (released by a finished sibling)
+            if seq.intake is not None:  # (a sample released by a sibling that finished before its intake did)
                 self.preparing[self.waiting.popleft()] = None
                 continue
             if adapters is not None and not admits(adapters, seq, self.max_loras):
