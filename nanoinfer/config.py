@@ -60,6 +60,10 @@ class Config:
     allowed_media_domains: list[str] | None = None
     # vLLM's {"image": N}: at most N images a prompt (multimodal/limits.py; JSON on the command line)
     limit_mm_per_prompt: str | dict | None = None
+    # most pixels an image may have (decoded; larger ones are refused before preprocessing)
+    max_image_pixels: int = 1 << 26
+    # compiled grammars of structured outputs kept for reuse, in bytes (structured/compiler.py)
+    grammar_cache_bytes: int = 512 << 20
     # vLLM's speculative_config dict (nanoinfer/spec/config.py), parsed into a SpeculativeConfig
     speculative_config: str | dict | None = None  # (a JSON string on the command line)
     # Filled in by __post_init__, not user options.
@@ -130,6 +134,8 @@ class Config:
         MediaLoader(self.allowed_local_media_path, self.allowed_media_domains)  # raises on a bad path or host list
         from nanoinfer.multimodal.limits import parse_mm_limits
         self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
+        self._check_int("max_image_pixels", 1)
+        self._check_int("grammar_cache_bytes", 0)
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):

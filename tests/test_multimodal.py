@@ -417,11 +417,3 @@ def test_image_key_follows_everything_that_makes_the_patches():
     repainted = indexed.copy()
     repainted.putpalette([255, 0, 0] * 256)  # the same indices, other colours
     assert image_key(indexed, bounds) != image_key(repainted, bounds)
-
-
-def test_preprocessing_threads_only_for_a_pil_processor(llm):
-    from nanoinfer.multimodal.processor import runs_on_pil
-    processor = llm.input_processor.multimodal.image_processor
-    names = [cls.__name__ for cls in type(processor).__mro__]
-    assert runs_on_pil(processor) == (not any("Torchvision" in n for n in names))
-    assert not runs_on_pil(type("Qwen2VLImageProcessorFast", (), {})())

@@ -335,6 +335,8 @@ def test_finished_and_aborted_sequences_free_their_matchers(engines):
     cut = llm.add_request(PROMPTS[1], structured(n=2, seed=2, max_tokens=200, regex="[a-z]{150}"),
                           keep_output=True)
     for rid in (done, cut):
+        if llm.requests[rid].seqs[0].intake is not None:  # (the grammar compiles in an intake thread)
+            llm.requests[rid].seqs[0].intake.result()
         refs += [weakref.ref(seq.grammar) for seq in llm.requests[rid].seqs]
     assert len({id(r()) for r in refs}) == 4  # one matcher per sample
     for _ in range(6):
@@ -360,10 +362,7 @@ def test_plan_carries_bitmasks_of_sampling_rows_only(engines):
     from nanoinfer.structured.grammar_state import BATCH_FILL_MIN_ROWS, GrammarState, bitmask_width, fill_bitmasks
 
     llm = engines()
-    compiler = llm.input_processor._grammar_compiler
-    if compiler is None:
-        llm.generate(PROMPTS[0], structured(regex="a", max_tokens=2), use_tqdm=False)
-        compiler = llm.input_processor._grammar_compiler
+    compiler = llm.input_processor._grammar_intake().compiler
     sp = structured(temperature=0, choice=CITIES)
     seqs = [Sequence([1, 2, 3], sp, 16) for _ in range(3)] + [Sequence([1, 2, 3], SamplingParams(temperature=0), 16)]
     for seq in seqs[:3]:
@@ -398,12 +397,12 @@ def test_plan_carries_bitmasks_of_sampling_rows_only(engines):
 def test_compiled_grammars_are_cached(engines):
     llm = engines()
     llm.generate(PROMPTS[0], structured(json=PERSON, max_tokens=4), use_tqdm=False)
-    compiler = llm.input_processor._grammar_compiler
-    before = len(compiler._cache)
+    compiler = llm.input_processor._grammar_intake().compiler
+    before = len(compiler.cache)
     key = StructuredOutputsParams(json=json.dumps(PERSON, indent=2)).cache_key()
     assert compiler.compile(StructuredOutputsParams(json=json.dumps(PERSON))) is \
         compiler.compile(StructuredOutputsParams(json=PERSON))
-    assert key in compiler._cache and len(compiler._cache) <= before + 1
+    assert compiler.cache.get(key) is not None and len(compiler.cache) <= before + 1
 
 
 def test_tensor_parallel_structured(tiny_qwen3):

@@ -4,13 +4,20 @@ A prompt (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict) 
 checked against the model's vocabulary, its sampling params against the vocabulary and the engine's
 limits; the prompt is truncated as asked, must leave room for one output token within max_model_len,
 and prompt + max_tokens must fit the whole KV cache (else it could never run). Bad words are
-encoded here, once; a structured-outputs grammar is compiled here (cached per spec,
-structured/compiler.py), and each sample gets its own matcher; a LoRA adapter is checked against
-the model (lora/intake.py). The request's n samples become n sequences. Every error is a
-ValueError or TypeError raised before anything is queued.
+encoded here, once; a LoRA adapter is checked against the model (lora/intake.py). The request's n
+samples become n sequences. Every error found here is a ValueError or TypeError raised before
+anything is queued.
+
+Heavy intake work (compiling a grammar that is not cached, structured/intake.py; decoding and
+preprocessing images, multimodal/processor.py) runs in a small pool of intake threads, off the
+engine loop: the request's sequences carry its future (`Sequence.intake`) and the scheduler admits
+them only once it is done; if it fails, the request finishes with finish_reason "error" and the
+message as its stop_reason. Only what is cheap to decide (a spec that does not parse, an image
+over the pixel cap, a prompt too long for its images) is checked before queueing.
 """
+import os
 import pickle
-from contextlib import nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor
 from copy import copy
 from dataclasses import dataclass
 from numbers import Integral
@@ -21,8 +28,9 @@ from nanoinfer.engine.sequence import Sequence
 from nanoinfer.lora.intake import LoRAIntake
 from nanoinfer.multimodal.inputs import split_multi_modal
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.structured.grammar_state import GrammarState
 from nanoinfer.utils.hf_files import load_eos_token_ids
+
+INTAKE_WORKERS = min(4, os.cpu_count() or 1)  # threads for heavy intake work (they release the GIL in C)
 
 
 @dataclass(slots=True)
@@ -63,13 +71,15 @@ class InputProcessor:
         self.tensor_parallel = config.tensor_parallel_size > 1
         self.kv_capacity_tokens = kv_capacity_tokens  # every block of the pool
         self.model_path = config.model
-        self._grammar_compiler = None  # made for the first structured request (xgrammar is optional)
+        self.grammar_cache_bytes = config.grammar_cache_bytes
+        self._grammar = None  # made for the first structured request (xgrammar is optional)
+        self._workers: ThreadPoolExecutor | None = None  # made for the first heavy intake work
         self.lora = LoRAIntake(config)
         self.multimodal = None  # a vision-language model's image intake
         if getattr(config.hf_config, "vision_config", None) is not None:
             from nanoinfer.multimodal.processor import MultiModalProcessor
             self.multimodal = MultiModalProcessor(config.model, config.hf_config, vocab_size,
-                                                  config.limit_mm_per_prompt)
+                                                  config.limit_mm_per_prompt, config.max_image_pixels)
 
     def process_all(self, prompts: list, sampling_params: list, max_tokens_must_fit: bool = False,
                     lora_requests: list | None = None) -> list[PreparedRequest]:
@@ -77,8 +87,7 @@ class InputProcessor:
         (when there are several), so a caller can reject the whole batch before queueing any."""
         prepared = []
         lora_requests = lora_requests if lora_requests is not None else [None] * len(prompts)
-        # (images of several prompts are preprocessed in threads, all at once)
-        with self.multimodal.batch(prompts) if self.multimodal is not None else nullcontext():
+        try:
             for i, (prompt, sp, lora) in enumerate(zip(prompts, sampling_params, lora_requests, strict=True)):
                 try:
                     prepared.append(self.process(prompt, sp, max_tokens_must_fit, lora))
@@ -86,6 +95,11 @@ class InputProcessor:
                     if len(prompts) == 1:
                         raise
                     raise type(e)(f"prompts[{i}]: {e}") from e
+        except BaseException:
+            for request in prepared:  # none is queued: their intake work is not needed
+                if request.seqs[0].intake is not None:
+                    request.seqs[0].intake.cancel()
+            raise
         return prepared
 
     def process(self, prompt, sampling_params: SamplingParams | None, max_tokens_must_fit: bool = False,
@@ -100,15 +114,15 @@ class InputProcessor:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         prompt, mm_data, mm_kwargs = split_multi_modal(prompt)
         text, token_ids = self._tokenize(prompt)
-        mm = None
+        images = None  # the work that makes the prompt's MultiModalInputs
         if self.multimodal is not None:  # images expand their placeholders before any length check
-            token_ids, mm = self.multimodal.process(token_ids, mm_data, mm_kwargs)
+            token_ids, images = self.multimodal.process(token_ids, mm_data, mm_kwargs)
         elif mm_data or mm_kwargs:
             raise ValueError("multi_modal_data / mm_processor_kwargs given, but this model takes no images")
         sp = self._resolve_whole_vocabulary(sampling_params)
         self._check_sampling_params(sp)
         fitted = self._fit_length(token_ids, sp, max_tokens_must_fit)
-        if mm is not None and len(fitted) != len(token_ids):
+        if images is not None and len(fitted) != len(token_ids):
             raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
         token_ids = fitted
         if sp.bad_words:
@@ -116,24 +130,41 @@ class InputProcessor:
             bad = [t for word in sp.bad_words_token_ids for t in word if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"bad_words encode to token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        grammar = None if sp.structured_outputs is None else self._compile_grammar(sp)
         lora_request = self.lora.check(lora_request)
         seqs = self._sequences(token_ids, sp)
         for seq in seqs:
             seq.lora_request = lora_request
-            seq.multi_modal = mm
-        if grammar is not None:
-            for seq in seqs:  # one matcher per sample; it lives and dies with its sequence
-                seq.grammar = GrammarState(grammar, self._grammar_compiler.stop_token_ids)
+        work = []  # heavy intake work, run in the intake threads in order
+        if sp.structured_outputs is not None:
+            grammar = self._grammar_intake().prepare(sp.structured_outputs, seqs)  # (a cached grammar: set now)
+            if grammar is not None:
+                work.append(grammar)
+        if images is not None:
+            work.append(lambda: _set_multi_modal(seqs, images()))
+        if work:
+            intake = self._run_in_workers(work)
+            for seq in seqs:
+                seq.intake = intake
         return PreparedRequest(seqs, text)
 
-    def _compile_grammar(self, sp: SamplingParams):
-        if self._grammar_compiler is None:
-            from nanoinfer.structured.compiler import StructuredCompiler
+    def _grammar_intake(self):
+        if self._grammar is None:
+            from nanoinfer.structured.intake import GrammarIntake
             # the same EOS ids as the scheduler's: a finished grammar allows only tokens that stop
-            self._grammar_compiler = StructuredCompiler(self.tokenizer, self.vocab_size,
-                                                        load_eos_token_ids(self.model_path, self.tokenizer))
-        return self._grammar_compiler.compile(sp.structured_outputs)
+            self._grammar = GrammarIntake(self.tokenizer, self.vocab_size,
+                                          load_eos_token_ids(self.model_path, self.tokenizer),
+                                          self.grammar_cache_bytes)
+        return self._grammar
+
+    def _run_in_workers(self, work: list) -> Future:
+        if self._workers is None:
+            self._workers = ThreadPoolExecutor(INTAKE_WORKERS, thread_name_prefix="nanoinfer-intake")
+        return self._workers.submit(_run_all, work)
+
+    def close(self):
+        """Drop the intake work not started yet (the engine is exiting)."""
+        if self._workers is not None:
+            self._workers.shutdown(wait=False, cancel_futures=True)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict."""
@@ -209,7 +240,9 @@ class InputProcessor:
         within max_model_len and prompt + max_tokens fits the whole KV cache."""
         max_len = self.max_model_len
         if sp.truncate_prompt_tokens is not None:  # keep the last k prompt tokens (vLLM)
-            keep = max_len if sp.truncate_prompt_tokens == -1 else sp.truncate_prompt_tokens
+            keep = sp.truncate_prompt_tokens
+            if keep == -1:  # vLLM: the model's length; here as much of it as can be admitted
+                keep = self._longest_admissible_prompt(sp, max_tokens_must_fit)
             if keep > max_len:
                 raise ValueError(f"truncate_prompt_tokens must be at most max_model_len={max_len}, "
                                  f"got {sp.truncate_prompt_tokens}")
@@ -232,6 +265,15 @@ class InputProcessor:
                              f"({self.kv_capacity_tokens} tokens)")
         return token_ids
 
+    def _longest_admissible_prompt(self, sp: SamplingParams, max_tokens_must_fit: bool) -> int:
+        """truncate_prompt_tokens=-1: max_model_len, less one output token (an embedding's prompt
+        may fill it), less max_tokens where prompt + max_tokens must fit (the server); at least 1
+        (a max_tokens that leaves no room is then refused as usual)."""
+        if self.prompt_only:
+            return self.max_model_len
+        room = sp.max_tokens if max_tokens_must_fit and sp.max_tokens is not None else 1
+        return max(1, self.max_model_len - room)
+
     def _sequences(self, token_ids: list[int], sp: SamplingParams) -> list[Sequence]:
         """One sequence per sample; sample i > 0 carries the first's seq_id as its request id."""
         first = Sequence(token_ids, sp, self.block_size)
@@ -243,3 +285,13 @@ class InputProcessor:
                 child.seed = sp.seed + i
             seqs.append(Sequence(token_ids, child, self.block_size, request_id=first.seq_id, index=i))
         return seqs
+
+
+def _run_all(work: list) -> None:
+    for step in work:
+        step()
+
+
+def _set_multi_modal(seqs: list[Sequence], mm) -> None:
+    for seq in seqs:
+        seq.multi_modal = mm

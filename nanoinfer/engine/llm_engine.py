@@ -58,6 +58,7 @@ from nanoinfer.utils.main_guard import check_main_guard
 logger = logging.getLogger("nanoinfer")
 
 EXIT_WAIT_S = 60.0  # how long exit() from another thread waits for a running step to end
+INTAKE_WAIT_S = 0.05  # how long a step with nothing to run waits for a request's intake work (commands go on)
 
 
 class LLMEngine:
@@ -291,13 +292,17 @@ class LLMEngine:
     def _advance(self):
         """advance()'s step, under the step lock."""
         self._apply_aborts()
+        self._finished(self.scheduler.admit_prepared(), time.time())  # (requests whose intake failed)
         self._waited = 0.0
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None and self.inflight is None and not self.scheduler.is_finished():
-            batch = self.scheduler.schedule()  # a lone sequence preempted itself: re-admit it now
-            if batch is None:
-                raise RuntimeError("the scheduler cannot make progress (a request does not fit the KV cache)")
+            if self.scheduler.preparing:  # only requests whose intake work runs: wait a little for it
+                self.scheduler.wait_for_intake(INTAKE_WAIT_S)
+            else:
+                batch = self.scheduler.schedule()  # a lone sequence preempted itself: re-admit it now
+                if batch is None:
+                    raise RuntimeError("the scheduler cannot make progress (a request does not fit the KV cache)")
         t1 = time.perf_counter()
         launched = self._launch(batch) if batch is not None else None
         t2 = time.perf_counter()
@@ -419,9 +424,8 @@ class LLMEngine:
         done = {}
         for seq in seqs:
             req = self.requests[seq.request_id]
-            if seq.finish_reason == "error":
-                logger.warning("request %d (sample %d) failed: the model produced non-finite logits (NaN or inf)",
-                               req.request_id, seq.index)
+            if seq.finish_reason == "error":  # (non-finite logits, or its intake work failed)
+                logger.warning("request %d (sample %d) failed: %s", req.request_id, seq.index, seq.stop_reason)
             self.output_processor.mark_finished(req, seq, now)
             if not req.keep_output and seq.finish_reason != "abort":
                 self._unreported.append((seq.seq_id, seq.completion_token_ids))
@@ -482,6 +486,8 @@ class LLMEngine:
             self.model_runner.exit()
         if getattr(self, "speculator", None) is not None:
             self.speculator.exit()
+        if getattr(self, "input_processor", None) is not None:
+            self.input_processor.close()
         atexit.unregister(self.exit)
         gc.unfreeze()  # (the engine's cycles, if any, are collectable again; process-wide, as freeze is)
 

@@ -23,8 +23,14 @@ a token in flight, so it runs every other step while the rest of the batch overl
 mask is filled after the launch (structured/step_masks.py; with tensor parallelism it waits too).
 With LoRA, the running sequences use at most max_loras distinct adapters (lora/admission.py), so
 no step needs more adapters than the device has slots.
+
+A sequence whose intake work is still running (`seq.intake`, a future: a grammar's compile, image
+preprocessing) waits in `preparing`, out of the queue, as vLLM's WAITING_FOR_FSM; the engine calls
+`admit_prepared` before each step, which queues those whose work is done and finishes, with
+finish_reason "error", those whose work failed. The batch keeps stepping meanwhile.
 """
 from bisect import insort
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 from nanoinfer.config import Config
@@ -89,6 +95,7 @@ class Scheduler:
         # for the full blocks. held_under: a held sequence's seq_id -> its group's key.
         self.held: dict[int, dict[Sequence, None]] = {}
         self.held_under: dict[int, int] = {}
+        self.preparing: dict[Sequence, None] = {}  # (ordered set) waiting for their intake work
         self.num_preemptions = 0
         # distinct adapters running at most (0: LoRA off)
         self.max_loras = config.max_loras if getattr(config, "enable_lora", False) else 0
@@ -100,13 +107,17 @@ class Scheduler:
         self.masks_after_launch = False
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running and not self.held
+        return not self.waiting and not self.running and not self.held and not self.preparing
 
     def add(self, seq: Sequence, after: Sequence | None = None):
         """Queue a sequence; with `after` (another sample of the same prompt), hold it until
-        `after`'s prompt is computed so that it shares `after`'s prompt blocks."""
+        `after`'s prompt is computed so that it shares `after`'s prompt blocks. One whose intake
+        work is running waits in `preparing` first."""
         if after is None or after.is_finished or after.num_completion_tokens or after.num_inflight:
-            self.waiting.append(seq)
+            if seq.intake is not None:
+                self.preparing[seq] = None
+            else:
+                self.waiting.append(seq)
         else:
             self.held.setdefault(after.seq_id, {})[seq] = None
             self.held_under[seq.seq_id] = after.seq_id
@@ -118,6 +129,32 @@ class Scheduler:
             for sibling in siblings:
                 del self.held_under[sibling.seq_id]
             self.waiting.extendleft_in_order(list(siblings))
+
+    def admit_prepared(self) -> list[Sequence]:
+        """Queue the preparing sequences whose intake work is done; finish those whose work failed
+        (and the samples held for them) with "error", its message as stop_reason. Returns the
+        sequences finished."""
+        failed = []
+        for seq in [s for s in self.preparing if s.intake.done()]:
+            del self.preparing[seq]
+            error = seq.intake.exception() if not seq.intake.cancelled() else RuntimeError("intake cancelled")
+            group = [seq, *self.held.get(seq.seq_id, ())]
+            if error is None:
+                for member in group:
+                    member.intake = None  # (done: its held samples need not wait for it either)
+                self.waiting.append(seq)
+                continue
+            message = str(error) or type(error).__name__
+            for member in group:
+                self.finish(member, "error", message)
+            failed += group
+        return failed
+
+    def wait_for_intake(self, timeout: float) -> None:
+        """Block until a preparing sequence's intake work is done, at most `timeout` seconds (the
+        engine has nothing else to run)."""
+        if self.preparing:
+            wait({seq.intake for seq in self.preparing}, timeout, return_when=FIRST_COMPLETED)
 
     # ---- planning a step ------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -166,6 +203,9 @@ class Scheduler:
         adapters = running_adapters(self.running) if self.max_loras else None
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.intake is not None:  # (a sample released by a sibling that finished before its intake did)
+                self.preparing[self.waiting.popleft()] = None
+                continue
             if adapters is not None and not admits(adapters, seq, self.max_loras):
                 break  # its adapter would be one more than the device slots: it waits its turn
             if seq.num_inflight or not self._allocate(seq):
@@ -398,7 +438,9 @@ class Scheduler:
             self._release_held(seq)  # its held samples go on without it
         # found by looking, not by status: an exception (Ctrl-C) may have left it between queues.
         # Each look is O(1) but `running`'s (at most max_num_seqs): finishing n samples is O(n).
-        if not self.waiting.discard(seq):
+        if seq in self.preparing:
+            del self.preparing[seq]
+        elif not self.waiting.discard(seq):
             key = self.held_under.pop(seq.seq_id, None)
             if key is not None:  # held for a sibling's prompt
                 group = self.held[key]

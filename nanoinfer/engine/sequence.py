@@ -44,6 +44,9 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.lora_request = None           # the request's LoRARequest (nanoinfer/lora), or None
         self.multi_modal = None            # the prompt's images (multimodal/inputs.py MultiModalInputs), or None
+        # heavy intake work still preparing it (a concurrent.futures.Future: a grammar's compile, image
+        # preprocessing), or None: the scheduler admits it only once the work is done
+        self.intake = None
 
     @property
     def lora_int_id(self) -> int:

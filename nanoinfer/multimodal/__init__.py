@@ -2,10 +2,11 @@
 Qwen3-VL: models/qwen2_5_vl.py, models/qwen3_vl.py).
 
 How an image travels:
-- intake (`processor.py`, called by engine/input_processor.py): the checkpoint's Hugging Face image
-  processor turns each image into patches; each `<|image_pad|>` placeholder of the prompt is expanded
-  to the image's token count; the request's M-RoPE positions are computed (`mrope.py`) and each image
-  gets a content hash. All of it rides on the Sequence as one `MultiModalInputs` (`inputs.py`).
+- intake (`processor.py`, called by engine/input_processor.py): each `<|image_pad|>` placeholder of
+  the prompt is expanded to the image's token count, known from its size; then, in an intake thread
+  (off the engine loop), the checkpoint's Hugging Face image processor turns each image into
+  patches, the request's M-RoPE positions are computed (`mrope.py`) and each image gets a content
+  hash. All of it rides on the Sequence as one `MultiModalInputs` (`inputs.py`).
 - scheduling: the prefix cache keys a block by its tokens and the hashes of the images it covers
   (Sequence.block_keys), so two different images never share K/V.
 - each step (`step_planner.py`, engine side): the rows' rotary positions, and which images the step's

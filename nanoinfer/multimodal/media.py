@@ -22,7 +22,9 @@ MAX_REQUEST_PIXELS = 1 << 26  # all of one conversation's images together (a sma
 
 
 class MediaLoader:
-    def __init__(self, allowed_local_media_path: str | None = None, allowed_media_domains=None):
+    def __init__(self, allowed_local_media_path: str | None = None, allowed_media_domains=None,
+                 max_image_pixels: int | None = None):
+        self.max_image_pixels = max_image_pixels  # (--max-image-pixels; None: MAX_IMAGE_PIXELS)
         self.local_root = None
         if allowed_local_media_path:
             if not isinstance(allowed_local_media_path, (str, os.PathLike)):
@@ -39,9 +41,11 @@ class MediaLoader:
 
     def load_image(self, url: str, max_pixels: int | None = None):
         """The PIL image a URL names, under the rules above, of at most `max_pixels` pixels (None:
-        MAX_IMAGE_PIXELS)."""
+        max_image_pixels)."""
         if not isinstance(url, str):
             raise TypeError(f"an image_url's url must be a str, got {type(url).__name__}")
+        cap = MAX_IMAGE_PIXELS if self.max_image_pixels is None else self.max_image_pixels
+        max_pixels = cap if max_pixels is None else min(max_pixels, cap)
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
             return decode_image(_data_url_bytes(url), max_pixels)
@@ -108,13 +112,12 @@ def decode_image(data: bytes, max_pixels: int | None = None):
     """Encoded bytes -> a loaded PIL image (RGB conversion is the image processor's); not an image,
     or an image of more than `max_pixels` (None: MAX_IMAGE_PIXELS), is a ValueError."""
     from PIL import Image
-    limit = MAX_IMAGE_PIXELS if max_pixels is None else min(max_pixels, MAX_IMAGE_PIXELS)
+    limit = MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.width * image.height > limit:
-                raise ValueError(f"the image is {image.width}x{image.height} pixels, more than {limit}"
-                                 + ("" if limit == MAX_IMAGE_PIXELS else
-                                    f" (what is left of the request's {MAX_REQUEST_PIXELS} pixels for all its images)"))
+                raise ValueError(f"the image is {image.width}x{image.height} pixels, more than {limit} (--max-image-pixels, "
+                                 f"or what is left of the request's {MAX_REQUEST_PIXELS} pixels for all its images)")
             image.load()
             return image.copy()
     except ValueError:

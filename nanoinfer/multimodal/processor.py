@@ -3,25 +3,32 @@
 prompt (`<|image_pad|>`, written once per image inside `<|vision_start|>...<|vision_end|>`) is
 expanded to the image's token count; the prompt's M-RoPE positions are computed.
 
-Every problem is a ValueError / TypeError naming it: not an image, an empty image, a placeholder
-count that differs from the image count, images for a text-only model, unknown processor options."""
+Two parts: what is cheap is decided at once (the checks, and each image's token count from its
+size, as the processor's `get_number_of_image_patches` tells without its pixels), so the prompt's
+length is known before queueing; the preprocessing itself (resizing, normalising, hashing the
+pixels) is returned as work that the engine runs in an intake thread (engine/input_processor.py).
+
+Every problem is a ValueError / TypeError naming it: not an image, an empty image, an image over
+max_image_pixels, a placeholder count that differs from the image count, images for a text-only
+model, unknown processor options."""
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import numpy as np
 import xxhash
 
 from nanoinfer.multimodal.inputs import ImageItem, MultiModalInputs
 from nanoinfer.multimodal.limits import check_item_count
+from nanoinfer.multimodal.media import MAX_IMAGE_PIXELS
 from nanoinfer.multimodal.mrope import mrope_positions
 
 # mm_processor_kwargs the processor takes (vLLM's names for Qwen2-VL's pixel bounds)
 PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
 
 
-def check_images(images) -> list:
-    """multi_modal_data["image"]: one PIL image or a non-empty list of them, each of positive size."""
+def check_images(images, max_pixels: int = MAX_IMAGE_PIXELS) -> list:
+    """multi_modal_data["image"]: one PIL image or a non-empty list of them, each of positive size
+    and at most `max_pixels` pixels."""
     from PIL import Image
     items = images if isinstance(images, (list, tuple)) else [images]
     if not items:
@@ -31,18 +38,22 @@ def check_images(images) -> list:
             raise TypeError(f"multi_modal_data['image'][{i}] must be a PIL.Image.Image, got {type(image).__name__}")
         if image.width < 1 or image.height < 1:
             raise ValueError(f"multi_modal_data['image'][{i}] is empty ({image.width}x{image.height} pixels)")
+        if image.width * image.height > max_pixels:
+            raise ValueError(f"multi_modal_data['image'][{i}] is {image.width}x{image.height} pixels, more than "
+                             f"max_image_pixels={max_pixels}")
     return list(items)
 
 
 class MultiModalProcessor:
-    def __init__(self, model_path: str, hf_config, vocab_size: int, limits: dict[str, int] | None = None):
+    def __init__(self, model_path: str, hf_config, vocab_size: int, limits: dict[str, int] | None = None,
+                 max_image_pixels: int = MAX_IMAGE_PIXELS):
         self.model_path, self.limits = model_path, limits
+        self.max_image_pixels = max_image_pixels
         self.image_token_id = hf_config.image_token_id
         self.video_token_id = getattr(hf_config, "video_token_id", None)
         self.merge = hf_config.vision_config.spatial_merge_size
         self.vocab_size = vocab_size
         self._image_processor = None
-        self._ahead: dict[int, Future] = {}  # id(multi_modal_data) -> its images' preprocessing, started by `batch`
 
     @property
     def image_processor(self):
@@ -50,36 +61,16 @@ class MultiModalProcessor:
             self._image_processor = load_image_processor(self.model_path)
         return self._image_processor
 
-    @contextmanager
-    def batch(self, prompts: list):
-        """While inside, the images of these prompts are preprocessed in threads, all at once, ahead
-        of each prompt's `process`; what is left is dropped. Only for a PIL processor: PIL and numpy
-        release the GIL, while the torchvision one is mostly Python and runs slower in threads."""
-        work = [p["multi_modal_data"] for p in prompts
-                if isinstance(p, dict) and isinstance(p.get("multi_modal_data"), dict)
-                and p["multi_modal_data"].get("image") is not None and not p.get("mm_processor_kwargs")]
-        if len(work) < 2 or not runs_on_pil(self.image_processor):
-            yield
-            return
-        with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="nanoinfer-images") as pool:
-            images = [data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]] for data in work]
-            self._ahead = {id(data): pool.submit(self._preprocess, list(ims), {}) for data, ims in zip(work, images)}
-            try:
-                yield
-            finally:
-                for future in self._ahead.values():
-                    future.cancel()
-                self._ahead = {}
-
     def process(self, token_ids: list[int], data: dict | None,
-                kwargs: dict | None) -> tuple[list[int], MultiModalInputs | None]:
-        """The prompt's token ids with each image placeholder expanded, and its MultiModalInputs (None
-        for a prompt without images)."""
+                kwargs: dict | None) -> tuple[list[int], Callable[[], MultiModalInputs] | None]:
+        """The prompt's token ids with each image placeholder expanded, and the work that makes its
+        MultiModalInputs (None for a prompt without images): cheap checks here, the preprocessing
+        in the returned work (a ValueError there fails the request)."""
         unknown = sorted(set(data or {}) - {"image"})
         if unknown:
             raise ValueError(f"multi_modal_data takes 'image' (a PIL image or a list of them); "
                              f"{unknown} are not supported")
-        images = check_images(data["image"]) if data and data.get("image") is not None else []
+        images = check_images(data["image"], self.max_image_pixels) if data and data.get("image") is not None else []
         check_item_count(self.limits, "image", len(images))
         placeholders = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if self.video_token_id is not None and self.video_token_id in token_ids:
@@ -92,20 +83,45 @@ class MultiModalProcessor:
             raise ValueError("mm_processor_kwargs given without images")
         if not images:
             return token_ids, None
-        ahead = self._ahead.pop(id(data), None)
-        pixel_values, grids, keys = ahead.result() if ahead is not None and not kwargs else \
-            self._preprocess(images, kwargs or {})
-        expanded, items = [], []
-        done = 0
-        for placeholder, pixels, grid, key in zip(placeholders, pixel_values, grids, keys):
-            expanded += token_ids[done:placeholder]
-            count = grid[0] * grid[1] * grid[2] // self.merge ** 2
-            items.append(ImageItem(len(expanded), count, key, pixels, grid))
+        kwargs = kwargs or {}
+        counts = self._token_counts(images, kwargs)
+        if counts is None:  # (a processor that cannot tell: preprocessed here)
+            done = self._preprocess(images, kwargs)
+            counts = [t * h * w // self.merge ** 2 for t, h, w in done[1]]
+            prepared = lambda: done  # noqa: E731
+        else:
+            prepared = lambda: self._preprocess(images, kwargs)  # noqa: E731
+        expanded, offsets, start = [], [], 0
+        for placeholder, count in zip(placeholders, counts):
+            expanded += token_ids[start:placeholder]
+            offsets.append(len(expanded))
             expanded += [self.image_token_id] * count
-            done = placeholder + 1
-        expanded += token_ids[done:]
-        positions, delta = mrope_positions(len(expanded), [(im.offset, *im.grid_thw) for im in items], self.merge)
-        return expanded, MultiModalInputs(tuple(items), positions, delta)
+            start = placeholder + 1
+        expanded += token_ids[start:]
+        return expanded, lambda: self._inputs(len(expanded), offsets, counts, *prepared())
+
+    def _token_counts(self, images: list, kwargs: dict) -> list[int] | None:
+        """Each image's language-model token count from its size alone, or None if the processor
+        cannot tell (then the images are preprocessed at once)."""
+        count_patches = getattr(self.image_processor, "get_number_of_image_patches", None)
+        if count_patches is None:
+            return None
+        size = processor_size(self.image_processor, kwargs)
+        try:
+            return [count_patches(image.height, image.width, {"size": size}) // self.merge ** 2 for image in images]
+        except ValueError as e:  # e.g. an aspect ratio the processor refuses
+            raise ValueError(f"multi_modal_data['image']: {e}") from None
+
+    def _inputs(self, num_tokens: int, offsets: list[int], counts: list[int], pixel_values: list,
+                grids: list, keys: list) -> MultiModalInputs:
+        """The prompt's MultiModalInputs from its images' preprocessing (in an intake thread)."""
+        items = []
+        for offset, count, pixels, grid, key in zip(offsets, counts, pixel_values, grids, keys):
+            if grid[0] * grid[1] * grid[2] // self.merge ** 2 != count:
+                raise ValueError(f"the image processor made a {grid} grid, not the {count} tokens its size gave")
+            items.append(ImageItem(offset, count, key, pixels, grid))
+        positions, delta = mrope_positions(num_tokens, [(im.offset, *im.grid_thw) for im in items], self.merge)
+        return MultiModalInputs(tuple(items), positions, delta)
 
     def _preprocess(self, images: list, kwargs: dict) -> tuple[list[np.ndarray], list[tuple[int, int, int]], list[int]]:
         """Each image's patches, (t, h, w) grid and content key, through the checkpoint's image
@@ -133,13 +149,6 @@ def image_key(image, size: dict) -> int:
         h.update(bytes(palette))
     h.update(image.tobytes())
     return h.intdigest()
-
-
-def runs_on_pil(image_processor) -> bool:
-    """Whether transformers' image processor works on PIL images (its PIL backend, or a transformers
-    4 "slow" processor) rather than torch tensors (the torchvision backend, or a 4.x "Fast" one)."""
-    names = [cls.__name__ for cls in type(image_processor).__mro__]
-    return not any("Torchvision" in name or name.endswith("Fast") for name in names)
 
 
 def processor_size(image_processor, kwargs: dict) -> dict:

@@ -249,7 +249,7 @@ def _check_request(body, model_names: Container[str], limits: ServerLimits):
 
 async def _submit(engine: EngineClient, prompts: list, body, stream: bool, lora_request=None) -> Submission:
     try:
-        params = body.to_sampling_params()
+        params = await asyncio.to_thread(body.to_sampling_params)  # (parses a structured-outputs spec)
         return await engine.submit(prompts, params, stream, priority=body.priority, lora_request=lora_request)
     except (ValueError, TypeError) as e:  # SamplingParams' and add_request's: they name the field
         name = str(e).split(" ", 1)[0]

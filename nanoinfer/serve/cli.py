@@ -101,6 +101,12 @@ def add_server_limit_args(parser: argparse.ArgumentParser):
                             "returns the whole vocabulary)")
     group.add_argument("--max-request-body-bytes", type=int, default=defaults.max_request_body_bytes,
                        help="larger request bodies get a 413")
+    group.add_argument("--max-schema-depth", type=int, default=defaults.max_schema_depth,
+                       help="deepest nesting (objects and arrays) of a request's JSON schema, tools, "
+                            "structured_outputs or response_format; deeper gets a 400")
+    group.add_argument("--max-schema-bytes", type=int, default=defaults.max_schema_bytes,
+                       help="largest JSON schema, regex, grammar, choice list or tools list of a request, "
+                            "as JSON text; larger gets a 400")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat_template in requests (rendered in a sandbox process with time and "
                             "memory limits); without it such requests get a 400")
@@ -137,7 +143,10 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         limits = ServerLimits(max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes,
-                              max_logprobs=args.max_logprobs)
+                              max_logprobs=args.max_logprobs, max_schema_depth=args.max_schema_depth,
+                              max_schema_bytes=args.max_schema_bytes)
+        from nanoinfer.structured.schema_limits import configure as configure_schema_limits
+        configure_schema_limits(args.max_schema_depth, args.max_schema_bytes)  # (StructuredOutputsParams' too)
         lora_modules = parse_lora_modules(args.lora_modules)
         if (lora_modules or args.allow_runtime_lora_updating) and not getattr(args, "enable_lora", False):
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
@@ -155,7 +164,8 @@ def serve(args: argparse.Namespace) -> int:
     renderer = None
     try:
         from nanoinfer.multimodal.media import MediaLoader
-        media = MediaLoader(options.get("allowed_local_media_path"), options.get("allowed_media_domains"))
+        media = MediaLoader(options.get("allowed_local_media_path"), options.get("allowed_media_domains"),
+                            options.get("max_image_pixels"))
         renderer = ChatRenderer(engine.tokenizer, args.trust_request_chat_template, args.chat_template_timeout,
                                 args.max_chat_template_chars, media=media)
         # a local checkpoint is served under its directory's name (clients may also use the path given)

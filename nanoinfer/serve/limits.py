@@ -4,6 +4,12 @@ by http_guards.BodyLimit) a bounded body. Each is a server flag; a request past 
 the field and its limit."""
 from dataclasses import dataclass
 
+from nanoinfer.structured.schema_limits import DEFAULT_MAX_SCHEMA_BYTES, DEFAULT_MAX_SCHEMA_DEPTH, SchemaLimits
+
+# the request fields that hold a JSON schema, a grammar or a list of choices (tools: their parameters)
+SCHEMA_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar", "tools")
+
 
 @dataclass(frozen=True)
 class ServerLimits:
@@ -13,6 +19,8 @@ class ServerLimits:
     max_stop_token_ids: int = 1024
     max_request_body_bytes: int = 8 << 20
     max_logprobs: int = 20               # vLLM's default; -1: no limit (logprobs=-1 asks for the vocabulary)
+    max_schema_depth: int = DEFAULT_MAX_SCHEMA_DEPTH   # nesting of a schema-bearing field (SCHEMA_FIELDS)
+    max_schema_bytes: int = DEFAULT_MAX_SCHEMA_BYTES   # size of one, as JSON text
 
     def __post_init__(self):
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
@@ -21,6 +29,7 @@ class ServerLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        SchemaLimits(self.max_schema_depth, self.max_schema_bytes)  # (their checks)
 
     def check(self, body) -> None:
         """Raises ValueError("<field> ...") for the first field of `body` (a completion or chat
@@ -34,6 +43,9 @@ class ServerLimits:
         if longest > self.max_stop_chars:
             raise ValueError(f"stop strings may be at most {self.max_stop_chars} characters, got {longest}")
         self._check_logprobs(body)
+        # before the tools are rendered or a schema parsed: both recurse into it
+        SchemaLimits(self.max_schema_depth, self.max_schema_bytes).check_fields(
+            {name: getattr(body, name, None) for name in SCHEMA_FIELDS})
         ids = body.stop_token_ids or []
         if len(ids) > self.max_stop_token_ids:
             raise ValueError(f"stop_token_ids may hold at most {self.max_stop_token_ids} ids, got {len(ids)}")

@@ -33,6 +33,10 @@ OPTION_HELP = {
     "max_loras": "adapters on the device at once, and most distinct adapters in a batch (default: 1)",
     "limit_mm_per_prompt": "vLLM's JSON: '{\"image\": 2}' allows at most 2 images a prompt (0 refuses images; default: no limit)",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' or '{\"model\": DRAFT_PATH, \"num_speculative_tokens\": 3}' (default: off)",
+    "max_image_pixels": "most pixels (width x height) an image may have; larger ones get a 400 before they are "
+                        "decoded (default: 67108864, 8192 x 8192)",
+    "grammar_cache_bytes": "bytes of compiled structured-output grammars kept for reuse, least recently used "
+                           "dropped first (default: 536870912, vLLM's 512 MB)",
     "max_lora_rank": "highest adapter rank accepted (default: 16)",
     "max_cpu_loras": "adapters cached in host memory (default: max_loras)",
 }

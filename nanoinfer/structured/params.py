@@ -6,13 +6,18 @@ these strings), `grammar` (EBNF / GBNF, root rule `root`), `json_object=True` (a
 JSON without free whitespace between tokens (compact output).
 
 The spec is checked here, when the request is made (a bad schema, regex or grammar is a ValueError
-naming the field), by parsing it with xgrammar; compiling it against the tokenizer happens at
-request intake (structured/compiler.py).
+naming the field): first its depth and size against the process-wide caps (schema_limits.py),
+before anything else reads it, then by parsing it with xgrammar (cheap within the caps); compiling
+it against the tokenizer, the expensive part, runs in the engine's intake workers
+(structured/intake.py).
 """
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
 
+from nanoinfer.structured.schema_limits import schema_limits
 from nanoinfer.structured.xgrammar_import import import_xgrammar
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -38,6 +43,11 @@ class StructuredOutputsParams:
                             f"got {type(self.disable_any_whitespace).__name__}")
         kind = set_kinds[0]
         value = getattr(self, kind)
+        limits = schema_limits()  # before anything recurses into the spec
+        if kind in ("regex", "grammar") and isinstance(value, str):
+            limits.check_text(f"structured_outputs.{kind}", value)
+        elif kind != "json_object":
+            limits.check_spec(f"structured_outputs.{kind}", value)
         if kind in ("json", "structural_tag"):
             if isinstance(value, str):
                 try:
@@ -76,16 +86,17 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def cache_key(self) -> tuple:
-        """What identifies the compiled grammar: JSON specs as compact JSON text, keys kept in
-        their order (a schema's property order is the output's)."""
+        """What identifies the compiled grammar: the kind and a digest of the spec (JSON specs as
+        compact JSON text, keys kept in their order: a schema's property order is the output's).
+        A digest, so that a cache of many large specs does not hold their text."""
         value = getattr(self, self.kind)
         if isinstance(value, str) and self.kind in ("json", "structural_tag"):
             value = json.loads(value)
         if isinstance(value, dict):
             value = json.dumps(value, separators=(",", ":"))
         elif isinstance(value, list):
-            value = tuple(value)
-        return self.kind, value, self.disable_any_whitespace
+            value = json.dumps(value)
+        return self.kind, _digest(str(value)), self.disable_any_whitespace
 
     def grammar_spec(self) -> tuple[str, str]:
         """(kind, text) as the grammar compiler takes it: dicts as JSON text, choice as an EBNF
@@ -99,10 +110,33 @@ class StructuredOutputsParams:
         return kind, value
 
 
-@lru_cache(maxsize=1024)  # a server sees the same few specs again and again
+CHECKED_SPECS = 1024  # digests of specs that parsed, remembered: a server sees the same few again and again
+_checked: OrderedDict = OrderedDict()
+_checked_lock = threading.Lock()
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
 def _check_spec(field: str, kind: str, text, any_whitespace: bool) -> None:
     """Parse the spec into an xgrammar Grammar (no tokenizer needed): a ValueError naming the field
-    if xgrammar refuses it."""
+    if xgrammar refuses it. Specs that parsed are remembered by digest (a bounded set)."""
+    if kind not in ("json", "regex", "grammar", "structural_tag"):
+        return  # (json_object: a fixed grammar)
+    key = (kind, _digest(text), any_whitespace)
+    with _checked_lock:
+        if key in _checked:
+            _checked.move_to_end(key)
+            return
+    _parse_spec(field, kind, text, any_whitespace)
+    with _checked_lock:
+        _checked[key] = None
+        while len(_checked) > CHECKED_SPECS:
+            _checked.popitem(last=False)
+
+
+def _parse_spec(field: str, kind: str, text, any_whitespace: bool) -> None:
     xgr = import_xgrammar()
     try:
         if kind == "json":
