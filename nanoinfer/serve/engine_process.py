@@ -189,8 +189,8 @@ class EngineCore:
         if news.admissions or news.deltas or news.finals:
             scheduler = self.llm.scheduler
             blocks = scheduler.block_manager
-            news.stats = EngineStats(len(scheduler.running), len(scheduler.waiting) + len(scheduler.held_under),
-                                     blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
+            waiting = len(scheduler.waiting) + len(scheduler.held_under) + len(scheduler.preparing)
+            news.stats = EngineStats(len(scheduler.running), waiting, blocks.num_blocks - blocks.num_free_blocks, blocks.num_blocks,
                                      scheduler.num_preemptions)
             spec = self.llm.spec_stats
             if spec is not None:
