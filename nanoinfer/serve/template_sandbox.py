@@ -44,9 +44,7 @@ class TemplateSandbox:
         proc.start()
         theirs.close()
         self._proc, self._conn = proc, ours
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, args=(proc, ours, self._ready), name="nanoinfer-sandbox-reader",
-                         daemon=True).start()
+        threading.Thread(target=self._read, args=(proc, ours), name="nanoinfer-sandbox-reader", daemon=True).start()
 
     async def render(self, kwargs: dict, timeout_s: float) -> dict:
         """render_chat(**kwargs) in a child of the zygote; ValueError for the template's errors and a
@@ -55,11 +53,9 @@ class TemplateSandbox:
         rid = next(self._ids)
         self._pending[rid] = future
         try:
-            sent = await asyncio.to_thread(self._send, rid, kwargs, timeout_s)
-            if not sent:
-                raise ValueError("the template sandbox did not start")
-            # (the zygote answers every render: its answer, its death, or its time limit; if the
-            # zygote dies, the reader fails its renders)
+            # (the pipe holds it while the zygote starts; the zygote answers every render: its
+            # answer, its death, or its time limit; if the zygote dies, the reader fails its renders)
+            await asyncio.to_thread(self._send, rid, kwargs, timeout_s)
             ok, value = await asyncio.wrap_future(future)
         finally:
             self._pending.pop(rid, None)
@@ -67,29 +63,25 @@ class TemplateSandbox:
             return value
         raise ValueError(value)
 
-    def _send(self, rid: int, kwargs: dict, timeout_s: float) -> bool:
-        if not self._ready.wait(SANDBOX_START_S):  # its start (imports, a first render) is not the template's time
-            self._restart(self._proc)
-            return False
+    def _send(self, rid: int, kwargs: dict, timeout_s: float):
         with self._lock:
             try:
                 self._conn.send((rid, kwargs, timeout_s))
-            except (OSError, ValueError) as e:  # it died meanwhile: the reader restarts it
+            except (OSError, ValueError) as e:  # it died meanwhile: the reader starts another
                 self._answer(rid, (False, f"the template sandbox stopped ({type(e).__name__})"))
-        return True
 
-    def _read(self, proc, conn, ready: threading.Event):
+    def _read(self, proc, conn):
         """This zygote's answers, until it ends; then the renders it had fail, and another starts."""
         try:
-            if conn.recv() == "ready":
-                ready.set()
-            while True:
-                rid, ok, value = conn.recv()
-                self._answer(rid, (ok, value))
+            # its start (imports, a first render) is not a template's time, but it is bounded
+            if conn.poll(SANDBOX_START_S) and conn.recv() == "ready":
+                while True:
+                    rid, ok, value = conn.recv()
+                    self._answer(rid, (ok, value))
         except (EOFError, OSError, TypeError, ValueError):
             pass
         if not self._closed:
-            logger.warning("the template sandbox stopped; starting another")
+            logger.warning("the template sandbox stopped or did not start; starting another")
             self._restart(proc)
 
     def _answer(self, rid: int, answer: tuple):
@@ -98,6 +90,7 @@ class TemplateSandbox:
             future.set_result(answer)
 
     def _restart(self, proc):
+        proc.kill()  # first: a send blocked on its pipe (holding the lock) fails now
         with self._lock:
             if self._closed or proc is not self._proc:
                 return  # closed, or replaced already
@@ -107,18 +100,17 @@ class TemplateSandbox:
             self._start()
 
     def close(self):
+        self._closed = True
+        self._proc.kill()
         with self._lock:
-            self._closed = True
             _end(self._proc, self._conn)
 
 
 def _end(proc, conn):
-    """The zygote's pipe closed (it then kills its children and exits), then it is killed anyway."""
+    """Kill the zygote (its children die with it: PR_SET_PDEATHSIG) and close its pipe."""
+    proc.kill()
+    proc.join(5)
     conn.close()
-    proc.join(2)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5)
 
 
 def _zygote_main(conn, tokenizer, max_output_chars: int, media, max_renders: int):
@@ -211,6 +203,6 @@ def _limit(timeout_s: float):
         resource.setrlimit(resource.RLIMIT_DATA, (used + SANDBOX_MEMORY_BYTES, resource.RLIM_INFINITY))
         cpu = int(timeout_s) + 5
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (ImportError, OSError, StopIteration, ValueError, AttributeError) as e:  # not Linux: the time limit holds
         logger.warning("the template sandbox runs without a memory limit: %s", e)
