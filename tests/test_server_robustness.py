@@ -137,7 +137,7 @@ def test_request_templates_render_side_by_side(server):
     (good, seconds), bomb = results[3], min(s for _, s in results[:3])
     assert good.status_code == 200, good.text
     print(f"a legitimate render beside three bombs: {seconds:.3f} s; a bomb: {bomb:.3f} s")
-    assert seconds < bomb / 2
+    assert seconds < bomb * 0.75  # (one bomb ahead of it would take it past its whole time limit)
 
 
 def test_a_trickled_body_is_cut_off(server):
