@@ -99,7 +99,7 @@ def add_server_limit_args(parser: argparse.ArgumentParser):
     group.add_argument("--max-seqs-per-request", type=int, default=defaults.max_seqs_per_request,
                        help="most sequences one request may make: its prompts x n (completions) or inputs "
                             "(embeddings)")
-    group.add_argument("--max-prompt-chars", type=int, default=None,
+    group.add_argument("--max-prompt-chars", type=int, default=argparse.SUPPRESS,
                        help="longer text prompts (and rendered chats) get a 400 before they are tokenized "
                             "(default: max_model_len x the characters of the vocabulary's longest token, "
                             "which no prompt that fits max_model_len can exceed)")
@@ -151,7 +151,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         limits = ServerLimits(max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes,
                               max_logprobs=args.max_logprobs, max_seqs_per_request=args.max_seqs_per_request,
-                              max_prompt_chars=args.max_prompt_chars)
+                              max_prompt_chars=getattr(args, "max_prompt_chars", None))
         if args.chat_template_sandbox_renders < 1 or not args.request_body_timeout > 0:
             raise ValueError("--chat-template-sandbox-renders must be >= 1 and --request-body-timeout > 0")
         lora_modules = parse_lora_modules(args.lora_modules)
