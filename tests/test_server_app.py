@@ -18,6 +18,7 @@ class StandInEngine:
     def __init__(self, path):
         self.tokenizer = load_tokenizer(path)
         self.summary = {}
+        self.max_model_len = 4096
         self.started = self.stopped = False
 
     def start(self):

@@ -19,7 +19,7 @@ TEXTS = ["Hello, my name is", "The quick brown fox", "A paged KV cache stores"]
 @pytest.fixture(scope="module")
 def embed_server(tiny_qwen3, tmp_path_factory):
     server = Server(tiny_qwen3, tmp_path_factory.mktemp("log") / "server.log", runner="pooling",
-                    scheduling_policy="priority")
+                    scheduling_policy="priority", max_seqs_per_request=20000)  # (test_many_inputs_in_one_request)
     yield server
     server.stop()
 
@@ -98,6 +98,12 @@ def test_many_inputs_in_one_request(embed_server, offline):
     want = offline.embed(TEXTS[0], PoolingParams(dimensions=4), use_tqdm=False)[0].outputs.embedding
     assert np.allclose(data[-1]["embedding"], want, atol=1e-5)
     assert len(embed_server.client().embeddings.create(model=NAME, input=TEXTS[1]).data) == 1  # still serving
+
+
+def test_inputs_are_bounded_by_max_seqs_per_request(embed_server):
+    r = httpx.post(embed_server.url + "/v1/embeddings", timeout=60, json={"input": [[5]] * 20001})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert "at most 20000" in r.text and "--max-seqs-per-request" in r.text
 
 
 def test_generation_on_a_pooling_server_is_a_400(embed_server):

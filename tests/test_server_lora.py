@@ -2,6 +2,8 @@
 NAME=PATH ...` serves each adapter under its own model name, /v1/models lists them with the base as
 their parent, a request's `model` selects its adapter (the same tokens as the offline API under
 that LoRARequest), an unknown name is a 404, and a bad adapter a 400 naming the tensor."""
+import os
+
 import httpx
 import pytest
 
@@ -85,6 +87,10 @@ def test_adapters_load_and_unload_at_runtime(server, adapters):
     assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
     r = post("/v1/load_lora_adapter", {"lora_name": "nowhere", "lora_path": "/no/such/dir"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    # no file-system probe: a file, a directory without a config and nothing at all get one message
+    messages = {post("/v1/load_lora_adapter", {"lora_name": "probe", "lora_path": path}).json()["error"]["message"]
+                .replace(repr(path), "PATH") for path in (__file__, os.path.dirname(__file__), "/no/such/dir")}
+    assert len(messages) == 1, messages
     assert post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
     r = post("/v1/unload_lora_adapter", {"lora_name": "late"})
     assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]

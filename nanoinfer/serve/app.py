@@ -21,7 +21,7 @@ from nanoinfer.serve.chat_reply import ReplyFormat
 from nanoinfer.serve.engine_client import FINAL_OUTPUTS, EngineClient, EngineDeadError, ShutdownCut, Submission
 from nanoinfer.serve.errors import APIError, add_error_handlers, error_body, error_response
 from nanoinfer.serve.http_guards import ApiKeyCheck, BodyLimit, HostCheck
-from nanoinfer.serve.limits import ServerLimits
+from nanoinfer.serve.limits import ServerLimits, prompt_chars_limit
 from nanoinfer import __version__
 from nanoinfer.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from nanoinfer.serve.metrics import ServerMetrics
@@ -45,7 +45,9 @@ def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLim
     `model` may use (e.g. the path given on the command line); /v1/models lists the served name
     and the adapters. lora_modules: LoRARequests a request selects by naming them in `model`;
     allow_lora_updating: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter."""
-    renderer = renderer or ChatRenderer(engine.tokenizer)
+    renderer = renderer or ChatRenderer(engine.tokenizer,
+                                        max_prompt_chars=prompt_chars_limit(limits, engine.tokenizer,
+                                                                            engine.max_model_len))
     engine.metrics = ServerMetrics(served_model_name)
 
     @asynccontextmanager
@@ -74,7 +76,7 @@ def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLim
         add_lora_updating_routes(app, model_names)
     if engine.summary.get("runner") == "pooling":
         from nanoinfer.serve.embeddings import add_embedding_routes
-        add_embedding_routes(app, engine, served_model_name, model_names, renderer)
+        add_embedding_routes(app, engine, served_model_name, model_names, renderer, limits)
     app.add_middleware(BodyLimit, limit=limits.max_request_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyCheck, key=api_key)
@@ -250,10 +252,24 @@ def _check_request(body, model_names: Container[str], limits: ServerLimits):
 async def _submit(engine: EngineClient, prompts: list, body, stream: bool, lora_request=None) -> Submission:
     try:
         params = await asyncio.to_thread(body.to_sampling_params)  # (parses a structured-outputs spec)
+        _check_min_tokens(params, prompts, engine.max_model_len)
         return await engine.submit(prompts, params, stream, priority=body.priority, lora_request=lora_request)
     except (ValueError, TypeError) as e:  # SamplingParams' and add_request's: they name the field
         name = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), name if name in type(body).model_fields else None) from e
+
+
+def _check_min_tokens(params, prompts: list, max_model_len: int):
+    """Without max_tokens, a request may generate up to max_model_len: min_tokens past what is left
+    after its longest prompt is refused (as vLLM, which fills in that max_tokens first)."""
+    if params.max_tokens is not None or not params.min_tokens:
+        return
+    lengths = [len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) for p in prompts
+               if isinstance(p, list) or isinstance(p, dict) and "prompt_token_ids" in p]
+    room = max_model_len - max(lengths, default=0)
+    if params.min_tokens > room:
+        raise ValueError(f"min_tokens must be at most max_tokens, which defaults to max_model_len - the prompt's "
+                         f"tokens = {room}, got {params.min_tokens}")
 
 
 async def _outputs(engine: EngineClient, sub: Submission, request: Request) -> list[RequestOutput] | Response:

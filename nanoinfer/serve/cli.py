@@ -10,7 +10,7 @@ import typing
 from dataclasses import MISSING, fields
 
 from nanoinfer.config import Config
-from nanoinfer.serve.limits import ServerLimits
+from nanoinfer.serve.limits import ServerLimits, prompt_chars_limit
 from nanoinfer.serve.option_help import OPTION_HELP
 from nanoinfer.serve.chat_reply import TOOL_CALL_PARSERS
 from nanoinfer.serve.reasoning import PARSERS
@@ -96,6 +96,13 @@ def add_server_limit_args(parser: argparse.ArgumentParser):
     group = parser.add_argument_group("limits and exposure")
     defaults = ServerLimits()
     group.add_argument("--max-n", type=int, default=defaults.max_n, help="most samples (n) a request may ask for")
+    group.add_argument("--max-seqs-per-request", type=int, default=defaults.max_seqs_per_request,
+                       help="most sequences one request may make: its prompts x n (completions) or inputs "
+                            "(embeddings)")
+    group.add_argument("--max-prompt-chars", type=int, default=argparse.SUPPRESS,
+                       help="longer text prompts (and rendered chats) get a 400 before they are tokenized "
+                            "(default: max_model_len x the characters of the vocabulary's longest token, "
+                            "which no prompt that fits max_model_len can exceed)")
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
                        help="most logprobs / top_logprobs a request may ask for; -1: no limit (then logprobs=-1 "
                             "returns the whole vocabulary)")
@@ -112,6 +119,9 @@ def add_server_limit_args(parser: argparse.ArgumentParser):
                             "memory limits); without it such requests get a 400")
     group.add_argument("--chat-template-timeout", type=float, default=5.0,
                        help="seconds a chat template may take to render before its request gets a 400")
+    group.add_argument("--chat-template-sandbox-renders", type=int, default=4,
+                       help="request templates (--trust-request-chat-template) rendering at once, each in its own "
+                            "sandbox process; more wait for one to finish")
     group.add_argument("--max-chat-template-chars", type=int, default=1 << 22,
                        help="most characters a chat template render may write")
     group.add_argument("--allowed-hosts", default=None,
@@ -129,6 +139,9 @@ def add_server_limit_args(parser: argparse.ArgumentParser):
                             "(default: $NANOINFER_API_KEY, else none)")
     group.add_argument("--header-timeout", type=float, default=10.0,
                        help="seconds a connection has to send its request headers before it is closed")
+    group.add_argument("--request-body-timeout", type=float, default=60.0,
+                       help="seconds a request has to send its whole body once its headers are in; then its "
+                            "connection is closed")
     group.add_argument("--timeout-keep-alive", type=int, default=5,
                        help="seconds an idle keep-alive connection stays open (uvicorn's setting)")
 
@@ -144,9 +157,12 @@ def serve(args: argparse.Namespace) -> int:
     try:
         limits = ServerLimits(max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes,
                               max_logprobs=args.max_logprobs, max_schema_depth=args.max_schema_depth,
-                              max_schema_bytes=args.max_schema_bytes)
+                              max_schema_bytes=args.max_schema_bytes, max_seqs_per_request=args.max_seqs_per_request,
+                              max_prompt_chars=getattr(args, "max_prompt_chars", None))
         from nanoinfer.structured.schema_limits import configure as configure_schema_limits
         configure_schema_limits(args.max_schema_depth, args.max_schema_bytes)  # (StructuredOutputsParams' too)
+        if args.chat_template_sandbox_renders < 1 or not args.request_body_timeout > 0:
+            raise ValueError("--chat-template-sandbox-renders must be >= 1 and --request-body-timeout > 0")
         lora_modules = parse_lora_modules(args.lora_modules)
         if (lora_modules or args.allow_runtime_lora_updating) and not getattr(args, "enable_lora", False):
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
@@ -167,7 +183,9 @@ def serve(args: argparse.Namespace) -> int:
         media = MediaLoader(options.get("allowed_local_media_path"), options.get("allowed_media_domains"),
                             options.get("max_image_pixels"))
         renderer = ChatRenderer(engine.tokenizer, args.trust_request_chat_template, args.chat_template_timeout,
-                                args.max_chat_template_chars, media=media)
+                                args.max_chat_template_chars, media=media,
+                                max_prompt_chars=prompt_chars_limit(limits, engine.tokenizer, engine.max_model_len),
+                                sandbox_renders=args.chat_template_sandbox_renders)
         # a local checkpoint is served under its directory's name (clients may also use the path given)
         default_name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
         allowed = default_allowed_hosts(args.host) if args.allowed_hosts is None else \
@@ -183,7 +201,7 @@ def serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: sys.exit(0))
         http_server.run(app, engine, args.host, args.port, args.log_level, args.shutdown_timeout,
-                        args.header_timeout, args.timeout_keep_alive)
+                        args.header_timeout, args.timeout_keep_alive, args.request_body_timeout)
     finally:
         if renderer is not None:
             renderer.close()

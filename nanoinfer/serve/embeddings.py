@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from nanoinfer.pooling import PoolingParams
 from nanoinfer.serve.app import _check_model, _outputs
 from nanoinfer.serve.errors import APIError
+from nanoinfer.serve.limits import ServerLimits
 
 
 class EmbeddingRequest(BaseModel):
@@ -61,11 +62,13 @@ def _encode(vector, encoding_format: str) -> list[float] | str:
     return np.asarray(vector).tolist()
 
 
-def add_embedding_routes(app: FastAPI, engine, served_model_name: str, model_names: tuple[str, ...], renderer):
+def add_embedding_routes(app: FastAPI, engine, served_model_name: str, model_names: tuple[str, ...], renderer,
+                         limits: ServerLimits = ServerLimits()):
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
         _check_model(body.model, model_names)
         try:
+            limits.check_sequences(len(body.prompts()), field="input")
             params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
             prompts = await renderer.tokenize(body.prompts())
             sub = await engine.submit(prompts, params, False, priority=body.priority,

@@ -25,8 +25,13 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
-    return ErrorResponse(error=ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "APIError"),
-                                         param=param, code=status))
+    return ErrorResponse(error=ErrorInfo(message=_utf8(message), type=_ERROR_TYPES.get(status, "APIError"),
+                                         param=None if param is None else _utf8(param), code=status))
+
+
+def _utf8(text: str) -> str:
+    """`text` with what UTF-8 cannot write (a lone surrogate a request sent, quoted back) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

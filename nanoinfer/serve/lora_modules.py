@@ -74,9 +74,11 @@ class ServedModels:
 def check_adapter_files(path: str):
     """The adapter directory holds a readable config and the weights file (file reads: the server
     calls this in a worker thread)."""
-    from nanoinfer.lora.peft_adapter import WEIGHTS_FILE, read_adapter_config
+    from nanoinfer.lora.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter_config
     if not path:
         raise ValueError("lora_path must be non-empty")
+    if not os.path.isfile(os.path.join(path, CONFIG_FILE)):  # one answer: no probing of what exists where
+        raise ValueError(f"LoRA adapter {path!r} is not a directory holding an {CONFIG_FILE}")
     read_adapter_config(path)
     if not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
         raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")

@@ -78,11 +78,13 @@ class _GenerationRequest(BaseModel):
                  if getattr(self, name) is not None}
         bias = None
         if self.logit_bias:
-            try:
-                bias = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise ValueError("logit_bias keys must be token ids (integers as strings), got "
-                                 f"{next(k for k in self.logit_bias if not k.strip().lstrip('-').isdigit())!r}") from None
+            bias = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    bias[int(key)] = value
+                except ValueError:
+                    raise ValueError(f"logit_bias keys must be token ids (integers as strings), got {key[:50]!r}") \
+                        from None
         fields = {name: getattr(self, name, None) for name in _CONSTRAINING_FIELDS}
         constraint = structured_outputs_for_request(fields)  # ValueError naming the field
         return SamplingParams(
