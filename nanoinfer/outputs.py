@@ -9,6 +9,9 @@ class Logprob:
     decoded_token: str | None = None
 
 
+NON_FINITE_REASON = "non-finite logits"  # a sample's "error" stop_reason when the model output NaN / inf
+
+
 @dataclass
 class CompletionOutput:
     index: int                          # which of the request's n completions
@@ -16,8 +19,10 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None    # sum of the sampled tokens' logprobs (when logprobs asked)
     logprobs: list[dict[int, Logprob]] | None  # per token: sampled token + top-N (when asked)
-    finish_reason: str | None = None    # "stop" | "length" | "abort" | "error" (non-finite logits); None while running
-    stop_reason: int | str | None = None  # the stop string or stop token id; None for EOS / length
+    finish_reason: str | None = None    # "stop" | "length" | "abort" | "error"; None while running
+    # the stop string or stop token id; None for EOS / length; with "error", what failed
+    # (NON_FINITE_REASON, or the message of the request's failed intake work)
+    stop_reason: int | str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -38,6 +38,7 @@ from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
 from nanoinfer.engine.wait_queue import PriorityWaitQueue, WaitQueue, priority_key
+from nanoinfer.outputs import NON_FINITE_REASON
 from nanoinfer.lora.admission import admits, running_adapters
 
 
@@ -368,7 +369,7 @@ class Scheduler:
             if status is SequenceStatus.FINISHED:
                 continue  # aborted, or stopped while this step was in flight: a wasted row
             if token_id < 0 and samples:  # NON_FINITE: the row's logits were NaN / inf
-                ending[row] = ("error", "non-finite logits")  # (its K/V are not cached either)
+                ending[row] = ("error", NON_FINITE_REASON)  # (its K/V are not cached either)
                 continue
             if runs and row in runs:
                 counts[row] = self._append_run(seq, batch.query_lens[row], runs[row], row, ending)

@@ -14,7 +14,7 @@ from fastapi.responses import PlainTextResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 
-from nanoinfer.outputs import RequestOutput
+from nanoinfer.outputs import NON_FINITE_REASON, RequestOutput
 from nanoinfer.serve import convert
 from nanoinfer.serve.chat_renderer import ChatRenderer, RenderRefused
 from nanoinfer.serve.chat_reply import ReplyFormat
@@ -294,9 +294,23 @@ async def _outputs(engine: EngineClient, sub: Submission, request: Request) -> l
     if not done.done() or done.cancelled():
         return Response(status_code=499)  # the client closed the request: nobody reads this
     done.result()  # the engine's error, if any
-    if any(c.finish_reason == "error" for out in outputs if isinstance(out, RequestOutput) for c in out.outputs):
-        raise APIError(500, NON_FINITE_MESSAGE)
+    failure = _failure(c for out in outputs if isinstance(out, RequestOutput) for c in out.outputs)
+    if failure is not None:
+        raise APIError(*failure)
     return outputs
+
+
+def _failure(completions) -> tuple[int, str] | None:
+    """The error of a request whose sample finished with "error": a 500 if the model output
+    non-finite logits, else a 400 with the reason its intake failed (a grammar that does not
+    compile, an image that does not decode)."""
+    for c in completions:
+        if getattr(c, "finish_reason", None) == "error":
+            reason = getattr(c, "stop_reason", None)
+            if isinstance(reason, str) and reason != NON_FINITE_REASON:
+                return 400, reason
+            return 500, NON_FINITE_MESSAGE
+    return None
 
 
 def _event_stream(engine: EngineClient, chunks: AsyncIterator[BaseModel], sub: Submission) -> EventSourceResponse:
@@ -306,9 +320,10 @@ def _event_stream(engine: EngineClient, chunks: AsyncIterator[BaseModel], sub: S
         complete = False
         try:
             async for chunk in chunks:
-                if any(getattr(c, "finish_reason", None) == "error" for c in chunk.choices):
+                failure = _failure(chunk.choices)
+                if failure is not None:
                     complete = True  # (the request's other samples are aborted below)
-                    yield format_sse_event(data_str=error_body(500, NON_FINITE_MESSAGE).model_dump_json())
+                    yield format_sse_event(data_str=error_body(*failure).model_dump_json())
                     break
                 yield format_sse_event(data_str=chunk.model_dump_json(exclude_unset=True))
             else:
