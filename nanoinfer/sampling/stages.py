@@ -44,7 +44,10 @@ def apply_grammar(logits: torch.Tensor, t: SamplingTensors) -> None:
 
 def apply_suppression(logits: torch.Tensor, t: SamplingTensors) -> None:
     """Bad words (their banned last tokens) and min_tokens (EOS and stop ids) -> -inf."""
-    logits[t.suppress_rows, t.suppress_tokens] = float("-inf")
+    if t.suppress_rows is not None:
+        logits[t.suppress_rows, t.suppress_tokens] = float("-inf")
+    if t.banned_rows is not None:
+        logits[t.banned_rows, t.banned_tokens] = float("-inf")
 
 
 def apply_logit_bias(logits: torch.Tensor, t: SamplingTensors) -> None:
@@ -80,6 +83,7 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
 PROCESSORS = Stage("logits_processors", lambda t: t.processors is not None, apply_processors)
 ALLOWED_TOKENS = Stage("allowed_token_ids", lambda t: t.allowed_rows is not None, apply_allowed_tokens)
 GRAMMAR = Stage("structured_outputs", lambda t: t.grammar_rows is not None, apply_grammar)
-SUPPRESSION = Stage("bad_words, min_tokens", lambda t: t.suppress_rows is not None, apply_suppression)
+SUPPRESSION = Stage("bad_words, min_tokens", lambda t: t.suppress_rows is not None or t.banned_rows is not None,
+                    apply_suppression)
 LOGIT_BIAS = Stage("logit_bias", lambda t: t.bias_rows is not None, apply_logit_bias)
 PENALTIES = Stage("penalties", lambda t: t.pen_tokens is not None, apply_penalties)
