@@ -420,8 +420,9 @@ class LLMEngine:
         for seq in seqs:
             req = self.requests[seq.request_id]
             if seq.finish_reason == "error":
-                logger.warning("request %d (sample %d) failed: the model produced non-finite logits (NaN or inf)",
-                               req.request_id, seq.index)
+                logger.warning("request %d (sample %d) failed: no token could be sampled (the model produced "
+                               "non-finite logits, its constraints masked every token, or its logits processor "
+                               "raised)", req.request_id, seq.index)
             self.output_processor.mark_finished(req, seq, now)
             if not req.keep_output and seq.finish_reason != "abort":
                 self._unreported.append((seq.seq_id, seq.completion_token_ids))

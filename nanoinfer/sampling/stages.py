@@ -5,12 +5,15 @@ touches only the rows that asked for it, batched over those rows; vocabulary-siz
 the device.
 """
 import inspect
+import logging
 
 import torch
 
 from nanoinfer.sampling.stage import Stage
 from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.structured.bitmask import apply_token_bitmask
+
+logger = logging.getLogger("nanoinfer")
 
 
 def _num_params(fn) -> int:
@@ -22,12 +25,19 @@ def _num_params(fn) -> int:
 
 def apply_processors(logits: torch.Tensor, t: SamplingTensors) -> None:
     """vLLM's per-request logits processors: fn(output_ids, row), or fn(prompt_ids, output_ids,
-    row) when it takes three parameters; each returns the row to use."""
+    row) when it takes three parameters; each returns the row to use. One that raises (or returns
+    what does not fit the row) fails its own request only: the row is left with no token to sample,
+    which the pipeline marks NON_FINITE, and the engine finishes the request with "error"."""
     for row, fns, prompt_ids, output_ids in t.processors:
-        x = logits[row]
-        for fn in fns:
-            x = fn(prompt_ids, list(output_ids), x) if _num_params(fn) == 3 else fn(list(output_ids), x)
-        logits[row] = x
+        try:
+            x = logits[row]
+            for fn in fns:
+                x = fn(prompt_ids, list(output_ids), x) if _num_params(fn) == 3 else fn(list(output_ids), x)
+            logits[row] = x
+        except Exception as e:
+            logger.warning("a logits processor raised on sampling row %d; its request fails: %s: %s",
+                           row, type(e).__name__, e)
+            logits[row] = float("-inf")
 
 
 def apply_allowed_tokens(logits: torch.Tensor, t: SamplingTensors) -> None:
