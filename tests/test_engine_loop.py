@@ -203,6 +203,21 @@ def test_an_exception_in_a_logits_processor_fails_only_its_request(tiny_qwen3, o
             done.update(llm.step()[0])
         assert [done[rid] for rid in rids] == expected and len(done[bad_id]) == 3
         assert bm.num_free_blocks == bm.num_blocks
+        # sampling itself raising (as a device error would) fails the step: generate() raises, the
+        # engine is left clean and serves on
+        real_sample, sampled = llm.model_runner.sampler.sample, []
+
+        def sample(*args):
+            sampled.append(1)
+            if len(sampled) == 4:
+                raise RuntimeError("sampling failed")
+            return real_sample(*args)
+        llm.model_runner.sampler.sample = sample
+        with pytest.raises(RuntimeError, match="sampling failed"):
+            llm.generate(prompts, greedy, use_tqdm=False)
+        assert llm.is_finished() and not llm.requests
+        assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+        assert [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
     finally:
         llm.exit()
 

@@ -118,6 +118,24 @@ def test_constraints_are_freed_with_their_params_and_resent_after_an_unscheduled
     assert not rank.store.held
 
 
+def test_a_registry_beside_its_store_reads_what_it_holds():
+    """A draft model's registry reads its in-process store: a plan whose launch failed before the
+    store got it is sent again without unschedule(); a dropped key is freed at once."""
+    store = TokenConstraintStore(CPU)
+    registry = TokenConstraintRegistry(store=store)
+    sp = SamplingParams(allowed_token_ids=[3, 4])
+    plan = build_sampling_plan([FakeSeq(sp)], V, EOS, constraints=registry)  # (never launched)
+    plan = build_sampling_plan([FakeSeq(sp)], V, EOS, constraints=registry)
+    [key] = plan.new_constraints
+    SamplingTensors.from_plan(plan, CPU, None, None, store)
+    assert build_sampling_plan([FakeSeq(sp)], V, EOS, constraints=registry).new_constraints is None
+    del sp, plan
+    gc.collect()
+    assert key in store.held
+    assert build_sampling_plan([FakeSeq(SamplingParams())], V, EOS, constraints=registry).dropped_constraints is None
+    assert not store.held
+
+
 def test_bad_word_index_follows_vllms_rule():
     """A word's last token is banned when the output ends with the tokens before it (a one-token
     word always: those are sent as constraints), compared with the rule written out per word."""

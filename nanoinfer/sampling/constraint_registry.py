@@ -75,11 +75,14 @@ def _fields(sp) -> tuple:
 
 class TokenConstraintRegistry:
     """One per sampling rank's store (the engine's StepEncoder; a draft model's proposer).
-    `ephemeral`: a registry for one plan only (tests, benchmarks, draft steps): every key it sends
-    is dropped again after that step."""
+    `ephemeral`: a registry for one plan only (tests, benchmarks): every key it sends is dropped
+    again after that step. `store`: the store itself, when it is in this process (a draft model's
+    runner): what it holds is read there, and dropped keys are freed there at once, so a launch that
+    fails needs no unschedule()."""
 
-    def __init__(self, ephemeral: bool = False):
+    def __init__(self, ephemeral: bool = False, store=None):
         self.ephemeral = ephemeral
+        self._store = store
         self._entries: dict[int, _Entry] = {}  # id(SamplingParams) -> its entry, while the object lives
         self._new: dict[int, _Entry] = {}  # key -> the entries the next plan sends
         self._dropped: list[int] = []  # keys whose SamplingParams are gone (appended by finalizers)
@@ -102,7 +105,7 @@ class TokenConstraintRegistry:
         e = self._entry(sp)
         if e.constraints is None:
             return None
-        if not e.sent:
+        if not (e.sent if self._store is None else e.key in self._store.held):
             self._new[e.key] = e
         return e.key
 
@@ -119,6 +122,9 @@ class TokenConstraintRegistry:
         if self.ephemeral:
             dropped = dropped + list(new)
             self._entries.clear()
+        elif self._store is not None:
+            self._store.drop(dropped)
+            dropped = []
         self._last = (list(new.values()), dropped)
         return {k: e.constraints for k, e in new.items()} or None, dropped or None
 
