@@ -230,8 +230,18 @@ class SamplingParams:
         """needs_host_tokens, less a grammar: the engine fills a grammar's mask after launching the
         step's forward, once the previous step's token has reached the host
         (structured/step_masks.py), so a structured request alone runs every step."""
-        return bool(self.logits_processors) or \
-            (self.bad_words_token_ids is not None and any(len(w) > 1 for w in self.bad_words_token_ids))
+        return bool(self.logits_processors) or self._has_multi_token_bad_words()
+
+    def _has_multi_token_bad_words(self) -> bool:
+        """Whether a bad word encodes to several tokens: read once per bad_words_token_ids list (the
+        scheduler asks every step)."""
+        words = self.bad_words_token_ids
+        if not words:
+            return False
+        cached = self.__dict__.get("_multi_token_words")
+        if cached is None or cached[0] is not words:
+            cached = self.__dict__["_multi_token_words"] = (words, any(len(w) > 1 for w in words))
+        return cached[1]
 
     def with_bad_words_token_ids(self, tokenizer) -> "SamplingParams":
         """A copy with `bad_words` encoded by vLLM's rule: each word with and without a leading
