@@ -79,22 +79,24 @@ def test_the_plan_carries_a_requests_constraints_once():
     assert len(pickle.dumps(second)) < 2000 < BIG < len(pickle.dumps(first))
 
 
-def test_constraints_match_the_plan_that_sent_them_all():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_constraints_match_the_plan_that_sent_them_all(device):
     """Tokens sampled with a registry's keys equal those of a plan that sends everything
-    (SamplingTensors.build), step after step, as rows join and leave."""
+    (SamplingTensors.build), step after step, as rows join and leave, seeded rows included."""
+    device = torch.device(device)
     torch.manual_seed(0)
     sps = [SamplingParams(temperature=0, logit_bias={5: 30.0, 9: -100.0}),
-           SamplingParams(temperature=0, allowed_token_ids=[2, 4, 6, 8]),
+           SamplingParams(temperature=0.9, seed=4, allowed_token_ids=[2, 4, 6, 8], logit_bias={4: 0.3}),
            SamplingParams(temperature=0), SamplingParams(temperature=0, bad_words=["w"])]
     sps[3].bad_words_token_ids = [[11], [12], [4, 13]]
-    rank = Rank()
+    registry, store, columns = TokenConstraintRegistry(), TokenConstraintStore(device), ColumnCache(device)
     for step in range(6):
         seqs = [FakeSeq(sps[i], output=[4] * (step % 2)) for i in range(len(sps)) if (i + step) % 3]
-        logits = torch.randn(len(seqs), 40)
+        logits = torch.randn(len(seqs), 40, device=device)
         logits[:, 11:14] += 20.0
-        want, _ = sample_logits(logits, SamplingTensors.build(seqs, 40, EOS, CPU))
+        want, _ = sample_logits(logits, SamplingTensors.build(seqs, 40, EOS, device))
         got, _ = sample_logits(logits, SamplingTensors.from_plan(
-            build_sampling_plan(seqs, 40, EOS, constraints=rank.registry), CPU, None, rank.columns, rank.store))
+            build_sampling_plan(seqs, 40, EOS, constraints=registry), device, None, columns, store))
         assert got.tolist() == want.tolist()
 
 
