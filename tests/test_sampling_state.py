@@ -153,10 +153,12 @@ def test_bad_word_index_follows_vllms_rule():
 
     for _ in range(300):
         sp = SamplingParams()
-        sp.bad_words_token_ids = [[rng.randrange(4) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 6))]
+        sp.bad_words_token_ids = [[rng.randrange(4) for _ in range(rng.randint(1, 4))]
+                                  for _ in range(rng.randint(1, 6))]
         tokens = [rng.randrange(4) for _ in range(rng.randint(1, 8))]
         prompt = rng.randint(0, len(tokens))
-        assert sorted(banned_after(bad_word_index(sp), tokens, prompt)) == reference(sp.bad_words_token_ids, tokens, prompt)
+        want = reference(sp.bad_words_token_ids, tokens, prompt)
+        assert sorted(banned_after(bad_word_index(sp), tokens, prompt)) == want
 
 
 def test_rows_left_without_a_token_are_marked_and_the_others_sample():

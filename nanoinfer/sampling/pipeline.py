@@ -47,7 +47,8 @@ def _stages_for(t: SamplingTensors, pipeline) -> list[Stage]:
     raise ValueError(f"no end of the sampling pipeline applies: {[s.name for s in pipeline]}")
 
 
-def mark_non_finite_rows(logits: torch.Tensor, tokens: torch.Tensor, edited: torch.Tensor | None = None) -> torch.Tensor:
+def mark_non_finite_rows(logits: torch.Tensor, tokens: torch.Tensor,
+                         edited: torch.Tensor | None = None) -> torch.Tensor:
     """The pipeline's tokens, NON_FINITE where the row's raw logits hold a NaN or +inf (or are all
     -inf), as the fused kernel marks them: one max per row (it propagates NaN); and, given the
     `edited` logits, where the row's constraints left no token above -inf (allowed ids, bad words
@@ -81,4 +82,5 @@ def sample_logits(logits: torch.Tensor, t: SamplingTensors, pipeline=PIPELINE) -
         stage.run(logits, t)
     tokens = todo[-1].run(logits, t)
     logprobs = None if lp is None else gather_logprobs(lp, tokens, t)
-    return mark_non_finite_rows(raw, tokens.to(torch.int64), logits if len(todo) > 1 else None), logprobs
+    edited = logits if len(todo) > 1 else None
+    return mark_non_finite_rows(raw, tokens.to(torch.int64), edited), logprobs

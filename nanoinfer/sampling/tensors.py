@@ -3,8 +3,9 @@
 The engine builds a SamplingPlan (plain lists, one Python loop over the batch: sampling/plan.py);
 the rank that samples turns it into these: [B]-sized temperatures and filters, and, only for the rows
 that use them, penalty histories, suppressed tokens (min_tokens, bad words), allowed tokens, logit
-biases (those three kept on the device per request: sampling/constraint_store.py), grammar bitmasks (structured outputs), seeds, logprob requests and logits processors. A
-field is None when no row uses it, which is how a pipeline stage knows, on the host, whether it
+biases (allowed ids, biases and one-token bad words kept on the device per request:
+sampling/constraint_store.py), grammar bitmasks (structured outputs), seeds, logprob requests and
+logits processors. A field is None when no row uses it, which is how a pipeline stage knows, on the host, whether it
 applies. Vocabulary-sized work happens only on the device.
 """
 from dataclasses import dataclass
