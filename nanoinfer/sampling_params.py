@@ -53,7 +53,10 @@ class SamplingParams:
     last token of each word's encoding (with and without a leading space) is banned wherever the
     tokens before it were just generated. logits_processors: callables
     `(output_token_ids, logits_row) -> logits_row` (or `(prompt_token_ids, output_token_ids,
-    logits_row)`), run on this request's row before sampling.
+    logits_row)`), run on this request's row before sampling; one that raises fails this request
+    alone (finish_reason "error", the error logged), where vLLM's engine would fail every request.
+    Options that leave no token to sample (allowed_token_ids or bad_words that exclude everything
+    structured_outputs allows) also finish the request with finish_reason "error".
     skip_special_tokens: drop special tokens from text; spaces_between_special_tokens: put spaces
     around them (tokenizers that support it). detokenize=False: no text (token ids only; no stop
     strings). truncate_prompt_tokens: keep only the last k prompt tokens (-1: max_model_len).
