@@ -87,6 +87,7 @@ class TokenConstraintRegistry:
         self._new: dict[int, _Entry] = {}  # key -> the entries the next plan sends
         self._dropped: list[int] = []  # keys whose SamplingParams are gone (appended by finalizers)
         self._last: tuple[list[_Entry], list[int]] = ([], [])  # the last plan's sent entries and drops
+        self._plan_keys: dict[int, int | None] = {}  # id(SamplingParams) -> key, for the plan being built
 
     def _entry(self, sp) -> _Entry:
         e = self._entries.get(id(sp))
@@ -94,20 +95,28 @@ class TokenConstraintRegistry:
             e = self._entries[id(sp)] = _Entry(sp)
             if not self.ephemeral:
                 weakref.finalize(sp, self._forget, id(sp))
-        elif any(a is not b for a, b in zip(e.fields, _fields(sp))):  # a field was replaced: anew
+        elif e.fields[0] is not sp.allowed_token_ids or e.fields[1] is not sp.logit_bias \
+                or e.fields[2] is not sp.bad_words_token_ids:  # a field was replaced: anew
             self._forget(id(sp))
             e = self._entries[id(sp)] = _Entry(sp)
         return e
 
+    def start_plan(self) -> None:
+        """A plan is being built (the last one may have raised before take_updates)."""
+        self._plan_keys.clear()
+
     def key_for(self, sp) -> int | None:
         """The key of the constraints of `sp` (None: it has none); the next plan sends them if the
         rank has not got them."""
+        key = self._plan_keys.get(id(sp), 0)  # (the rows of a request share their SamplingParams)
+        if key != 0:
+            return key
         e = self._entry(sp)
-        if e.constraints is None:
-            return None
-        if not (e.sent if self._store is None else e.key in self._store.held):
-            self._new[e.key] = e
-        return e.key
+        key = None if e.constraints is None else e.key
+        if key is not None and not (e.sent if self._store is None else key in self._store.held):
+            self._new[key] = e
+        self._plan_keys[id(sp)] = key
+        return key
 
     def banned_after(self, sp, token_ids: list[int], num_prompt: int) -> list[int]:
         """The tokens the multi-token bad words of `sp` ban next, after these tokens."""
@@ -117,6 +126,7 @@ class TokenConstraintRegistry:
         """For the plan being built: the constraints to send and the keys to drop (None: none)."""
         new, self._new = self._new, {}
         dropped, self._dropped = self._dropped, []
+        self._plan_keys.clear()
         for e in new.values():
             e.sent = True
         if self.ephemeral:

@@ -41,6 +41,7 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
     and has them dropped after its step."""
     if constraints is None:
         constraints = TokenConstraintRegistry(ephemeral=True)
+    constraints.start_plan()
     counted = samples or [False] * len(seqs)
     pen, supp_rows, supp_toks, seeded, keys, lp_rows, lp_counts = [], [], [], [], [], [], []
     c_rows, c_keys, procs, grammar_rows, grammar_seqs = [], [], [], [], []
