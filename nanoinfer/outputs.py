@@ -9,7 +9,9 @@ class Logprob:
     decoded_token: str | None = None
 
 
-NON_FINITE_REASON = "non-finite logits"  # a sample's "error" stop_reason when the model output NaN / inf
+# a sample's "error" stop_reason when no token could be sampled for it: the model output NaN / inf,
+# its constraints (allowed ids, bad words, a grammar) masked every token, or its logits processor raised
+NON_FINITE_REASON = "no token could be sampled (non-finite logits, every token masked, or a logits processor raised)"
 
 
 @dataclass

@@ -53,7 +53,10 @@ class SamplingParams:
     last token of each word's encoding (with and without a leading space) is banned wherever the
     tokens before it were just generated. logits_processors: callables
     `(output_token_ids, logits_row) -> logits_row` (or `(prompt_token_ids, output_token_ids,
-    logits_row)`), run on this request's row before sampling.
+    logits_row)`), run on this request's row before sampling; one that raises fails this request
+    alone (finish_reason "error", the error logged), where vLLM's engine would fail every request.
+    Options that leave no token to sample (allowed_token_ids or bad_words that exclude everything
+    structured_outputs allows) also finish the request with finish_reason "error".
     skip_special_tokens: drop special tokens from text; spaces_between_special_tokens: put spaces
     around them (tokenizers that support it). detokenize=False: no text (token ids only; no stop
     strings). truncate_prompt_tokens: keep only the last k prompt tokens (-1: max_model_len).
@@ -230,8 +233,18 @@ class SamplingParams:
         """needs_host_tokens, less a grammar: the engine fills a grammar's mask after launching the
         step's forward, once the previous step's token has reached the host
         (structured/step_masks.py), so a structured request alone runs every step."""
-        return bool(self.logits_processors) or \
-            (self.bad_words_token_ids is not None and any(len(w) > 1 for w in self.bad_words_token_ids))
+        return bool(self.logits_processors) or self._has_multi_token_bad_words()
+
+    def _has_multi_token_bad_words(self) -> bool:
+        """Whether a bad word encodes to several tokens: read once per bad_words_token_ids list (the
+        scheduler asks every step)."""
+        words = self.bad_words_token_ids
+        if not words:
+            return False
+        cached = self.__dict__.get("_multi_token_words")
+        if cached is None or cached[0] is not words:
+            cached = self.__dict__["_multi_token_words"] = (words, any(len(w) > 1 for w in words))
+        return cached[1]
 
     def with_bad_words_token_ids(self, tokenizer) -> "SamplingParams":
         """A copy with `bad_words` encoded by vLLM's rule: each word with and without a leading

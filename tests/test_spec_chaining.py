@@ -113,9 +113,11 @@ def test_chained_rows_give_plain_decoding_under_random_workloads(tiny_qwen3, dra
 
 
 def test_a_step_undone_after_the_step_it_chained_onto_was_processed(tiny_qwen3, draft_near):
-    """A logits processor raising beside a structured request (its masks sample eagerly): the step is
-    undone after the one before it was processed, and a chained row's progress is given back by its
-    length. The engine keeps serving: the greedy request then ends as plain decoding does."""
+    """Sampling that raises in a step with a logits processor beside a structured request (its
+    masks sample eagerly): the step is undone after the one before it was processed, and a chained
+    row's progress is given back by its length. The engine keeps serving: the greedy request then
+    ends as plain decoding does. (A raising logits processor fails only its own request now: the
+    sampler itself raises here, as a device error would.)"""
     from nanoinfer import StructuredOutputsParams
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -127,6 +129,7 @@ def test_a_step_undone_after_the_step_it_chained_onto_was_processed(tiny_qwen3, 
     llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=256,
               speculative_config={"model": draft_near, "num_speculative_tokens": 3})
     raised = 0
+    real_sample = llm.model_runner.sampler.sample
     try:
         for on_call in range(2, 8):
             calls = []
@@ -134,8 +137,17 @@ def test_a_step_undone_after_the_step_it_chained_onto_was_processed(tiny_qwen3, 
             def failing(out, logits, calls=calls, on_call=on_call):
                 calls.append(len(out))
                 if len(calls) == on_call:
-                    raise RuntimeError("processor failed")
+                    raise_in_sampling.append(True)
                 return logits
+
+            def sample(step, sample, args, logits):  # raises in the step whose processor asked
+                sampled = real_sample(step, sample, args, logits)
+                if raise_in_sampling:
+                    raise_in_sampling.clear()
+                    raise RuntimeError("processor failed")
+                return sampled
+            raise_in_sampling = []
+            llm.model_runner.sampler.sample = sample
             ra = llm.add_request(prompt, greedy, keep_output=True)
             rb = llm.add_request("Hello, my name is", structured, keep_output=True)
             rc = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,

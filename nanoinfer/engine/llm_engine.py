@@ -424,7 +424,7 @@ class LLMEngine:
         done = {}
         for seq in seqs:
             req = self.requests[seq.request_id]
-            if seq.finish_reason == "error":  # (non-finite logits, or its intake work failed)
+            if seq.finish_reason == "error":  # (no token could be sampled, or its intake work failed)
                 logger.warning("request %d (sample %d) failed: %s", req.request_id, seq.index, seq.stop_reason)
             self.output_processor.mark_finished(req, seq, now)
             if not req.keep_output and seq.finish_reason != "abort":

@@ -7,6 +7,7 @@ from nanoinfer.engine.step_message import (PlainSample, PromptLogprobsRequest, P
                                            SamplingPlan, StepInput)
 from nanoinfer.multimodal.step_planner import MultiModalStepPlanner
 from nanoinfer.pooling.rows import pooling_rows
+from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.spec.rows import sampling_rows
 from nanoinfer.structured.step_masks import AwaitingMasks
@@ -42,10 +43,12 @@ class StepEncoder:
         self.masks_later = masks_later
         self.awaiting_masks: AwaitingMasks | None = None  # the last step's, with masks_later
         self.multimodal = MultiModalStepPlanner()  # requests with images: their rows' positions and images
+        self.constraints = TokenConstraintRegistry()  # the token constraints the sampling rank holds
 
     def unschedule(self):
         """The step last encoded was not launched."""
         self.multimodal.unschedule()
+        self.constraints.unschedule()
 
     def encode(self, batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> tuple[StepInput, SampleInput]:
         """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any."""
@@ -61,7 +64,7 @@ class StepEncoder:
         if batch.drafts:  # speculative rows: one sampling row per query position (nanoinfer/spec)
             seqs, samples, step.sample_rows = sampling_rows(batch)
         plan = build_sampling_plan(seqs, self.vocab_size, self.eos_token_ids, samples, prev_rows, self.seeds,
-                                   self.masks_later)
+                                   self.masks_later, self.constraints)
         if plan.grammar_rows and plan.grammar_bitmask is None:
             self.awaiting_masks = AwaitingMasks([seqs[i] for i in plan.grammar_rows], plan.processors is not None)
         sample = SampleInput(plan, prompt_logprobs_request(batch))

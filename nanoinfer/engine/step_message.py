@@ -98,6 +98,18 @@ class StepInput:
 
 
 @dataclass(slots=True)
+class TokenConstraints:
+    """A request's token constraints that do not depend on its progress, as C arrays (they pickle
+    as bytes): allowed_token_ids, logit_bias (ids and float32 values) and the one-token bad words.
+    Sent once to the rank that samples, which keeps them on its device under a key
+    (sampling/constraint_store.py); a step then names them by key. None: the request has none."""
+    allowed: array | None = None       # 'q'
+    bias_ids: array | None = None      # 'q'
+    bias_values: array | None = None   # 'f'
+    banned: array | None = None        # 'q'
+
+
+@dataclass(slots=True)
 class SamplingPlan:
     """A step's sampling options as plain lists, one entry per row (or per row that uses the
     option): built on the engine's side (nanoinfer/sampling/plan.py), turned into device tensors
@@ -123,8 +135,10 @@ class SamplingPlan:
     lp_rows: list[int] | None = None           # None: every row (when lp_counts is set)
     lp_counts: list[int] | None = None
     lp_max: int | None = None
-    allowed: list | None = None                # (row, allowed token ids)
-    bias: list | None = None                   # (row, {token: bias})
+    constraint_rows: list[int] | None = None   # rows whose request has TokenConstraints
+    constraint_keys: list[int] | None = None   # their keys on the sampling rank
+    new_constraints: dict | None = None        # key -> TokenConstraints the sampling rank has not got yet
+    dropped_constraints: list[int] | None = None  # keys no request uses any more (after this step)
     processors: list | None = None             # (row, callables, prompt ids, output ids)
     grammar_rows: list[int] | None = None      # structured outputs: the rows a grammar constrains
     grammar_bitmask: bytes | None = None       # their next-token bitmasks, [G, ceil(V / 32)] int32 words
@@ -137,7 +151,7 @@ class SamplingPlan:
         its own (kernels/sampling.py) once the bitmask is applied."""
         return (self.top_k is None and self.top_p is None and self.min_p is None and self.pen_tokens is None
                 and not self.suppress_rows and not self.seeded_rows and self.lp_counts is None
-                and not self.allowed and not self.bias and not self.processors)
+                and not self.constraint_rows and not self.processors)
 
     @property
     def plain(self) -> bool:

@@ -47,19 +47,25 @@ def _stages_for(t: SamplingTensors, pipeline) -> list[Stage]:
     raise ValueError(f"no end of the sampling pipeline applies: {[s.name for s in pipeline]}")
 
 
-def mark_non_finite_rows(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def mark_non_finite_rows(logits: torch.Tensor, tokens: torch.Tensor,
+                         edited: torch.Tensor | None = None) -> torch.Tensor:
     """The pipeline's tokens, NON_FINITE where the row's raw logits hold a NaN or +inf (or are all
-    -inf), as the fused kernel marks them: one max per row (it propagates NaN)."""
+    -inf), as the fused kernel marks them: one max per row (it propagates NaN); and, given the
+    `edited` logits, where the row's constraints left no token above -inf (allowed ids, bad words
+    or min_tokens that exclude everything its grammar allows; a logits processor that raised)."""
     if logits.shape[0] == 0:
         return tokens
-    return torch.where(torch.isfinite(logits.amax(dim=-1)), tokens, NON_FINITE)
+    ok = torch.isfinite(logits.amax(dim=-1))
+    if edited is not None:
+        ok &= edited.amax(dim=-1) > float("-inf")
+    return torch.where(ok, tokens, NON_FINITE)
 
 
 @torch.inference_mode()
 def sample_logits(logits: torch.Tensor, t: SamplingTensors, pipeline=PIPELINE) -> tuple[torch.Tensor, tuple | None]:
     """The sampled token ids [B] on the device (an int dtype), NON_FINITE for a row whose logits
-    hold a NaN or +inf (in the fused kernel: where the row's grammar allows) or nothing above -inf,
-    and the logprob tensors for logprobs_to_host (None when no row asked). The caller's logits are
+    hold a NaN or +inf (in the fused kernel: where the row's grammar allows) or nothing above -inf
+    (before or after the per-request edits), and the logprob tensors for logprobs_to_host (None when no row asked). The caller's logits are
     left as they were."""
     if logits.is_cuda and t.plain:
         if t.grammar_rows is not None:  # the fused kernel samples what the grammar allows
@@ -76,4 +82,5 @@ def sample_logits(logits: torch.Tensor, t: SamplingTensors, pipeline=PIPELINE) -
         stage.run(logits, t)
     tokens = todo[-1].run(logits, t)
     logprobs = None if lp is None else gather_logprobs(lp, tokens, t)
-    return mark_non_finite_rows(raw, tokens.to(torch.int64)), logprobs
+    edited = logits if len(todo) > 1 else None
+    return mark_non_finite_rows(raw, tokens.to(torch.int64), edited), logprobs

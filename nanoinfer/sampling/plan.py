@@ -4,8 +4,10 @@ It runs on the host every step, so it reads the options that do not depend on a 
 once per SamplingParams object, and visits one by one only the rows whose options do (seeds,
 penalties, min_tokens, logprobs, token constraints), appending to column lists, no object per
 row; options no row uses stay None, so the plan stays small to pickle and the rank that samples
-(sampling/tensors.py) skips them. Here too, since they read the host's token
-history: which tokens bad words ban, and the grammar bitmasks of structured outputs (each row's
+(sampling/tensors.py) skips them. A request's allowed_token_ids, logit_bias and one-token bad words
+are sent to that rank once and then named by key (sampling/constraint_registry.py): a row costs the
+same whatever their sizes. Here too, since they read the host's token history: which tokens
+multi-token bad words ban, and the grammar bitmasks of structured outputs (each row's
 matcher advances over its new tokens, then fills its next-token mask: structured/grammar_state.py),
 unless the engine fills those after launching the forward (`masks_later`: structured/step_masks.py).
 """
@@ -13,6 +15,7 @@ import random
 from array import array
 
 from nanoinfer.engine.step_message import SamplingPlan
+from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.noise import seed_keys
 from nanoinfer.sampling_params import SAMPLING_EPS
 from nanoinfer.structured.grammar_state import fill_bitmasks
@@ -21,7 +24,8 @@ TOP_K_OFF = 1 << 62  # larger than any vocabulary (logits may be wider than the 
 
 
 def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev_row_of=None,
-                        seeds: random.Random | None = None, masks_later: bool = False) -> SamplingPlan:
+                        seeds: random.Random | None = None, masks_later: bool = False,
+                        constraints: TokenConstraintRegistry | None = None) -> SamplingPlan:
     """One per step: a pass over the batch reading each request's options.
     `seeds`: where a plain plan draws its seed (the engine's generator, seeded from the
     config; None: Python's default one). (A Python generator: torch.randint cost the host more
@@ -31,10 +35,16 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
     token is not on the host yet, so it counts for seeds and min_tokens, and joins the penalty
     history on the device.
     `masks_later`: the plan names its grammar rows and leaves their bitmask None; the engine fills it
-    once the forward is launched (structured/step_masks.py), when their tokens in flight are in."""
+    once the forward is launched (structured/step_masks.py), when their tokens in flight are in.
+    `constraints`: which requests' token constraints (allowed ids, logit bias, one-token bad words)
+    the sampling rank holds (sampling/constraint_registry.py); None: this plan sends those it names
+    and has them dropped after its step."""
+    if constraints is None:
+        constraints = TokenConstraintRegistry(ephemeral=True)
+    constraints.start_plan()
     counted = samples or [False] * len(seqs)
     pen, supp_rows, supp_toks, seeded, keys, lp_rows, lp_counts = [], [], [], [], [], [], []
-    allowed, bias, procs, grammar_rows, grammar_seqs = [], [], [], [], []
+    c_rows, c_keys, procs, grammar_rows, grammar_seqs = [], [], [], [], []
     eos = list(eos_token_ids)
     # the options that do not depend on a row's progress, once per SamplingParams object (the
     # rows of one request, or of one generate() call, share theirs); the loop after visits only
@@ -68,8 +78,8 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
             lp_counts.append(sp.logprobs)
         if sp.has_token_constraints:
             sampled = samples is None or samples[i]
-            _add_token_constraints(i, seq, generated, sampled, masks_later, allowed, bias, procs, supp_rows,
-                                   supp_toks)
+            _add_token_constraints(i, seq, generated, sampled, masks_later, constraints, c_rows, c_keys, procs,
+                                   supp_rows, supp_toks)
             if sp.structured_outputs is not None and sampled:
                 grammar_rows.append(i)
                 grammar_seqs.append(seq)
@@ -92,7 +102,10 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
     if lp_rows:
         p.lp_rows = None if len(lp_rows) == B else lp_rows
         p.lp_counts, p.lp_max = lp_counts, min(max(lp_counts), vocab_size)
-    p.allowed, p.bias, p.processors = allowed or None, bias or None, procs or None
+    p.processors = procs or None
+    if c_rows:
+        p.constraint_rows, p.constraint_keys = c_rows, c_keys
+    p.new_constraints, p.dropped_constraints = constraints.take_updates()
     if grammar_rows:
         p.grammar_rows = grammar_rows
         if not masks_later:
@@ -115,20 +128,22 @@ def _static_options(sp, vocab_size: int) -> tuple:
             not greedy and k != TOP_K_OFF, not greedy and sp.top_p < 1.0, not greedy and sp.min_p > 0.0, dynamic)
 
 
-def _add_token_constraints(i, seq, generated, sampled, masks_later, allowed, bias, procs, supp_rows, supp_toks):
-    """Row i's allowed_token_ids, logit_bias, bad words and logits processors (a row without any
-    never calls this)."""
+def _add_token_constraints(i, seq, generated, sampled, masks_later, constraints, c_rows, c_keys, procs,
+                           supp_rows, supp_toks):
+    """Row i's allowed_token_ids, logit_bias and one-token bad words (by key: the sampling rank
+    holds them), the bans of its multi-token bad words, and its logits processors (a row without
+    any never calls this)."""
     sp = seq.sampling_params
-    if sp.allowed_token_ids is not None:
-        allowed.append((i, sp.allowed_token_ids))
-    if sp.logit_bias:
-        bias.append((i, sp.logit_bias))
+    key = constraints.key_for(sp)
+    if key is not None:
+        c_rows.append(i)
+        c_keys.append(key)
     needs = sp.needs_host_tokens_to_launch if masks_later else sp.needs_host_tokens
     if needs and generated != seq.num_completion_tokens:
         raise RuntimeError("a request with logits_processors, multi-token bad_words or structured outputs "
                            "was scheduled before the host saw its previous token")
     if sp.bad_words_token_ids:
-        banned = _banned_by_bad_words(sp.bad_words_token_ids, seq.token_ids, seq.num_prompt_tokens)
+        banned = constraints.banned_after(sp, seq.token_ids, seq.num_prompt_tokens)
         supp_rows.extend([i] * len(banned))
         supp_toks.extend(banned)
     if sp.logits_processors and sampled:
@@ -154,14 +169,3 @@ def _add_penalties(p: SamplingPlan, seqs, pen: list[int], counted, prev_row_of) 
     p.frequency = [s.sampling_params.frequency_penalty for s in rows]
     p.repetition = [s.sampling_params.repetition_penalty for s in rows]
 
-
-def _banned_by_bad_words(bad_words: list[list[int]], token_ids: list[int], num_prompt: int) -> list[int]:
-    """vLLM's rule: a word's last token is banned when the output ends with the tokens before it
-    (a one-token word always)."""
-    banned = []
-    num_output = len(token_ids) - num_prompt
-    for word in bad_words:
-        k = len(word) - 1
-        if k <= num_output and (k == 0 or token_ids[len(token_ids) - k:] == word[:k]):
-            banned.append(word[-1])
-    return banned

@@ -19,6 +19,7 @@ from nanoinfer.engine.step_message import (PromptLogprobs, PromptLogprobsRequest
                                            TokenLogprobs)
 from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
 from nanoinfer.sampling.column_cache import ColumnCache
+from nanoinfer.sampling.constraint_store import TokenConstraintStore
 from nanoinfer.sampling.pipeline import logprobs_to_host, sample_logits
 from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.utils.device_copy import to_device
@@ -57,13 +58,14 @@ class Sampler:
         self.lm_head = lm_head  # gathers the logits' vocabulary shards; knows this rank's first column
         self.rank, self.world_size, self.device = rank, world_size, device
         self.columns = ColumnCache(device)  # the last step's per-row option tensors
+        self.constraints = TokenConstraintStore(device)  # the requests' token constraints, by key
 
     def prepare(self, sample: SampleInput | None, prev_tokens: torch.Tensor | None) -> SamplingTensors | None:
         """The plan's device tensors (rank 0); prev_tokens: the step in flight's, which the plan's
         late penalty entries read."""
         if sample is None:
             return None
-        return SamplingTensors.from_plan(sample.plan, self.device, prev_tokens, self.columns)
+        return SamplingTensors.from_plan(sample.plan, self.device, prev_tokens, self.columns, self.constraints)
 
     def fused_in_graph(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None) -> bool:
         """Whether this step may sample inside the decode graphs (engine/graph_runner.py

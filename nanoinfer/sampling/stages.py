@@ -5,12 +5,15 @@ touches only the rows that asked for it, batched over those rows; vocabulary-siz
 the device.
 """
 import inspect
+import logging
 
 import torch
 
 from nanoinfer.sampling.stage import Stage
 from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.structured.bitmask import apply_token_bitmask
+
+logger = logging.getLogger("nanoinfer")
 
 
 def _num_params(fn) -> int:
@@ -22,12 +25,19 @@ def _num_params(fn) -> int:
 
 def apply_processors(logits: torch.Tensor, t: SamplingTensors) -> None:
     """vLLM's per-request logits processors: fn(output_ids, row), or fn(prompt_ids, output_ids,
-    row) when it takes three parameters; each returns the row to use."""
+    row) when it takes three parameters; each returns the row to use. One that raises (or returns
+    what does not fit the row) fails its own request only: the row is left with no token to sample,
+    which the pipeline marks NON_FINITE, and the engine finishes the request with "error"."""
     for row, fns, prompt_ids, output_ids in t.processors:
-        x = logits[row]
-        for fn in fns:
-            x = fn(prompt_ids, list(output_ids), x) if _num_params(fn) == 3 else fn(list(output_ids), x)
-        logits[row] = x
+        try:
+            x = logits[row]
+            for fn in fns:
+                x = fn(prompt_ids, list(output_ids), x) if _num_params(fn) == 3 else fn(list(output_ids), x)
+            logits[row] = x
+        except Exception as e:
+            logger.warning("a logits processor raised on sampling row %d; its request fails: %s: %s",
+                           row, type(e).__name__, e)
+            logits[row] = float("-inf")
 
 
 def apply_allowed_tokens(logits: torch.Tensor, t: SamplingTensors) -> None:
@@ -44,7 +54,10 @@ def apply_grammar(logits: torch.Tensor, t: SamplingTensors) -> None:
 
 def apply_suppression(logits: torch.Tensor, t: SamplingTensors) -> None:
     """Bad words (their banned last tokens) and min_tokens (EOS and stop ids) -> -inf."""
-    logits[t.suppress_rows, t.suppress_tokens] = float("-inf")
+    if t.suppress_rows is not None:
+        logits[t.suppress_rows, t.suppress_tokens] = float("-inf")
+    if t.banned_rows is not None:
+        logits[t.banned_rows, t.banned_tokens] = float("-inf")
 
 
 def apply_logit_bias(logits: torch.Tensor, t: SamplingTensors) -> None:
@@ -80,6 +93,7 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
 PROCESSORS = Stage("logits_processors", lambda t: t.processors is not None, apply_processors)
 ALLOWED_TOKENS = Stage("allowed_token_ids", lambda t: t.allowed_rows is not None, apply_allowed_tokens)
 GRAMMAR = Stage("structured_outputs", lambda t: t.grammar_rows is not None, apply_grammar)
-SUPPRESSION = Stage("bad_words, min_tokens", lambda t: t.suppress_rows is not None, apply_suppression)
+SUPPRESSION = Stage("bad_words, min_tokens", lambda t: t.suppress_rows is not None or t.banned_rows is not None,
+                    apply_suppression)
 LOGIT_BIAS = Stage("logit_bias", lambda t: t.bias_rows is not None, apply_logit_bias)
 PENALTIES = Stage("penalties", lambda t: t.pen_tokens is not None, apply_penalties)

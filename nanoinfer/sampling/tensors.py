@@ -3,8 +3,9 @@
 The engine builds a SamplingPlan (plain lists, one Python loop over the batch: sampling/plan.py);
 the rank that samples turns it into these: [B]-sized temperatures and filters, and, only for the rows
 that use them, penalty histories, suppressed tokens (min_tokens, bad words), allowed tokens, logit
-biases, grammar bitmasks (structured outputs), seeds, logprob requests and logits processors. A
-field is None when no row uses it, which is how a pipeline stage knows, on the host, whether it
+biases (allowed ids, biases and one-token bad words kept on the device per request:
+sampling/constraint_store.py), grammar bitmasks (structured outputs), seeds, logprob requests and
+logits processors. A field is None when no row uses it, which is how a pipeline stage knows, on the host, whether it
 applies. Vocabulary-sized work happens only on the device.
 """
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import torch
 
 from nanoinfer.engine.step_message import SamplingPlan
 from nanoinfer.sampling.column_cache import ColumnCache
+from nanoinfer.sampling.constraint_store import TokenConstraintStore
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.utils.device_copy import to_device
 
@@ -44,6 +46,7 @@ class SamplingTensors:
     lp_rows_list: list[int] | None = None
     lp_counts: list[int] | None = None         # per lp row, its own N
     lp_max: int | None = None
+    # the requests' TokenConstraints, gathered from the device (sampling/constraint_store.py):
     # allowed_token_ids: rows `allowed_rows` keep only (allowed_pos[j] -> row allowed_rows[pos], token)
     allowed_rows: torch.Tensor | None = None
     allowed_pos: torch.Tensor | None = None
@@ -52,6 +55,9 @@ class SamplingTensors:
     bias_rows: torch.Tensor | None = None
     bias_tokens: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
+    # one-token bad words: logits[banned_rows, banned_tokens] = -inf
+    banned_rows: torch.Tensor | None = None
+    banned_tokens: torch.Tensor | None = None
     # structured outputs: rows `grammar_rows` keep the tokens their [G, ceil(V / 32)] int32 bitmask allows
     grammar_rows: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
@@ -67,10 +73,13 @@ class SamplingTensors:
 
     @classmethod
     def from_plan(cls, plan: SamplingPlan, device: torch.device, prev_tokens=None,
-                  columns: ColumnCache | None = None) -> "SamplingTensors":
+                  columns: ColumnCache | None = None,
+                  constraints: TokenConstraintStore | None = None) -> "SamplingTensors":
         """The plan's lists as device tensors (rank 0). `prev_tokens`: the tokens of the step in
         flight, on the device, which the plan's late penalty entries read. `columns`: where the
-        per-row option columns of the last step are kept (the runner's; None: made anew)."""
+        per-row option columns of the last step are kept (the runner's; None: made anew).
+        `constraints`: the requests' token constraints on the device (the runner's; None: a new
+        store, for a plan that sends all it names)."""
         pin = device.type == "cuda"
 
         def dev(data, dtype):
@@ -107,14 +116,8 @@ class SamplingTensors:
             t.lp_rows = None if p.lp_rows is None else dev(p.lp_rows, torch.int64)
             t.lp_rows_list = list(range(len(p.temperatures))) if p.lp_rows is None else p.lp_rows
             t.lp_counts, t.lp_max = p.lp_counts, p.lp_max
-        if p.allowed:
-            t.allowed_rows = dev([i for i, _ in p.allowed], torch.int64)
-            t.allowed_pos = dev([j for j, (_, ids) in enumerate(p.allowed) for _ in ids], torch.int64)
-            t.allowed_tokens = dev([tok for _, ids in p.allowed for tok in ids], torch.int64)
-        if p.bias:
-            t.bias_rows = dev([i for i, b in p.bias for _ in b], torch.int64)
-            t.bias_tokens = dev([tok for _, b in p.bias for tok in b], torch.int64)
-            t.bias_values = dev([v for _, b in p.bias for v in b.values()], torch.float32)
+        if p.new_constraints or p.constraint_rows or p.dropped_constraints:
+            t._add_constraints(p, constraints if constraints is not None else TokenConstraintStore(device))
         if p.grammar_rows:
             t.grammar_rows = dev(p.grammar_rows, torch.int64)
             if p.grammar_bitmask is not None:  # (None: set_grammar_bitmask, after the forward's launch)
@@ -123,6 +126,15 @@ class SamplingTensors:
         if p.processors:
             t.processors = p.processors
         return t
+
+    def _add_constraints(self, p: SamplingPlan, store: TokenConstraintStore) -> None:
+        store.update(p.new_constraints)
+        if p.constraint_rows:
+            c = store.gather(p.constraint_rows, p.constraint_keys)
+            self.allowed_rows, self.allowed_pos, self.allowed_tokens = c.allowed_rows, c.allowed_pos, c.allowed_tokens
+            self.bias_rows, self.bias_tokens, self.bias_values = c.bias_rows, c.bias_tokens, c.bias_values
+            self.banned_rows, self.banned_tokens = c.banned_rows, c.banned_tokens
+        store.drop(p.dropped_constraints)  # (after the gather: a one-plan store's keys go now)
 
     def set_grammar_bitmask(self, bitmask: torch.Tensor, device: torch.device) -> None:
         """The grammar rows' [G, W] int32 bitmask, from a host tensor (pinned on CUDA: the copy does

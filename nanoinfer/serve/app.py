@@ -32,7 +32,8 @@ from nanoinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest, 
 
 logger = logging.getLogger("nanoinfer.serve")
 
-NON_FINITE_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request; see the server log"
+NON_FINITE_MESSAGE = ("no token could be sampled for this request: the model produced non-finite logits (NaN or inf), "
+                      "or its allowed_token_ids / bad_words left its grammar no token; see the server log")
 
 
 def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLimits = ServerLimits(),
@@ -301,9 +302,9 @@ async def _outputs(engine: EngineClient, sub: Submission, request: Request) -> l
 
 
 def _failure(completions) -> tuple[int, str] | None:
-    """The error of a request whose sample finished with "error": a 500 if the model output
-    non-finite logits, else a 400 with the reason its intake failed (a grammar that does not
-    compile, an image that does not decode)."""
+    """The error of a request whose sample finished with "error": a 500 if no token could be sampled
+    for it, else a 400 with the reason its intake failed (a grammar that does not compile, an image
+    that does not decode)."""
     for c in completions:
         if getattr(c, "finish_reason", None) == "error":
             reason = getattr(c, "stop_reason", None)

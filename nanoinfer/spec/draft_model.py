@@ -21,6 +21,7 @@ import torch
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.step_message import SampleInput, SamplingPlan, StepInput
+from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling_params import SAMPLING_EPS
 from nanoinfer.spec.draft_chain import GreedyDraftChain
@@ -80,6 +81,7 @@ class DraftModelProposer(Proposer):
         self.vocab_size, self.eos_token_ids = config.hf_config.vocab_size, eos_token_ids  # (for sampling plans)
         self.seeds = random.Random(config.seed + 1)  # fused plans' noise seeds: not the target's
         self.runner = ModelRunner(dconf)
+        self.constraints = TokenConstraintRegistry(store=self.runner.sampler.constraints)  # (sampled proposals')
         self.chain = GreedyDraftChain(self.runner, spec.num_speculative_tokens - 1)
         self.block_size = config.kvcache_block_size
         self.num_blocks = self._share(config, target_runner, num_blocks)
@@ -235,7 +237,7 @@ class DraftModelProposer(Proposer):
             return SampleInput(SamplingPlan([0.0] * len(rows), all_greedy=True, any_greedy=True, seed=0))
         views = [DraftView(seqs[i], proposals[i]) for i in rows]
         return SampleInput(build_sampling_plan(views, self.vocab_size, self.eos_token_ids, [True] * len(rows),
-                                               None, self.seeds))
+                                               None, self.seeds, constraints=self.constraints))
 
     def _collect(self, launched: list, proposals: list[list[int]]) -> list:
         for rows, inflight in launched:
