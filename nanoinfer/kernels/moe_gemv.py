@@ -115,10 +115,13 @@ def _token_down_kernel(act_ptr, stride_am, w_ptr, ids_ptr, weights_ptr, out_ptr,
 
 
 def default_config(hidden: int, inter: int) -> dict:
-    """Tiles of the two expert kernels: few output features a program, so that one token's pairs
-    spread over the SMs, and wide K tiles."""
-    return dict(gate_up=dict(BLOCK_N=8, BLOCK_K=min(512, triton.next_power_of_2(hidden)), num_warps=4),
-                down=dict(BLOCK_N=8, BLOCK_K=min(256, triton.next_power_of_2(inter)), num_warps=4))
+    """Tiles of the two expert kernels, those of the dense GEMV (kernels/gemv.py default_config, swept
+    on the H200): four output features a program, so that one token's pairs spread over the SMs,
+    K tiles up to 1024 wide."""
+    def tiles(k):
+        return dict(BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4 if k >= 4096 else 8,
+                    num_stages=2)
+    return dict(gate_up=tiles(hidden), down=tiles(inter))
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
