@@ -111,3 +111,49 @@ def test_cuda_fp8_layer_takes_a_deferred_input(m):
     assert torch.equal(res_out, new_res)
     ref = layer(normed)
     assert (y.float() - ref.float()).norm() / ref.float().norm() < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["norm", "norm+res", "silu"])
+def test_fp8_layer_routes_a_deferred_input_into_the_quantization_on_cpu(monkeypatch, kind):
+    """Fp8LinearMethod's glue on CPU (weights kept FP8; the CUDA-only row check forced): a Deferred
+    input at 2+ rows reaches quantize_fp8_after with its step (norm, residual, SiLU * mul) and the
+    W8A8 product, and gives what the materialised step gives. (The interpreter's FP8 cast is
+    wrong: both quantizations run as torch here, kernels/fp8_quant's and this file's kernel.)"""
+    from nanoinfer.kernels import fp8_prologue_quant, fp8_quant
+    from nanoinfer.layers.linear import MergedColumnParallelLinear
+    from nanoinfer.layers.linear_method import Deferred
+    from nanoinfer.layers.model_build import ModelBuild
+    from nanoinfer.quant import Fp8Scheme, fp8_linear, linear_method_chooser
+    calls = []
+
+    def torch_after(x, *, norm_weight=None, eps=0.0, residual=None, residual_out=None, silu_mul=False, group_k=None):
+        calls.append((silu_mul, residual is not None))
+        step, new_res = reference_step(x, "silu" if silu_mul else "norm+res" if residual is not None else "norm",
+                                       norm_weight, residual, eps)
+        if residual_out is not None:
+            residual_out.copy_(new_res)
+        return quantize_activations(step, group_k)
+
+    monkeypatch.setattr(fp8_linear, "keeps_fp8", lambda device: True)
+    monkeypatch.setattr(fp8_linear, "takes_gemv", lambda x: x.shape[0] == 1)
+    monkeypatch.setattr(fp8_linear, "scaled_mm_ok", lambda device, n, k: False)
+    monkeypatch.setattr(fp8_linear.Fp8LinearMethod, "_quantizes_after", lambda self, layer, x: x.shape[0] >= 2)
+    monkeypatch.setattr(fp8_quant, "quantize_fp8", quantize_activations)
+    monkeypatch.setattr(fp8_prologue_quant, "quantize_fp8_after", torch_after)
+    k = 64
+    layer = MergedColumnParallelLinear(k, [40, 40], build=ModelBuild(
+        linear_method=linear_method_chooser(Fp8Scheme("channel", online=True), {})), prefix="m.gate_up_proj")
+    g = torch.Generator().manual_seed(9)
+    for shard in (0, 1):
+        layer.weight_loader(layer.weight, torch.randn(40, k, generator=g) * 0.1, shard)
+    layer.method.process_weights_after_loading(layer)
+    x, nw, res = inputs(5, k, kind, torch.float32, seed=11)
+    assert layer.takes_deferred(x)
+    res_out = torch.full_like(res, float("nan")) if res is not None else None
+    y = layer(Deferred(x, norm_weight=None if kind == "silu" else nw, eps=1e-6, residual=res, residual_out=res_out,
+                       silu_mul=kind == "silu"))
+    step, new_res = reference_step(x, kind, nw, res)
+    assert calls == [(kind == "silu", kind == "norm+res")]
+    torch.testing.assert_close(y, layer(step.contiguous()), rtol=0, atol=0)
+    if new_res is not None:
+        assert torch.equal(res_out, new_res)

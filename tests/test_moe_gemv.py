@@ -89,3 +89,25 @@ def test_moe_gemv_at_the_30b_a3b_shape_cuda(m):
     assert (out.float() - ref).norm() / ref.norm() < 1e-2
     grouped = fused_moe(x, w13, w2, weights, ids)
     assert (out.float() - grouped.float()).norm() / grouped.norm() < 5e-3
+
+
+def test_moe_layer_on_the_kernels_matches_hf(monkeypatch, tmp_path):
+    """FusedMoE's CUDA path (route_topk, then moe_gemv up to GEMV_MAX_TOKENS tokens, else the grouped
+    kernel) in the model, run in the interpreter on CPU where there is no GPU: greedy tokens are
+    HF's argmax at every position (float32). Decode steps of 1-3 rows take moe_gemv, prompts the
+    grouped kernel."""
+    from hf_reference import assert_greedy_matches_hf
+    from nanoinfer import LLM, SamplingParams
+    from nanoinfer.layers import fused_moe as layer
+    from nanoinfer.utils.tiny_moe import build_tiny_moe_checkpoint
+    monkeypatch.setattr(layer, "runs_kernels", lambda x: True)
+    path = build_tiny_moe_checkpoint(str(tmp_path))
+    llm = LLM(path, kvcache_block_size=16, max_model_len=128, enforce_eager=True)
+    try:
+        prompts = ["Hello, my name is", [(i * 37) % llm.vocab_size for i in range(1, 30)], "The quick brown fox"]
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        for prompt, out in zip(prompts, [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)]):
+            ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            assert_greedy_matches_hf(path, ids, out, tol=1e-3)
+    finally:
+        llm.exit()

@@ -22,6 +22,12 @@ from nanoinfer.utils.loader import check_shape
 GEMV_MAX_TOKENS = 4  # steps of at most this many tokens run the few-token expert kernels (CUDA)
 
 
+def runs_kernels(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels run this input (CUDA); elsewhere the torch path. (A function, so
+    that CPU tests can run the kernels in Triton's interpreter.)"""
+    return x.is_cuda
+
+
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     """Softmax over the experts, then the top_k, renormalised to sum to 1 when asked; float32 on
     every device and dtype (as HF computes the routing). Returns (weights float32, ids int64) [M, top_k]."""
@@ -216,19 +222,20 @@ class FusedMoE(nn.Module):
         kernels (kernels/moe_gemv.py), more in the grouped GEMMs (kernels/fused_moe.py)."""
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         w13, w2 = gate_up.weight, down.weight
-        if x.is_cuda:
+        kernels = runs_kernels(x)
+        if kernels:
             from nanoinfer.kernels.moe_gemv import route_topk
             weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)
         else:
             weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        if x.is_cuda and gate_up.scale is None and x.shape[0] <= GEMV_MAX_TOKENS:
+        if kernels and gate_up.scale is None and x.shape[0] <= GEMV_MAX_TOKENS:
             from nanoinfer.kernels.moe_gemv import moe_gemv
             out = moe_gemv(x, w13, w2, weights, ids)
         elif gate_up.scale is not None:  # FP8 experts, kept FP8 (CUDA)
             from nanoinfer.kernels.fused_moe import fused_moe
             out = fused_moe(x, w13, w2, weights, ids, w13_scale=gate_up.scale, w2_scale=down.scale,
                             group_k13=gate_up.group_k, group_k2=down.group_k)
-        elif x.is_cuda:
+        elif kernels:
             from nanoinfer.kernels.fused_moe import fused_moe
             out = fused_moe(x, w13, w2, weights, ids)
         else:
