@@ -42,6 +42,27 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
                   | {max_num_seqs})
 
 
+class StepForward:
+    """A prepared step's forward (under the context prepare_inputs set), run when its sampling route
+    asks (sampling/sampler.py): its logits, this rank's vocabulary shard (computed once: a step
+    awaiting its grammar bitmask samples from them later), or, for a decode step sampled inside
+    the graphs, its tokens."""
+    __slots__ = ("graphs", "input_ids", "positions", "decode_only", "_logits")
+
+    def __init__(self, graphs: "GraphRunner", input_ids: torch.Tensor, positions: torch.Tensor):
+        self.graphs, self.input_ids, self.positions = graphs, input_ids, positions
+        self.decode_only = not get_context().is_prefill  # (a step of few short rows runs as decode too)
+        self._logits: torch.Tensor | None = None
+
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = self.graphs.forward(self.input_ids, self.positions, self.decode_only)
+        return self._logits
+
+    def sample_in_graph(self, temperatures: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.graphs.sample_decode(self.input_ids, self.positions, temperatures, seed)
+
+
 class GraphRunner:
     """The forward of `model`, eager or through a captured graph. capture() needs the KV cache."""
 
