@@ -5,7 +5,8 @@ backend that can (`mixed_step_graphs`) and a dense model, steps with prompt chun
 of the smallest token bucket. Padded rows and tokens have slot -1 (they write no K/V) and context
 length 0. Larger steps, and every step without graphs, run eagerly: their device time dwarfs the
 launches. The LM head runs outside the graphs, on the step's own context (the rows that need logits
-vary by step), except in a decode step sampled at temperature alone (`sample_decode`; one rank):
+vary by step), except in a decode step sampled at temperature alone (`sample_decode`; one rank; the
+sampling dispatch, sampling/sampler.py, chooses it and runs the forward through StepForward):
 there a second graph per batch bucket runs the LM head and the fused sampling kernel after the
 forward's, with the rows' temperatures and the step's seed sent with its inputs. That saves the host
 the launches of the head and the sampling kernels on the steps that are most of a run."""
@@ -100,7 +101,8 @@ class GraphRunner:
         """A decode step whose rows sample at temperature alone (no grammar, no logprobs), its
         logits never leaving the graphs: the step's tokens [n] (NON_FINITE where a row's logits
         are not finite) and the same clamped to >= 0 (the next step's in-flight inputs), or None
-        when no sampling graph holds the step (the caller runs forward() and samples). Copied out
+        when no sampling graph holds the step (the in-graph route of sampling/sampler.py then
+        samples after forward()). Copied out
         of the static buffers (one copy for both), which the next replay overwrites."""
         n, ctx = input_ids.shape[0], get_context()
         # (the sampling graph's LM head takes every row: no step that names its logit rows)
