@@ -3,12 +3,12 @@ this is where a step's rows, its sampling plan and its prompt-logprob work are r
 import random
 
 from nanoinfer.engine.scheduler import ScheduledBatch
-from nanoinfer.step.step_message import (PlainSample, PromptLogprobsRequest, PromptSegment, SampleInput,
-                                           SamplingPlan, StepInput)
+from nanoinfer.step.step_message import PromptLogprobsRequest, PromptSegment, SampleInput, SamplingPlan, StepInput
 from nanoinfer.multimodal.step_planner import MultiModalStepPlanner
 from nanoinfer.pooling.rows import pooling_rows
 from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.plan import build_sampling_plan
+from nanoinfer.sampling.sampler import vocab_shard_sample
 from nanoinfer.speculative.rows import sampling_rows
 from nanoinfer.structured.step_masks import AwaitingMasks
 
@@ -70,8 +70,7 @@ class StepEncoder:
         sample = SampleInput(plan, prompt_logprobs_request(batch))
         if sample.prompt_logprobs is not None:
             step.prompt_logit_rows = prompt_logit_rows(batch, sample.prompt_logprobs)
-        elif self.sample_on_shards and plan.plain:
-            step.plain_sample = PlainSample(plan.temperatures, plan.seed)
+        step.plain_sample = vocab_shard_sample(sample, self.sample_on_shards)
         return step, sample
 
 
