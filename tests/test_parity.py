@@ -222,8 +222,9 @@ def test_truncate_prompt_tokens_keeps_the_last_k(llm):
     long = list(range(5, 125))
     assert llm.generate([long], greedy(max_tokens=2, truncate_prompt_tokens=50),
                         use_tqdm=False)[0].prompt_token_ids == long[-50:]
-    with pytest.raises(ValueError, match="max_model_len"):  # -1 keeps 96 tokens: no room for an output
-        llm.generate([long], greedy(truncate_prompt_tokens=-1), use_tqdm=False)
+    # -1 keeps what can be admitted: max_model_len (96) less one output token
+    out = llm.generate([long], greedy(max_tokens=2, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-95:] and out.outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match="truncate_prompt_tokens.*max_model_len"):
         llm.generate([ids], greedy(truncate_prompt_tokens=97), use_tqdm=False)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):

@@ -158,12 +158,21 @@ def test_tp2_matches_tp1(vl):
         llm.exit()
 
 
+def intake_done(llm, rid):
+    """Wait for the request's images to be preprocessed (in an intake thread): its first step is then
+    the next one."""
+    intake = llm.requests[rid].seqs[0].intake
+    if intake is not None:
+        intake.result()
+
+
 def test_abort_mid_image_drops_its_embeddings(vl):
     """An aborted request whose prefill stopped inside its image: the runner drops the embeddings at
     the next step, and every block is free."""
     llm = engine(vl, max_num_batched_tokens=16)
     try:
         rid = llm.add_request(request(f"Describe {P}.", [random_image(280, 224, seed=6)]), GREEDY)
+        intake_done(llm, rid)
         llm.step()  # the first chunk reaches into the image: it is encoded
         assert len(llm.model_runner.encoder_cache.embeddings) == 1
         llm.abort_request(rid)
@@ -225,7 +234,7 @@ def test_failed_launch_forgets_its_images(vl):
                 raise RuntimeError("injected launch failure")
             return real(step, sample, prev)
         llm.model_runner.launch = failing_once
-        llm.add_request(req, GREEDY)
+        intake_done(llm, llm.add_request(req, GREEDY))
         with pytest.raises(RuntimeError, match="injected"):
             llm.step()
         pairs = []

@@ -198,6 +198,9 @@ def test_structured_requests_run_every_step_with_overlap(engines):
                   for t, seed, spec in [(0.0, None, KINDS["regex"][0]), (1.0, 3, KINDS["choice"][0]),
                                         (0.7, 4, UNBOUNDED["json_object"][0])]]
         rids = [llm.add_request(p, sp, keep_output=True) for p, sp in zip(PROMPTS, params)]
+        for rid in rids:  # (grammars compile in intake threads: the step count starts once all are in)
+            if llm.requests[rid].seqs[0].intake is not None:
+                llm.requests[rid].seqs[0].intake.result()
         steps = 0
         while not llm.is_finished():
             llm.step()
