@@ -17,18 +17,35 @@ def _is_token_ids(x) -> bool:
 
 
 class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/api.py
-    def __new__(cls, model=None, data_parallel_size=1, **options):
-        """data_parallel_size=N > 1 makes a DataParallelLLM instead (data_parallel/llm.py): generate
-        and chat over N engine processes."""
-        if data_parallel_size != 1:
-            from nanoinfer.data_parallel.devices import check_data_parallel_size
-            if check_data_parallel_size(data_parallel_size) > 1:
-                from nanoinfer.data_parallel.llm import DataParallelLLM
-                return DataParallelLLM(model, data_parallel_size, **options)
-        return super().__new__(cls)
+    # LLM(model, data_parallel_size=N > 1): generate() and chat() over N engine processes, run by
+    # the backend that nanoinfer/__init__.py registers here (data_parallel/llm.py); no engine of
+    # its own then
+    data_parallel_backend = None
+    _replicas = None
 
     def __init__(self, model: str, data_parallel_size: int = 1, **options):
+        if data_parallel_size != 1 and self.data_parallel_backend is not None:
+            size = self.data_parallel_backend.check_size(data_parallel_size)
+            if size > 1:
+                self._replicas = self.data_parallel_backend(model, size, **options)
+                self.config, self.tokenizer = self._replicas.config, self._replicas.tokenizer
+                return
+        elif data_parallel_size != 1:
+            raise ValueError("data_parallel_size > 1 needs nanoinfer.data_parallel (import nanoinfer)")
         super().__init__(model, **options)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._replicas.data_parallel_size if self._replicas is not None else 1
+
+    def __getattr__(self, name: str):
+        """Reached only for attributes never set: with data_parallel_size > 1, the one engine's."""
+        if self.__dict__.get("_replicas") is None or name.startswith("__"):
+            raise AttributeError(name)
+        raise NotImplementedError(
+            f"this LLM runs {self._replicas.data_parallel_size} engine processes (data_parallel_size > 1): it offers "
+            "generate(), chat(), get_tokenizer() and exit(); stream(), embeddings and the step-by-step API "
+            f"need data_parallel_size=1 (asked for: {name})")
 
     # ---- public API -----------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None,
@@ -45,6 +62,8 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
         them later."""
         prompts, params = self._normalize(prompts, sampling_params)
         loras = self._lora_requests(lora_request, len(prompts))
+        if self._replicas is not None:
+            return self._replicas.generate(prompts, params, use_tqdm, loras, priority)
         with self.driving():  # before queuing: another thread driving is an error with nothing queued
             request_ids = self.add_requests(prompts, params, keep_output=True, lora_requests=loras,
                                             priority=priority)
@@ -74,6 +93,13 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
     def get_tokenizer(self):
         return self.tokenizer
 
+    def exit(self):
+        """Release the engine (every engine process, with data_parallel_size > 1)."""
+        if self._replicas is not None:
+            self._replicas.exit()
+        else:
+            super().exit()
+
     def stream(self, prompts, sampling_params=None, lora_request=None, priority=None) -> Iterator[StreamDelta]:
         """Generate like `generate` (same prompts, sampling_params, lora_request and priority), yielding increments as the
         engine loop produces them: each `StreamDelta` holds, for one completion of one prompt,
@@ -86,6 +112,9 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
         the last delta carries the full RequestOutput in `output`. Closing the generator early
         aborts the requests still running. Runs on the calling thread, one engine step per
         iteration; other requests queued on the engine progress too."""
+        if self._replicas is not None:
+            raise NotImplementedError("stream() runs on one engine: make the LLM with data_parallel_size=1, or "
+                                      "stream from `nanoinfer serve --data-parallel-size N`")
         prompts, params = self._normalize(prompts, sampling_params)
         loras = self._lora_requests(lora_request, len(prompts))
         with self.driving():  # before queuing, as generate(): another thread driving queues nothing

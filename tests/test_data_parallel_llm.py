@@ -4,7 +4,6 @@ ends every process."""
 import pytest
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.data_parallel.llm import DataParallelLLM
 
 OPTIONS = dict(max_model_len=256, kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=8)
 PROMPTS = ["Hello, my name is", "The quick brown fox", "A paged KV cache stores", "Once upon a time",
@@ -31,7 +30,8 @@ def results(outputs):
 
 
 def test_generate_equals_one_engine_in_prompt_order(dp_llm, one):
-    assert isinstance(dp_llm, DataParallelLLM) and dp_llm.data_parallel_size == 2 and isinstance(one, LLM)
+    # one class: an LLM whose generate() runs on two engine processes
+    assert type(dp_llm) is LLM and dp_llm.data_parallel_size == 2 and one.data_parallel_size == 1
     greedy = SamplingParams(temperature=0, max_tokens=12)
     got = dp_llm.generate(PROMPTS, greedy, use_tqdm=False)
     assert results(got) == results(one.generate(PROMPTS, greedy, use_tqdm=False))
@@ -45,6 +45,8 @@ def test_generate_equals_one_engine_in_prompt_order(dp_llm, one):
     assert dp_llm.generate([], greedy) == []
     with pytest.raises(NotImplementedError, match="one engine"):
         dp_llm.stream(PROMPTS)
+    with pytest.raises(NotImplementedError, match="data_parallel_size=1"):
+        dp_llm.add_request(PROMPTS[0])
 
 
 def test_chat_and_progress(dp_llm, one):
@@ -78,12 +80,12 @@ def test_bad_input_queues_nothing_and_the_engines_go_on(dp_llm, one):
         LLM("unused", data_parallel_size=0)
     assert results(dp_llm.generate(PROMPTS, greedy, use_tqdm=False)) == \
         results(one.generate(PROMPTS, greedy, use_tqdm=False))
-    assert all(c.num_requests == 0 and not c._subs for c in dp_llm._clients)
+    assert all(c.num_requests == 0 and not c._subs for c in dp_llm._replicas._clients)
 
 
 def test_exit_ends_every_engine_process(tiny_qwen3):
     llm = LLM(tiny_qwen3, data_parallel_size=2, **OPTIONS)
-    processes = [c.process for c in llm._clients]
+    processes = [c.process for c in llm._replicas._clients]
     assert all(p.is_alive() for p in processes)
     llm.exit()
     assert not any(p.is_alive() for p in processes)

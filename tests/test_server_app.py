@@ -41,11 +41,11 @@ def test_lifespan_starts_the_engine_and_freezes_start_up_objects_while_serving(t
 
 def test_a_sample_that_failed_is_a_500_for_non_finite_logits_else_a_400_with_its_reason():
     from nanoinfer.outputs import NON_FINITE_REASON, CompletionOutput
-    from nanoinfer.serve.app import NON_FINITE_MESSAGE, _failure
+    from nanoinfer.serve.request_outputs import NON_FINITE_MESSAGE, failure_of
 
     def sample(finish_reason, stop_reason=None):
         return CompletionOutput(0, "", [], None, None, finish_reason, stop_reason)
-    assert _failure([sample("stop"), sample("length")]) is None
-    assert _failure([sample("stop"), sample("error", NON_FINITE_REASON)]) == (500, NON_FINITE_MESSAGE)
-    assert _failure([sample("error", "structured_outputs.json could not be compiled: x")]) == \
+    assert failure_of([sample("stop"), sample("length")]) is None
+    assert failure_of([sample("stop"), sample("error", NON_FINITE_REASON)]) == (500, NON_FINITE_MESSAGE)
+    assert failure_of([sample("error", "structured_outputs.json could not be compiled: x")]) == \
         (400, "structured_outputs.json could not be compiled: x")

@@ -6,12 +6,12 @@ import random
 
 import xxhash
 
-from nanoinfer.engine.step_message import StepResult
+from nanoinfer.step.step_message import StepResult
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.engine.sequence import Sequence
-from nanoinfer.spec.config import SpeculativeConfig
-from nanoinfer.spec.rows import sampling_rows
-from nanoinfer.spec.speculator import Speculator
+from nanoinfer.step.sequence import Sequence
+from nanoinfer.speculative.config import SpeculativeConfig
+from nanoinfer.speculative.rows import sampling_rows
+from nanoinfer.speculative.speculator import Speculator
 from test_scheduler import BS, EOS, make_scheduler
 
 

@@ -22,8 +22,9 @@ STEPS = 50
 def rank_main(rank: int, args, path: str, port: int):
     from nanoinfer.config import Config
     from nanoinfer.engine.model_runner import ModelRunner
-    from nanoinfer.engine.step_message import PlainSample, SampleInput, SamplingPlan, StepInput
+    from nanoinfer.step.step_message import SampleInput, SamplingPlan, StepInput
     from nanoinfer.engine.tp_executor import NO_MULTICAST
+    from nanoinfer.sampling.sampler import vocab_shard_sample
     for name, value in NO_MULTICAST.items():
         os.environ.setdefault(name, value)
     config = Config(path, tensor_parallel_size=args.tp, load_format="dummy", max_num_seqs=args.batch,
@@ -41,8 +42,7 @@ def rank_main(rank: int, args, path: str, port: int):
     step = StepInput(args.batch, contexts, [1] * args.batch, [5] * args.batch, tables)
     # sampled at temperature 0.6, as the engine samples such a step (tp > 1: on every rank's shard)
     plan = SamplingPlan([0.6] * args.batch, all_greedy=False, any_greedy=False, seed=1)
-    if args.tp > 1:
-        step.plain_sample = PlainSample(plan.temperatures, plan.seed)
+    step.plain_sample = vocab_shard_sample(SampleInput(plan), args.tp > 1)
 
     def run(n):
         for _ in range(n):

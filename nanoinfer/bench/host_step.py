@@ -92,8 +92,7 @@ def main():
               num_kvcache_blocks=max(batches) * (-(-(32 + args.output_len) // 16) + 1), enable_prefix_caching=True)
     timer = [0.0]  # seconds of compute so far
     if args.device == "cpu":  # (on CUDA these only launch the device's work: host work)
-        ComputeTimer(llm.model_runner.graph_runner, "forward", timer)
-        ComputeTimer(llm.model_runner.sampler, "sample", timer)
+        ComputeTimer(llm.model_runner.sampler, "sample", timer)  # (its route runs the step's forward too)
     rng = random.Random(0)
     run_batch(llm, timer, min(batches), 8, rng)  # warm-up
     if args.profile:

@@ -1,6 +1,7 @@
 """`LLM(model, data_parallel_size=N, **options)`: generate() and chat() split their prompts over N
 engines, each in its own process with its own devices (as the server's replicas: the same engine
-process and EngineClient), and return the outputs in prompt order.
+process and EngineClient), and return the outputs in prompt order. DataParallelEngines is the
+backend that such an LLM hands its generate() to (nanoinfer/__init__.py registers it).
 
 The prompts are cut into N contiguous runs of about equal length (neighbouring prompts, which often
 share a prefix, stay on one engine's prefix cache). The engine clients live on an event loop in a
@@ -16,17 +17,17 @@ import threading
 from tqdm.auto import tqdm
 
 from nanoinfer.config import Config
-from nanoinfer.data_parallel.devices import replica_envs
+from nanoinfer.data_parallel.devices import check_data_parallel_size, replica_envs
 from nanoinfer.engine.input_processor import check_priorities
-from nanoinfer.llm import LLM
 from nanoinfer.outputs import RequestOutput
-from nanoinfer.serve.engine_client import EngineClient
+from nanoinfer.process.engine_client import EngineClient
 from nanoinfer.utils.main_guard import check_main_guard
 
 
-class DataParallelLLM:
-    """What LLM(model, data_parallel_size=N > 1) returns: generate, chat, get_tokenizer and exit
-    of LLM, over N engine processes. (stream() and the step-by-step engine API need one engine.)"""
+class DataParallelEngines:
+    """N engine processes behind an LLM(model, data_parallel_size=N > 1): its generate() (and so
+    chat()) and exit(). (stream() and the step-by-step engine API need one engine.)"""
+    check_size = staticmethod(check_data_parallel_size)
 
     def __init__(self, model: str, data_parallel_size: int, **options):
         self.config = Config.from_options(model, **options)  # bad options raise here, before any process
@@ -55,18 +56,13 @@ class DataParallelLLM:
     def data_parallel_size(self) -> int:
         return len(self._clients)
 
-    get_tokenizer = LLM.get_tokenizer
-    chat = LLM.chat
-    _normalize = LLM._normalize
-    _lora_requests = staticmethod(LLM._lora_requests)
-
-    def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None,
+    def generate(self, prompts: list, params: list, use_tqdm=True, loras: list | None = None,
                  priority=None) -> list[RequestOutput]:
-        """As LLM.generate; request ids are numbered across the engines, in prompt order. Each
-        engine orders its own share of the prompts by `priority`."""
-        prompts, params = self._normalize(prompts, sampling_params)
+        """LLM.generate's, its prompts and params one per prompt (as LLM._normalize makes them);
+        request ids are numbered across the engines, in prompt order. Each engine orders its own
+        share of the prompts by `priority`."""
         priorities = check_priorities(priority, len(prompts), self.config.scheduling_policy)
-        loras = self._lora_requests(lora_request, len(prompts)) or [None] * len(prompts)
+        loras = loras or [None] * len(prompts)
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
@@ -78,10 +74,6 @@ class DataParallelLLM:
         for out in outputs:
             out.request_id = next(self._request_ids)
         return outputs
-
-    def stream(self, prompts, sampling_params=None):
-        raise NotImplementedError("stream() runs on one engine: make the LLM with data_parallel_size=1, or stream "
-                                  "from `nanoinfer serve --data-parallel-size N`")
 
     def exit(self):
         """End every engine process (their workers and shared memory go with them)."""

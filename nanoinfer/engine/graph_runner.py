@@ -5,7 +5,8 @@ backend that can (`mixed_step_graphs`) and a dense model, steps with prompt chun
 of the smallest token bucket. Padded rows and tokens have slot -1 (they write no K/V) and context
 length 0. Larger steps, and every step without graphs, run eagerly: their device time dwarfs the
 launches. The LM head runs outside the graphs, on the step's own context (the rows that need logits
-vary by step), except in a decode step sampled at temperature alone (`sample_decode`; one rank):
+vary by step), except in a decode step sampled at temperature alone (`sample_decode`; one rank; the
+sampling dispatch, sampling/sampler.py, chooses it and runs the forward through StepForward):
 there a second graph per batch bucket runs the LM head and the fused sampling kernel after the
 forward's, with the rows' temperatures and the step's seed sent with its inputs. That saves the host
 the launches of the head and the sampling kernels on the steps that are most of a run."""
@@ -40,6 +41,27 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     size up to max_num_seqs replays the smallest graph that holds it."""
     return sorted({b for b in (1, 2, 4, 8) if b < max_num_seqs} | set(range(16, max_num_seqs, 16))
                   | {max_num_seqs})
+
+
+class StepForward:
+    """A prepared step's forward (under the context prepare_inputs set), run when its sampling route
+    asks (sampling/sampler.py): its logits, this rank's vocabulary shard (computed once: a step
+    awaiting its grammar bitmask samples from them later), or, for a decode step sampled inside
+    the graphs, its tokens."""
+    __slots__ = ("graphs", "input_ids", "positions", "decode_only", "_logits")
+
+    def __init__(self, graphs: "GraphRunner", input_ids: torch.Tensor, positions: torch.Tensor):
+        self.graphs, self.input_ids, self.positions = graphs, input_ids, positions
+        self.decode_only = not get_context().is_prefill  # (a step of few short rows runs as decode too)
+        self._logits: torch.Tensor | None = None
+
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = self.graphs.forward(self.input_ids, self.positions, self.decode_only)
+        return self._logits
+
+    def sample_in_graph(self, temperatures: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.graphs.sample_decode(self.input_ids, self.positions, temperatures, seed)
 
 
 class GraphRunner:
@@ -79,7 +101,8 @@ class GraphRunner:
         """A decode step whose rows sample at temperature alone (no grammar, no logprobs), its
         logits never leaving the graphs: the step's tokens [n] (NON_FINITE where a row's logits
         are not finite) and the same clamped to >= 0 (the next step's in-flight inputs), or None
-        when no sampling graph holds the step (the caller runs forward() and samples). Copied out
+        when no sampling graph holds the step (the in-graph route of sampling/sampler.py then
+        samples after forward()). Copied out
         of the static buffers (one copy for both), which the next replay overwrites."""
         n, ctx = input_ids.shape[0], get_context()
         # (the sampling graph's LM head takes every row: no step that names its logit rows)

@@ -24,7 +24,7 @@ from numbers import Integral
 
 from nanoinfer.config import Config
 from nanoinfer.engine.detokenizer import encode
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 from nanoinfer.lora.intake import LoRAIntake
 from nanoinfer.multimodal.inputs import split_multi_modal
 from nanoinfer.sampling_params import SamplingParams

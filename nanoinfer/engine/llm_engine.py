@@ -38,7 +38,7 @@ from nanoinfer.engine.input_processor import InputProcessor, check_priorities
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor, Request
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 from nanoinfer.engine.sigint import sigint_deferred
 from nanoinfer.engine.step_encoder import StepEncoder, sampled_rows
 from nanoinfer.engine.stats import StatLogger
@@ -74,9 +74,9 @@ class LLMEngine:
             check_main_guard()  # spawned workers re-import the main script
         self.model_runner = ModelRunner(config) if config.tensor_parallel_size == 1 else TensorParallelExecutor(config)
         num_blocks = self.model_runner.num_blocks
-        self.speculator = None  # speculative decoding (nanoinfer/spec), with speculative_config
+        self.speculator = None  # speculative decoding (nanoinfer/speculative), with speculative_config
         if config.speculative_config is not None:
-            from nanoinfer.spec.speculator import build_speculator
+            from nanoinfer.speculative.speculator import build_speculator
             try:  # (a draft model's KV cache shares the pool's memory: fewer blocks)
                 self.speculator = build_speculator(config, self.tokenizer, self.model_runner, num_blocks,
                                                    eos_token_ids)
@@ -448,7 +448,7 @@ class LLMEngine:
 
     @property
     def spec_stats(self):
-        """Speculative decoding's acceptance counters (nanoinfer/spec/stats.py), None without it."""
+        """Speculative decoding's acceptance counters (nanoinfer/speculative/stats.py), None without it."""
         return self.speculator.stats if self.speculator is not None else None
 
     def get_metrics(self) -> list:

@@ -1,13 +1,13 @@
 """One tensor-parallel rank: its shard of the model, its KV cache, and a step's launch, which reads
 
     [LoRA adapters into their slots] -> prepare (engine/forward_inputs.py)
-    -> forward (engine/graph_runner.py: eager or a CUDA graph) -> sample (sampling/sampler.py)
+    -> sample (sampling/sampler.py: the step's route runs its forward, engine/graph_runner.py)
     -> copy (the tokens start for the host)
 
 A step is launched without waiting for the device; `collect` waits for it and brings its results
 to the host. A step whose plan awaits its grammar bitmask (SamplingPlan.grammar_bitmask None) is
 launched up to its logits; `sample_launched` gives the bitmask and samples (structured/step_masks.py).
-Runners never see a Sequence: they take the step message (engine/step_message.py)."""
+Runners never see a Sequence: they take the step message (step/step_message.py)."""
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from nanoinfer.config import Config
 from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS, prepare_inputs
-from nanoinfer.engine.graph_runner import GraphRunner
+from nanoinfer.engine.graph_runner import GraphRunner, StepForward
 from nanoinfer.engine.kv_cache import KVCache
-from nanoinfer.engine.step_message import SampleInput, StepInput, StepResult
+from nanoinfer.step.step_message import SampleInput, StepInput, StepResult
 from nanoinfer.engine.warm_up import warm_up
 from nanoinfer.layers.all_reduce import use_symmetric_memory
 from nanoinfer.layers.attention_backend import select_attention_backend
@@ -39,7 +39,7 @@ class InFlight:
     host: torch.Tensor | None = None      # [rows] pinned host copy, valid once `event` has completed
     event: "torch.cuda.Event | None" = None
     pooled: torch.Tensor | None = None    # an embedding step's sums, on the host once `event` has completed
-    awaiting: tuple | None = None         # (step, sample, args, logits): launched up to the logits, until
+    awaiting: tuple | None = None         # (step, sample, args, forward): launched up to the logits, until
     #                                       sample_launched gives the grammar bitmask
 
 
@@ -67,7 +67,7 @@ class ModelRunner:
             self.model, config.max_num_seqs, config.max_num_batched_tokens, self.kv_cache.max_blocks_per_seq,
             config.hf_config.hidden_size, config.torch_dtype, self.device,
             mixed_steps=self.attention.mixed_step_graphs and dense, sorts_decode_rows=self.attention.sorts_decode_rows,
-            lora=config.enable_lora, sample_graphs=self.world_size == 1)
+            lora=config.enable_lora, sample_graphs=self.sampler.samples_in_graphs)
         self.adapters = None  # the LoRA slots and host cache of adapters (nanoinfer/lora)
         if config.enable_lora:
             from nanoinfer.lora.device_adapters import DeviceAdapters
@@ -94,58 +94,52 @@ class ModelRunner:
         """Enqueue one step and return without waiting for the device. Rank 0 (`sample` given)
         samples and starts a copy of the tokens to the host. On every rank, the step's in-flight
         rows read their input token from `prev` (the step launched before this one) on the device;
-        its proposal rows read theirs from `proposals` (spec/proposer.py, DeviceProposals), and
+        its proposal rows read theirs from `proposals` (speculative/proposer.py, DeviceProposals), and
         their position offsets from `offsets`."""
         prev_tokens = prev.tokens if prev is not None else None
         if step.lora is not None:  # (first: a later failure leaves the slots as the message says)
             self.adapters.ensure(step.lora.adapters)
-        in_graph = None  # (tokens, inputs) of a step sampled inside the decode graphs
         try:
-            mm_embeds = self.encoder_cache.step_embeds(step.multi_modal) if step.multi_modal is not None else None
-            input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
-                                                  self.attention.sorts_decode_rows, prev_tokens,
-                                                  min(SHORT_ROWS_MAX_TOKENS, self.config.max_num_seqs), proposals,
-                                                  offsets)
-            get_context().mm_embeds = mm_embeds
-            if step.pooling is not None:  # embeddings: final hidden states, eager; no LM head, no sampling
-                hidden = self.model(input_ids, positions)  # (every rank: the forward's all-reduces)
-                pooled = pool_hidden(hidden, step.pooling) if sample is not None else None
-                sampled = Sampled(torch.zeros(step.num_rows, dtype=torch.int64, device=self.device))
-            else:
-                pooled = None
+            forward = self._prepare(step, prev_tokens, proposals, offsets)
+            if step.pooling is not None:
+                sampled, pooled = self._pool(step, sample, forward)
+            else:  # the route that samples the step runs its forward (sampling/sampler.py)
                 args = self.sampler.prepare(sample, prev_tokens)
-                if self.sampler.fused_in_graph(step, sample, args):
-                    in_graph = self.graph_runner.sample_decode(input_ids, positions, args.temperatures, args.seed)
-                if in_graph is not None:
-                    sampled, inputs = Sampled(in_graph[0], args), in_graph[1]
-                else:
-                    # (this rank's shard; a step of few short rows runs as decode too: forward_inputs.py)
-                    logits = self.graph_runner.forward(input_ids, positions, not get_context().is_prefill)
-                    if args is not None and args.grammar_rows is not None and args.grammar_bitmask is None:
-                        return InFlight(None, None, awaiting=(step, sample, args, logits))
-                    sampled = self.sampler.sample(step, sample, args, logits)
+                sampled, pooled = self.sampler.sample(step, sample, args, forward), None
         finally:
             reset_context()
-        if in_graph is None:
-            # (a row marked NON_FINITE is failed by the host; an overlapped next step may still read it)
-            inputs = sampled.tokens.clamp_min(0)
-        if sample is None:
-            return InFlight(sampled, inputs)
-        return self._copy_to_host(sampled, inputs, pooled)
+        if sampled.tokens is None:  # launched up to its logits: sample_launched gives the grammar bitmask
+            return InFlight(None, None, awaiting=(step, sample, sampled.args, forward))
+        return self._copy_to_host(sampled, pooled) if sample is not None else InFlight(sampled, sampled.inputs)
+
+    def _prepare(self, step: StepInput, prev_tokens, proposals, offsets) -> StepForward:
+        """The step's inputs on the device and its context (engine/forward_inputs.py); its images'
+        embeddings."""
+        mm_embeds = self.encoder_cache.step_embeds(step.multi_modal) if step.multi_modal is not None else None
+        input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
+                                              self.attention.sorts_decode_rows, prev_tokens,
+                                              min(SHORT_ROWS_MAX_TOKENS, self.config.max_num_seqs), proposals, offsets)
+        get_context().mm_embeds = mm_embeds
+        return StepForward(self.graph_runner, input_ids, positions)
+
+    def _pool(self, step: StepInput, sample: SampleInput | None, forward: StepForward):
+        """An embedding step: the final hidden states, eager, pooled on rank 0; no LM head, no sampling."""
+        hidden = self.model(forward.input_ids, forward.positions)  # (every rank: the forward's all-reduces)
+        pooled = pool_hidden(hidden, step.pooling) if sample is not None else None
+        return Sampled(torch.zeros(step.num_rows, dtype=torch.int64, device=self.device)), pooled
 
     @torch.inference_mode()
     def sample_launched(self, inflight: InFlight, bitmask: torch.Tensor) -> None:
         """Sample a step launched up to its logits, its grammar rows under `bitmask` ([G, W] int32
         on the host), and start the tokens' copy to the host; `inflight` becomes a launched step."""
-        step, sample, args, logits = inflight.awaiting
+        step, sample, args, forward = inflight.awaiting
         inflight.awaiting = None
         args.set_grammar_bitmask(bitmask, self.device)
-        sampled = self.sampler.sample(step, sample, args, logits)
-        done = self._copy_to_host(sampled, sampled.tokens.clamp_min(0), None)
+        done = self._copy_to_host(self.sampler.sample(step, sample, args, forward), None)
         inflight.sampled, inflight.tokens = done.sampled, done.tokens
         inflight.host, inflight.event = done.host, done.event
 
-    def _copy_to_host(self, sampled: Sampled, inputs: torch.Tensor, pooled: torch.Tensor | None) -> InFlight:
+    def _copy_to_host(self, sampled: Sampled, pooled: torch.Tensor | None) -> InFlight:
         tokens = sampled.tokens
         host = torch.empty(tokens.shape[0], dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
         host.copy_(tokens, non_blocking=True)
@@ -155,7 +149,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return InFlight(sampled, inputs, host, event, pooled)
+        return InFlight(sampled, sampled.inputs, host, event, pooled)
 
     def collect(self, inflight: InFlight) -> StepResult:
         """Rank 0: wait for a launched step and bring its results to the host."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS
-from nanoinfer.engine.sequence import Sequence, SequenceStatus
+from nanoinfer.step.sequence import Sequence, SequenceStatus
 from nanoinfer.engine.wait_queue import PriorityWaitQueue, WaitQueue, priority_key
 from nanoinfer.outputs import NON_FINITE_REASON
 from nanoinfer.lora.admission import admits, running_adapters
@@ -50,7 +50,7 @@ class ScheduledBatch:
     query_lens: list[int]        # tokens each row computes
     samples: list[bool]          # whether the row's last token samples (False: a prompt chunk short of its end)
     num_decode: int = 0          # leading rows with one query token (decode rows)
-    # speculative rows (nanoinfer/spec), which follow the decode rows: row -> its proposed tokens
+    # speculative rows (nanoinfer/speculative), which follow the decode rows: row -> its proposed tokens
     # (None until proposed); such a row's query is its last token and the proposals
     drafts: dict[int, list[int] | None] = field(default_factory=dict)
     proposals: object = None  # spec.proposer.DeviceProposals: the drafts' tokens, still on the device
@@ -100,7 +100,7 @@ class Scheduler:
         self.num_preemptions = 0
         # distinct adapters running at most (0: LoRA off)
         self.max_loras = config.max_loras if getattr(config, "enable_lora", False) else 0
-        # speculative decoding (nanoinfer/spec/speculator.py): whether a sequence speculates (it then
+        # speculative decoding (nanoinfer/speculative/speculator.py): whether a sequence speculates (it then
         # waits for its tokens in flight) and how many tokens its next row may propose
         self.speculator = None
         # the engine fills grammar masks after launching a step's forward (structured/step_masks.py):
@@ -223,7 +223,7 @@ class Scheduler:
         return batch if batch.seqs else None
 
     def _chain_room(self) -> int | None:
-        """With a speculative row in flight that the next one may chain onto (spec/speculator.py,
+        """With a speculative row in flight that the next one may chain onto (speculative/speculator.py,
         `chains`): how many proposals this step's rows may score in all, so that it runs as a
         decode step of short rows (engine/forward_inputs.py), the only kind that places rows whose
         positions the device shifts. None (no row chains, and the other rows score up to k): there
@@ -328,10 +328,10 @@ class Scheduler:
     @staticmethod
     def _add_speculative_row(batch: ScheduledBatch, seq: Sequence, k: int):
         """A decode row that also scores k proposed tokens (filled in before launch, and maybe
-        shortened: nanoinfer/spec/rows.py). Processing appends the accepted run, up to 1 + k tokens:
+        shortened: nanoinfer/speculative/rows.py). Processing appends the accepted run, up to 1 + k tokens:
         until then they count in flight, as if all were accepted, and so does the row's progress.
         A row chained onto one still in flight starts where that one ends if all are accepted; the
-        device shifts it back by what it rejected (spec/chaining.py), processing the host's view."""
+        device shifts it back by what it rejected (speculative/chaining.py), processing the host's view."""
         batch.drafts[len(batch.seqs)] = None
         batch.seqs.append(seq)
         batch.starts.append(seq.num_computed_tokens)
@@ -356,7 +356,7 @@ class Scheduler:
         """Record what a finished step computed: register its full blocks in the prefix cache,
         append the sampled tokens, release the samples held for a first token's prompt, and decide
         which sequences end on EOS, stop token ids and length limits. `runs`: a speculative row's
-        accepted tokens (nanoinfer/spec), appended up to the first that ends the sequence."""
+        accepted tokens (nanoinfer/speculative), appended up to the first that ends the sequence."""
         appended, ending, counts = [], {}, {}
         bm, eos, max_model_len = self.block_manager, self.eos_token_ids, self.max_model_len
         # a block is registered once full: most rows of most steps fill none and skip commit()

@@ -1,15 +1,15 @@
-"""Scheduled sequences -> the step message (engine/step_message.py). Runners never see a Sequence:
+"""Scheduled sequences -> the step message (step/step_message.py). Runners never see a Sequence:
 this is where a step's rows, its sampling plan and its prompt-logprob work are read off them."""
 import random
 
 from nanoinfer.engine.scheduler import ScheduledBatch
-from nanoinfer.engine.step_message import (PlainSample, PromptLogprobsRequest, PromptSegment, SampleInput,
-                                           SamplingPlan, StepInput)
+from nanoinfer.step.step_message import PromptLogprobsRequest, PromptSegment, SampleInput, SamplingPlan, StepInput
 from nanoinfer.multimodal.step_planner import MultiModalStepPlanner
 from nanoinfer.pooling.rows import pooling_rows
 from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.plan import build_sampling_plan
-from nanoinfer.spec.rows import sampling_rows
+from nanoinfer.sampling.sampler import vocab_shard_sample
+from nanoinfer.speculative.rows import sampling_rows
 from nanoinfer.structured.step_masks import AwaitingMasks
 
 
@@ -61,7 +61,7 @@ class StepEncoder:
             step.pooling = pooling_rows(batch)
             return step, SampleInput(SamplingPlan([0.0] * len(batch.seqs), True, True))  # (unused)
         seqs, samples = batch.seqs, batch.samples
-        if batch.drafts:  # speculative rows: one sampling row per query position (nanoinfer/spec)
+        if batch.drafts:  # speculative rows: one sampling row per query position (nanoinfer/speculative)
             seqs, samples, step.sample_rows = sampling_rows(batch)
         plan = build_sampling_plan(seqs, self.vocab_size, self.eos_token_ids, samples, prev_rows, self.seeds,
                                    self.masks_later, self.constraints)
@@ -70,8 +70,7 @@ class StepEncoder:
         sample = SampleInput(plan, prompt_logprobs_request(batch))
         if sample.prompt_logprobs is not None:
             step.prompt_logit_rows = prompt_logit_rows(batch, sample.prompt_logprobs)
-        elif self.sample_on_shards and plan.plain:
-            step.plain_sample = PlainSample(plan.temperatures, plan.seed)
+        step.plain_sample = vocab_shard_sample(sample, self.sample_on_shards)
         return step, sample
 
 
@@ -89,7 +88,7 @@ def encode_rows(batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> Step
     for row in range(batch.num_decode, len(batch.seqs)):
         seq, start, q = batch.seqs[row], batch.starts[row], batch.query_lens[row]
         i = on_device.get(seq.seq_id) if row in batch.drafts else None
-        if i is not None:  # a speculative row whose whole query is on the device (spec/proposer.py)
+        if i is not None:  # a speculative row whose whole query is on the device (speculative/proposer.py)
             proposal_rows += range(len(input_ids), len(input_ids) + q)
             proposal_sources += range(i * width, i * width + q)
             input_ids += [0] * q

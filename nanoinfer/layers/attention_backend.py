@@ -30,7 +30,6 @@ from nanoinfer.kernels.triton_attention import decode_attention, prefill_attenti
 from nanoinfer.utils.context import get_context
 
 if TYPE_CHECKING:
-    from nanoinfer.layers.attention import Attention
     from nanoinfer.layers.layernorm import RMSNorm
 
 logger = logging.getLogger("nanoinfer")
@@ -41,14 +40,14 @@ class AttentionBackend:
     mixed_step_graphs = False
     sorts_decode_rows = False
 
-    def write_step(self, layer: "Attention", qkv: torch.Tensor, positions: torch.Tensor, q_norm: "RMSNorm | None",
+    def write_step(self, layer, qkv: torch.Tensor, positions: torch.Tensor, q_norm: "RMSNorm | None",
                    k_norm: "RMSNorm | None") -> torch.Tensor:
         """qkv: [N, (num_heads + 2 * num_kv_heads) * head_dim]; q_norm, k_norm: the per-head RMSNorms
         or None. Returns q [N, num_heads, head_dim], normed and rotated; K and V go to the cache (not
         while it is empty: the memory-profiling warm-up runs before the cache exists)."""
         raise NotImplementedError
 
-    def attend(self, layer: "Attention", q: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer, q: torch.Tensor) -> torch.Tensor:
         """q: [N, num_heads, head_dim] -> attention over the layer's cache, [N, num_heads, head_dim]."""
         raise NotImplementedError
 

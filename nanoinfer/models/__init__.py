@@ -10,7 +10,6 @@ from transformers import PretrainedConfig
 from nanoinfer.models.config_limits import check_fits_memory, check_norm_and_rope, check_size_caps
 
 if TYPE_CHECKING:
-    from nanoinfer.config import Config
     from nanoinfer.layers.attention_backend import AttentionBackend
 
 MODELS = {
@@ -105,9 +104,9 @@ def get_model_class(config: PretrainedConfig):
     return getattr(importlib.import_module(module), name)
 
 
-def build_model(config: "Config", rank: int, world_size: int, device: torch.device,
+def build_model(config, rank: int, world_size: int, device: torch.device,
                 attention_backend: "AttentionBackend") -> nn.Module:
-    """The model of `config` for tensor-parallel rank `rank` of `world_size`: built on `device` in
+    """The model of `config` (a nanoinfer Config) for tensor-parallel rank `rank` of `world_size`: built on `device` in
     config.torch_dtype (seeded: the same random values wherever nothing is loaded), each linear layer
     with the weight method of the checkpoint's quantization_config or of config.quantization
     (nanoinfer/quant; with enable_lora, wrapped by the LoRA method of nanoinfer/lora), then its

@@ -1,22 +1,31 @@
-"""Sampling for one rank: the one entry point from a step's logits to its tokens.
+"""Sampling for one rank: THE sampling dispatch, from a prepared step to its tokens.
 
 `prepare` turns the step's SamplingPlan into device tensors before the forward (their copies
-overlap it); `sample` takes the logits of this rank's vocabulary shard and returns the step's
-tokens on every rank's device:
-- a step at temperature alone with tensor parallelism on CUDA (StepInput.plain_sample): every rank
+overlap it). `sample` then decides the step's route (`route`: the one place that does) and runs it;
+each route is one method, and asks the step's forward (engine/graph_runner.py, StepForward) for
+what it needs:
+- IN_GRAPH: a decode step of one rank on CUDA whose rows sample at temperature alone: the LM head
+  and the fused kernel replayed inside the decode graphs (no logits leave them);
+- VOCAB_SHARDS: the same kind of step with tensor parallelism on CUDA (StepInput.plain_sample, set
+  when the step is encoded by `vocab_shard_sample`, since the other ranks get no plan): every rank
   samples its shard and the ranks agree on the winners (sample_vocab_shard);
-- otherwise rank 0 gathers the full rows, computes prompt logprobs, runs the logits pipeline
-  (sampling/pipeline.py) and, with tensor parallelism, broadcasts the tokens.
+- AWAITING_MASK: a step whose grammar bitmask comes after the forward's launch
+  (structured/step_masks.py): the forward runs, and the step samples when `sample` is called again
+  with the bitmask set (the logits are kept);
+- GATHERED: every other step: rank 0 gathers the full rows, computes prompt logprobs, runs the
+  logits pipeline (sampling/pipeline.py; its fused kernel on CUDA for plain rows) and, with tensor
+  parallelism, broadcasts the tokens.
 `to_host` brings a step's logprobs to the host once its tokens are there.
 A row whose logits are not finite gets the token NON_FINITE (-1): the engine fails its request.
 """
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 import torch.distributed as dist
 
-from nanoinfer.engine.step_message import (PromptLogprobs, PromptLogprobsRequest, SampleInput, StepInput,
-                                           TokenLogprobs)
+from nanoinfer.step.step_message import (PlainSample, PromptLogprobs, PromptLogprobsRequest, SampleInput,
+                                           StepInput, TokenLogprobs)
 from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
 from nanoinfer.sampling.column_cache import ColumnCache
 from nanoinfer.sampling.constraint_store import TokenConstraintStore
@@ -27,18 +36,43 @@ from nanoinfer.utils.device_copy import to_device
 PROMPT_LOGPROBS_SLICE = 1024  # rows per log-softmax: the float32 copy stays small for long prompts
 
 
+class Route(Enum):
+    IN_GRAPH = "inside the decode graph"
+    VOCAB_SHARDS = "on the vocabulary shards"
+    AWAITING_MASK = "after the grammar bitmask"
+    GATHERED = "gathered to rank 0"
+
+
 class SamplingFailed(Exception):
     """Sampling raised on rank 0 after the forward; the other ranks were kept in step."""
 
 
 @dataclass(slots=True)
 class Sampled:
-    """A step's sampling output on the device: the tokens, and when asked the logprob tensors of
-    the sampled rows and of the prompt positions."""
-    tokens: torch.Tensor               # [rows] int64
+    """A step's sampling output on the device: the tokens (None: the step awaits its grammar
+    bitmask), them as the next step's inputs (NON_FINITE rows read token 0), and when asked the
+    logprob tensors of the sampled rows and of the prompt positions."""
+    tokens: torch.Tensor | None        # [rows] int64
     args: SamplingTensors | None = None
     logprobs: tuple | None = None
     prompt_logprobs: tuple | None = None   # (request, token logprob, rank, top ids, top logprobs)
+    inputs: torch.Tensor | None = None
+
+    def __post_init__(self):
+        # (a row marked NON_FINITE is failed by the host; an overlapped next step may still read it)
+        if self.inputs is None and self.tokens is not None:
+            self.inputs = self.tokens.clamp_min(0)
+
+
+def vocab_shard_sample(sample: SampleInput, on_shards: bool) -> PlainSample | None:
+    """What every rank needs to sample its shard (the VOCAB_SHARDS route), for a step whose rows
+    use temperature alone and that computes no prompt logprobs, when the ranks can (`on_shards`:
+    tensor parallelism on CUDA); None for any other step. Decided when the step is encoded: the
+    ranks other than 0 get no plan."""
+    plan = sample.plan
+    if not on_shards or not plan.plain or sample.prompt_logprobs is not None:
+        return None
+    return PlainSample(plan.temperatures, plan.seed)
 
 
 def sample_vocab_shard(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, col0: int) -> torch.Tensor:
@@ -59,6 +93,8 @@ class Sampler:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.columns = ColumnCache(device)  # the last step's per-row option tensors
         self.constraints = TokenConstraintStore(device)  # the requests' token constraints, by key
+        # one rank on CUDA: decode steps may sample inside the graphs (which then capture it)
+        self.samples_in_graphs = world_size == 1 and device.type == "cuda"
 
     def prepare(self, sample: SampleInput | None, prev_tokens: torch.Tensor | None) -> SamplingTensors | None:
         """The plan's device tensors (rank 0); prev_tokens: the step in flight's, which the plan's
@@ -67,24 +103,59 @@ class Sampler:
             return None
         return SamplingTensors.from_plan(sample.plan, self.device, prev_tokens, self.columns, self.constraints)
 
+    # ---- the dispatch ---------------------------------------------------------------------------
+    def route(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None) -> Route:
+        """The route that samples this step on this rank."""
+        if step.plain_sample is not None:
+            return Route.VOCAB_SHARDS
+        if args is not None and args.grammar_rows is not None and args.grammar_bitmask is None:
+            return Route.AWAITING_MASK
+        if self.fused_in_graph(step, sample, args):
+            return Route.IN_GRAPH
+        return Route.GATHERED
+
     def fused_in_graph(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None) -> bool:
         """Whether this step may sample inside the decode graphs (engine/graph_runner.py
         sample_decode): one rank, a decode-only step (a token a row, each row sampling), every row
         at temperature alone with the fused kernel (sample_logits' CUDA path), no grammar."""
-        return (self.world_size == 1 and step.is_decode_only and args is not None and args.plain
-                and args.grammar_rows is None and self.device.type == "cuda" and step.sample_rows is None
+        return (self.samples_in_graphs and step.is_decode_only and args is not None and args.plain
+                and args.grammar_rows is None and step.sample_rows is None
                 and not step.prompt_logit_rows and sample.prompt_logprobs is None)
 
     def sample(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None,
-               logits: torch.Tensor) -> Sampled:
-        """The step's tokens on every rank. `logits`: this rank's shard, the step's rows first,
-        then its prompt_logit_rows."""
-        if step.plain_sample is not None:
-            plain = step.plain_sample
-            temps = args.temperatures if args is not None else \
-                self.columns.get("temperatures", plain.temperatures, torch.float32)
-            return Sampled(sample_vocab_shard(logits, temps, plain.seed, self.lm_head.vocab_start), args)
-        rows = step.num_sample_rows
+               forward) -> Sampled:
+        """The step's tokens on every rank, by its route. `forward`: the step's forward, run when
+        the route asks (engine/graph_runner.py, StepForward: its logits are this rank's shard, the
+        step's rows first, then its prompt_logit_rows)."""
+        route = self.route(step, sample, args)
+        if route is Route.IN_GRAPH:
+            return self.sample_in_graph(step, sample, args, forward)
+        if route is Route.VOCAB_SHARDS:
+            return self.sample_on_vocab_shards(step, args, forward)
+        if route is Route.AWAITING_MASK:
+            forward.logits()  # (launched now; kept until the bitmask comes)
+            return Sampled(None, args)
+        return self.sample_gathered(step, sample, args, forward)
+
+    # ---- the routes -----------------------------------------------------------------------------
+    def sample_in_graph(self, step: StepInput, sample: SampleInput, args: SamplingTensors, forward) -> Sampled:
+        """The LM head and the fused kernel replayed after the decode graph's forward, with the rows'
+        temperatures and the step's seed; a step no sampling graph holds is gathered (on one rank:
+        the fused kernel after the forward)."""
+        out = forward.sample_in_graph(args.temperatures, args.seed)
+        if out is None:
+            return self.sample_gathered(step, sample, args, forward)
+        return Sampled(out[0], args, inputs=out[1])
+
+    def sample_on_vocab_shards(self, step: StepInput, args: SamplingTensors | None, forward) -> Sampled:
+        plain = step.plain_sample
+        temps = args.temperatures if args is not None else \
+            self.columns.get("temperatures", plain.temperatures, torch.float32)
+        return Sampled(sample_vocab_shard(forward.logits(), temps, plain.seed, self.lm_head.vocab_start), args)
+
+    def sample_gathered(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None,
+                        forward) -> Sampled:
+        rows, logits = step.num_sample_rows, forward.logits()
         if sample is None:  # a rank that does not sample: its shard goes to rank 0, the tokens come back
             self.lm_head.gather(logits)
             tokens = torch.empty(rows, dtype=torch.int64, device=self.device)

@@ -14,11 +14,10 @@ from fastapi.responses import PlainTextResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 
-from nanoinfer.outputs import NON_FINITE_REASON, RequestOutput
 from nanoinfer.serve import convert
 from nanoinfer.serve.chat_renderer import ChatRenderer, RenderRefused
 from nanoinfer.serve.chat_reply import ReplyFormat
-from nanoinfer.serve.engine_client import FINAL_OUTPUTS, EngineClient, EngineDeadError, ShutdownCut, Submission
+from nanoinfer.process.engine_client import EngineClient, EngineDeadError, ShutdownCut, Submission
 from nanoinfer.serve.errors import APIError, add_error_handlers, error_body, error_response
 from nanoinfer.serve.http_guards import ApiKeyCheck, BodyLimit, HostCheck
 from nanoinfer.serve.limits import ServerLimits, prompt_chars_limit
@@ -26,14 +25,12 @@ from nanoinfer import __version__
 from nanoinfer.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from nanoinfer.serve.metrics import ServerMetrics
 from nanoinfer.serve.lora_modules import ServedModels, check_adapter_files
+from nanoinfer.serve.request_outputs import check_model, collect_outputs, failure_of
 from nanoinfer.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest,
                                       UnloadLoRAAdapterRequest)
 
 logger = logging.getLogger("nanoinfer.serve")
-
-NON_FINITE_MESSAGE = ("no token could be sampled for this request: the model produced non-finite logits (NaN or inf), "
-                      "or its allowed_token_ids / bad_words left its grammar no token; see the server log")
 
 
 def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLimits = ServerLimits(),
@@ -137,7 +134,7 @@ def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         """vLLM's: the prompt's token ids (or the chat messages', rendered), their count, max_model_len."""
-        _check_model(body.model, model_names)
+        check_model(body.model, model_names)
         try:
             if body.messages is not None:
                 ids = (await renderer.render([m.model_dump(exclude_unset=True) for m in body.messages],
@@ -150,7 +147,7 @@ def add_status_routes(app: FastAPI, engine: EngineClient, served_model_name: str
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        _check_model(body.model, model_names)
+        check_model(body.model, model_names)
         vocab = len(engine.tokenizer)
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
@@ -177,7 +174,7 @@ def add_generation_routes(app: FastAPI, engine: EngineClient, served_model_name:
         name = body.model if body.model in adapters else served_model_name  # (vLLM answers with the adapter's)
         if body.stream:
             return _event_stream(engine, convert.completion_chunks(sub, name, body.include_usage), sub)
-        outputs = await _outputs(engine, sub, request)
+        outputs = await collect_outputs(engine, sub, request)
         return outputs if isinstance(outputs, Response) else \
             await _json_reply(lambda: convert.completion_response(outputs, name, body.echo, engine.tokenizer))
 
@@ -199,7 +196,7 @@ def add_generation_routes(app: FastAPI, engine: EngineClient, served_model_name:
         name = body.model if body.model in adapters else served_model_name
         if body.stream:
             return _event_stream(engine, convert.chat_chunks(sub, name, body.include_usage, top, reply), sub)
-        outputs = await _outputs(engine, sub, request)
+        outputs = await collect_outputs(engine, sub, request)
         return outputs if isinstance(outputs, Response) else \
             await _json_reply(lambda: convert.chat_response(outputs[0], name, top, reply))
 
@@ -235,13 +232,8 @@ def add_lora_updating_routes(app: FastAPI, models: ServedModels):
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
-def _check_model(model: str | None, model_names: Container[str]):
-    if model is not None and model not in model_names:
-        raise APIError(404, f"The model `{model}` does not exist.", "model")
-
-
 def _check_request(body, model_names: Container[str], limits: ServerLimits):
-    _check_model(body.model, model_names)
+    check_model(body.model, model_names)
     if body.model_extra:
         logger.warning("fields the server does not use were ignored: %s", ", ".join(sorted(body.model_extra))[:500])
     try:
@@ -273,47 +265,6 @@ def _check_min_tokens(params, prompts: list, max_model_len: int):
                          f"tokens = {room}, got {params.min_tokens}")
 
 
-async def _outputs(engine: EngineClient, sub: Submission, request: Request) -> list[RequestOutput] | Response:
-    """Every prompt's final output (a RequestOutput, or an embedding's PoolingRequestOutput); if the
-    client disconnects first, abort and answer nobody."""
-    outputs: list[RequestOutput | None] = [None] * len(sub.prompts)
-
-    async def collect():
-        async for i, item in sub.results():
-            if isinstance(item, FINAL_OUTPUTS):
-                outputs[i] = item
-
-    done = asyncio.ensure_future(collect())
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait([done, gone], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not done.done():
-            done.cancel()
-            engine.abort(sub)
-    if not done.done() or done.cancelled():
-        return Response(status_code=499)  # the client closed the request: nobody reads this
-    done.result()  # the engine's error, if any
-    failure = _failure(c for out in outputs if isinstance(out, RequestOutput) for c in out.outputs)
-    if failure is not None:
-        raise APIError(*failure)
-    return outputs
-
-
-def _failure(completions) -> tuple[int, str] | None:
-    """The error of a request whose sample finished with "error": a 500 if no token could be sampled
-    for it, else a 400 with the reason its intake failed (a grammar that does not compile, an image
-    that does not decode)."""
-    for c in completions:
-        if getattr(c, "finish_reason", None) == "error":
-            reason = getattr(c, "stop_reason", None)
-            if isinstance(reason, str) and reason != NON_FINITE_REASON:
-                return 400, reason
-            return 500, NON_FINITE_MESSAGE
-    return None
-
-
 def _event_stream(engine: EngineClient, chunks: AsyncIterator[BaseModel], sub: Submission) -> EventSourceResponse:
     """Server-sent events: one `data: {chunk}` per chunk, then `data: [DONE]`. Closing the stream
     early (the client left) aborts the requests."""
@@ -321,7 +272,7 @@ def _event_stream(engine: EngineClient, chunks: AsyncIterator[BaseModel], sub: S
         complete = False
         try:
             async for chunk in chunks:
-                failure = _failure(chunk.choices)
+                failure = failure_of(chunk.choices)
                 if failure is not None:
                     complete = True  # (the request's other samples are aborted below)
                     yield format_sse_event(data_str=error_body(*failure).model_dump_json())
@@ -339,9 +290,3 @@ def _event_stream(engine: EngineClient, chunks: AsyncIterator[BaseModel], sub: S
         yield format_sse_event(data_str="[DONE]")
 
     return EventSourceResponse(events())
-
-
-async def _disconnected(request: Request):
-    """Returns when the client has closed the connection (the body was read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from nanoinfer.pooling import PoolingParams
-from nanoinfer.serve.app import _check_model, _outputs
+from nanoinfer.serve.request_outputs import check_model, collect_outputs
 from nanoinfer.serve.errors import APIError
 from nanoinfer.serve.limits import ServerLimits
 
@@ -66,7 +66,7 @@ def add_embedding_routes(app: FastAPI, engine, served_model_name: str, model_nam
                          limits: ServerLimits = ServerLimits()):
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
-        _check_model(body.model, model_names)
+        check_model(body.model, model_names)
         try:
             limits.check_sequences(len(body.prompts()), field="input")
             params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
@@ -76,7 +76,7 @@ def add_embedding_routes(app: FastAPI, engine, served_model_name: str, model_nam
         except (ValueError, TypeError) as e:  # they name the field
             name = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), name if name in EmbeddingRequest.model_fields else "input") from e
-        outputs = await _outputs(engine, sub, request)
+        outputs = await collect_outputs(engine, sub, request)
         if isinstance(outputs, Response):
             return outputs
         data = [EmbeddingData(index=i, embedding=_encode(out.outputs.data, body.encoding_format))

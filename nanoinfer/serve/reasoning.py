@@ -31,7 +31,7 @@ class StreamingReasoning:
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
         text, self.held = self.held + delta, ""
-        reasoning = content = ""
+        reasoning = ""
         if self.state == "undecided":
             stripped = text.lstrip()
             if stripped.startswith(THINK_START):

@@ -13,11 +13,10 @@ import threading
 from multiprocessing.connection import wait
 
 from nanoinfer.outputs import RequestOutput
+from nanoinfer.process.engine_launch import STOP_TIMEOUT_S, end_engine_process, launch_engine_process
+from nanoinfer.process.messages import Abort, EngineDead, Ready, StartFailed, StepNews, Stop, Submit, pack_command
+from nanoinfer.process.submission import FINAL_OUTPUTS, EngineDeadError, ShutdownCut, Submission
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.serve.engine_launch import STOP_TIMEOUT_S, end_engine_process, launch_engine_process
-from nanoinfer.serve.messages import Abort, EngineDead, Ready, StartFailed, StepNews, Stop, Submit, pack_command
-from nanoinfer.serve.metrics import ServerMetrics
-from nanoinfer.serve.submission import FINAL_OUTPUTS, EngineDeadError, ShutdownCut, Submission
 
 __all__ = ["EngineClient", "EngineDeadError", "FINAL_OUTPUTS", "ShutdownCut", "Submission"]
 
@@ -50,7 +49,9 @@ class EngineClient:
         self._ending = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="nanoinfer-engine-reader", daemon=True)
         self._writer = threading.Thread(target=self._write, name="nanoinfer-engine-writer", daemon=True)
-        self.metrics: ServerMetrics | None = None  # set by the app: fed from every engine message
+        # set by its user (the server's ServerMetrics): told of every engine message (engine_stats,
+        # stream_delta, finished)
+        self.metrics = None
         if wait:
             self.wait_ready()
 
