@@ -6,6 +6,7 @@ from numbers import Integral
 from tqdm.auto import tqdm
 
 from nanoinfer.engine.llm_engine import LLMEngine
+from nanoinfer.features import FeatureComposition
 from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.pooling.api import PoolingAPI
 from nanoinfer.utils.chat import render_chat
@@ -28,7 +29,7 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
         return super().__new__(cls)
 
     def __init__(self, model: str, data_parallel_size: int = 1, **options):
-        super().__init__(model, **options)
+        super().__init__(model, FeatureComposition(), **options)  # the features, as the config asks
 
     # ---- public API -----------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None,

@@ -4,6 +4,7 @@ device slots (slots and the host cache reused, never more adapters in a step tha
 prefix cache keyed by adapter, preemption, tensor parallelism on CPU, add_request / chat / stream."""
 import pytest
 
+from nanoinfer.lora.feature import LoRAFeature
 from nanoinfer import LLM, LoRARequest, SamplingParams
 
 from lora_reference import ALL_TARGETS, assert_greedy_matches, differs_from, make_adapter
@@ -44,12 +45,12 @@ def check_outputs(base, outs, loras):
 
 def record_steps(llm) -> list[set]:
     """Each launched step's set of adapter ids (0: the base model), recorded from now on."""
-    steps, assign = [], llm.step_encoder.adapter_slots.assign
+    steps, assign = [], llm.feature(LoRAFeature).slots.assign
 
     def spy(seqs):
         steps.append({s.lora_int_id for s in seqs})
         return assign(seqs)
-    llm.step_encoder.adapter_slots.assign = spy
+    llm.feature(LoRAFeature).slots.assign = spy
     return steps
 
 

@@ -4,6 +4,7 @@ prompt, batches mixing image and text-only requests, chunked prefill through an 
 the image-keyed prefix cache, and tensor parallelism."""
 import pytest
 
+from nanoinfer.multimodal.feature import ImageFeature
 from nanoinfer import LLM, SamplingParams
 from vl_reference import assert_vl_greedy_matches_hf, random_image
 
@@ -51,7 +52,7 @@ def test_batch_matches_hf(vl):
         for i, ((prompt, sizes), out) in enumerate(zip(CASES, outs)):
             assert_vl_greedy_matches_hf(vl, prompt, case_images(i, sizes), out.prompt_token_ids,
                                         out.outputs[0].token_ids)
-        assert not llm.step_encoder.multimodal.resident  # every image's embeddings were dropped
+        assert not llm.feature(ImageFeature).planner.resident  # every image's embeddings were dropped
         llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)  # a step after: the runner's too
         assert not llm.model_runner.encoder_cache.embeddings
     finally:
@@ -168,7 +169,7 @@ def test_abort_mid_image_drops_its_embeddings(vl):
         assert len(llm.model_runner.encoder_cache.embeddings) == 1
         llm.abort_request(rid)
         llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
-        assert not llm.model_runner.encoder_cache.embeddings and not llm.step_encoder.multimodal.resident
+        assert not llm.model_runner.encoder_cache.embeddings and not llm.feature(ImageFeature).planner.resident
         bm = llm.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks
     finally:
@@ -233,7 +234,7 @@ def test_failed_launch_forgets_its_images(vl):
             pairs += llm.step()[0]
         assert [tokens for _, tokens in pairs] == [want]
         llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
-        assert not llm.model_runner.encoder_cache.embeddings and not llm.step_encoder.multimodal.resident
+        assert not llm.model_runner.encoder_cache.embeddings and not llm.feature(ImageFeature).planner.resident
     finally:
         llm.exit()
 

@@ -6,6 +6,7 @@ import random
 
 import xxhash
 
+from nanoinfer.spec.row_planner import SpeculativeRows
 from nanoinfer.engine.step_message import StepResult
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.engine.sequence import Sequence
@@ -46,7 +47,7 @@ def run(workload, num_blocks, budget, speculate: bool, seed: int):
     speculator = None
     if speculate:
         speculator = Speculator(SpeculativeConfig("ngram", 3), 200, FakeProposer(random.Random(seed)))
-        sched.speculator = speculator
+        sched.rows = SpeculativeRows(speculator)
     seqs = [Sequence(p, SamplingParams(max_tokens=m), BS) for p, m in workload]
     for s in seqs:
         sched.add(s)
