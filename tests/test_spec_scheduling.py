@@ -11,7 +11,7 @@ from nanoinfer.engine.step_message import StepResult
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.engine.sequence import Sequence
 from nanoinfer.spec.config import SpeculativeConfig
-from nanoinfer.spec.rows import sampling_rows
+from nanoinfer.engine.draft_rows import sampling_rows
 from nanoinfer.spec.speculator import Speculator
 from test_scheduler import BS, EOS, make_scheduler
 

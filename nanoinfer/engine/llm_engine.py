@@ -33,23 +33,21 @@ import random
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from nanoinfer.config import Config
+from nanoinfer.engine.engine_requests import EngineRequests
+from nanoinfer.engine.engine_threads import EngineThreads
 from nanoinfer.engine.feature import Composition, EngineParts
-from nanoinfer.engine.input_processor import InputProcessor, check_priorities
+from nanoinfer.engine.input_processor import InputProcessor
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor, Request
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
-from nanoinfer.engine.sequence import Sequence
 from nanoinfer.engine.sigint import sigint_deferred
 from nanoinfer.engine.step_encoder import StepEncoder, sampled_rows
 from nanoinfer.engine.stats import StatLogger, engine_metrics
 from nanoinfer.engine.step_record import StepRecord
 from nanoinfer.engine.tp_executor import TensorParallelExecutor
-from nanoinfer.outputs import RequestOutput, StreamDelta
-from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
 from nanoinfer.utils.main_guard import check_main_guard
 
@@ -59,7 +57,7 @@ EXIT_WAIT_S = 60.0  # how long exit() from another thread waits for a running st
 INTAKE_WAIT_S = 0.05  # how long a step with nothing to run waits for a request's intake work (commands go on)
 
 
-class LLMEngine:
+class LLMEngine(EngineRequests, EngineThreads):
     def __init__(self, model: str, composition: Composition | None = None, **options):
         """composition: which features and row planner the engine runs with (None: none, plain rows)."""
         self.config = config = Config.from_options(model, **options)
@@ -106,10 +104,7 @@ class LLMEngine:
         self.inflight: Launched | None = None
         self.step_log: list | None = None   # set to a list to record each step's StepRecord (bench.py)
         self.stats = None if config.disable_log_stats else StatLogger()  # logged every few seconds
-        self._step_lock = threading.Lock()  # held while a step or a registry change runs (_locked)
-        self._lock_holder: int | None = None  # the thread holding it
-        self._driver: int | None = None  # the thread inside advance / generate / stream (driving)
-        self._driver_lock = threading.Lock()
+        self._init_threads()
         self._aborts: deque[int] = deque()  # abort_request ids not applied yet
         self._finished_ids: list[int] = []  # requests finished outside a step, for the next advance()
         self._unreported: list[tuple[int, list[int]]] = []  # step()'s pairs not returned yet
@@ -119,123 +114,6 @@ class LLMEngine:
         # objects) lives as long as the engine; frozen, the cycle collector stops rescanning it, so a
         # full collection no longer stalls a step for a tenth of a second or more (vLLM does the same)
         gc.freeze()
-
-    # ---- requests -------------------------------------------------------------------------------
-    def add_requests(self, prompts: list, sampling_params: list, *, stream: bool = False,
-                     keep_output: bool = False, max_tokens_must_fit: bool = False,
-                     lora_requests: list | None = None, priority=None) -> list[int]:
-        """Validate every request, then queue them all (a bad one queues none; the error names its
-        index). Returns the request ids. stream: detokenize every step (for stream_deltas).
-        keep_output: the request stays in the engine until pop_output(); step() does not report it.
-        max_tokens_must_fit: see InputProcessor.process (for the server). lora_requests: each
-        prompt's LoRARequest or None (None: none for any). priority: an int for all or one per
-        prompt (scheduling_policy="priority"; the lower runs first). A feature may take other
-        params in place of SamplingParams (an embedding engine's PoolingParams)."""
-        if self._exited:
-            raise RuntimeError("this engine has exited; create a new LLM")
-        priorities = check_priorities(priority, len(prompts), self.config.scheduling_policy)
-        prepared = self.input_processor.process_all(prompts, sampling_params, max_tokens_must_fit, lora_requests)
-        rids = []
-        with self._locked():  # an abort from another thread reads the registry meanwhile
-            if self._exited:  # exit() ran on another thread meanwhile
-                raise RuntimeError("this engine has exited; create a new LLM")
-            for i, (request, p) in enumerate(zip(prepared, priorities)):
-                seqs = request.seqs
-                for seq in seqs:
-                    seq.priority = p
-                req = self.output_processor.new_request(seqs, request.prompt, keep_output, stream, i)
-                self.requests[req.request_id] = req
-                self.scheduler.add(seqs[0])
-                for seq in seqs[1:]:
-                    self.scheduler.add(seq, after=seqs[0])  # waits for the first's prompt, then shares its blocks
-                rids.append(req.request_id)
-        return rids
-
-    def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = False,
-                    keep_output: bool = False, lora_request=None, priority: int = 0) -> int:
-        """Queue a request (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict),
-        under adapter `lora_request` (a LoRARequest) or the base model; returns its request id.
-        Raises ValueError/TypeError on bad input. With n > 1, step() reports each sample under its
-        own sequence id (the first is the request id)."""
-        return self.add_requests([prompt], [sampling_params], stream=stream, keep_output=keep_output,
-                                 lora_requests=[lora_request], priority=[priority])[0]
-
-    def abort_request(self, request_id: int):
-        """Stop a request (all n samples; or one sample, given its sequence id) wherever it is; its
-        blocks are freed, the other requests go on. Safe from any thread: while a step is running
-        the abort waits for the step's end."""
-        self._aborts.append(request_id)
-        with self._locked(timeout=0) as acquired:
-            if acquired:
-                self._apply_aborts()
-
-    def _apply_aborts(self):
-        now = time.time()
-        for _ in range(len(self._aborts)):  # those queued so far: another thread cannot stall the step
-            rid = self._aborts.popleft()
-            req = self.requests.get(rid)
-            seqs = req.seqs if req is not None else \
-                [s for r in self.requests.values() for s in r.seqs if s.seq_id == rid]
-            seqs = [seq for seq in seqs if not seq.is_finished]
-            for seq in seqs:
-                self.scheduler.abort(seq)
-            self._finished(seqs, now)
-        self._drop_wasted_step()
-
-    def _drop_wasted_step(self):
-        """A step in flight whose every row has stopped meanwhile is wasted: wait for it and drop it,
-        so that is_finished() holds as soon as no request is left."""
-        if self.inflight is not None and all(s.is_finished for s in self.inflight.batch.seqs):
-            launched, self.inflight = self.inflight, None
-            try:
-                if not launched.awaits:  # (one a feature still awaits never samples)
-                    self._collect(launched.handle)
-            except RuntimeError:  # the runner failed (raised where it happened; it refuses further use)
-                pass
-
-    def get_output(self, request_id: int) -> RequestOutput:
-        """The request's output so far (text, tokens, logprobs, finish reasons)."""
-        return self._output(self._request(request_id))
-
-    def _output(self, req: Request):
-        for feature in self.features:  # (a feature may build it: an embedding)
-            out = feature.request_output(req)
-            if out is not None:
-                return out
-        return self.output_processor.request_output(req)
-
-    def feature(self, kind: type):
-        """The registered feature of class `kind`, or None."""
-        return next((f for f in self.features if isinstance(f, kind)), None)
-
-    def pop_output(self, request_id: int) -> RequestOutput:
-        """The request's output; the engine then forgets the request (aborting what still runs)."""
-        with self._locked():  # an abort from another thread reads the registry meanwhile
-            req = self._request(request_id)
-            if not req.finished:
-                self._aborts.append(request_id)
-                self._apply_aborts()
-            self.requests.pop(request_id, None)  # (an aborted hand request has already left)
-            self.output_processor.forget(req)
-            return self._output(req)
-
-    def stream_deltas(self, request_id: int, index: int = 0) -> list[StreamDelta]:
-        """For a request added with stream=True: what each of its completions produced since the
-        last call; a completion's last delta has finished=True. `index` fills StreamDelta.index."""
-        return self.output_processor.stream_deltas(self._request(request_id), index)
-
-    def take_stream_deltas(self, request_ids) -> list[StreamDelta]:
-        """stream_deltas of all the requests in `request_ids` (a set or dict of ids) at once, in one
-        call per step: only the requests with news are visited. A request's StreamDelta.index is
-        its prompt's position in its add_requests call."""
-        with self._locked():  # an abort from another thread records news meanwhile
-            return self.output_processor.take_deltas(request_ids)
-
-    def _request(self, request_id: int) -> Request:
-        req = self.requests.get(request_id)
-        if req is None:
-            raise KeyError(f"no request {request_id} (unknown, or its output was already taken)")
-        return req
 
     # ---- loop -----------------------------------------------------------------------------------
     def advance(self) -> tuple[list[int], int]:
@@ -247,39 +125,6 @@ class LLMEngine:
             if self._exited:  # exit() ran on another thread while this one waited
                 raise RuntimeError("this engine has exited; create a new LLM")
             return self._advance()
-
-    @contextmanager
-    def driving(self):
-        """Marks the calling thread as the one driving the engine for the block (re-entrant on that
-        thread). Another thread already inside is a RuntimeError, raised before anything runs."""
-        me = threading.get_ident()
-        with self._driver_lock:
-            other = self._driver
-            if other is not None and other != me:
-                raise RuntimeError(
-                    "the engine is driven by one thread: another thread is inside generate(), stream(), step() "
-                    "or advance(); call them from one thread (add_request and abort_request may be called from any)")
-            self._driver = me
-        try:
-            yield
-        finally:
-            if other is None:
-                self._driver = None
-
-    @contextmanager
-    def _locked(self, timeout: float = -1):
-        """The step lock, recording the thread that holds it: exit() called on that thread (from a
-        signal handler) must not wait for itself. Yields whether it was acquired within `timeout`
-        seconds (always, with the default: no limit)."""
-        if not self._step_lock.acquire(timeout=timeout):
-            yield False
-            return
-        self._lock_holder = threading.get_ident()
-        try:
-            yield True
-        finally:
-            self._lock_holder = None
-            self._step_lock.release()
 
     def _advance(self):
         """advance()'s step, under the step lock."""
@@ -376,6 +221,17 @@ class LLMEngine:
         for feature, state in (awaits or {}).items():
             feature.complete(launched, state)
 
+    def _drop_wasted_step(self):
+        """A step in flight whose every row has stopped meanwhile is wasted: wait for it and drop it,
+        so that is_finished() holds as soon as no request is left."""
+        if self.inflight is not None and all(s.is_finished for s in self.inflight.batch.seqs):
+            launched, self.inflight = self.inflight, None
+            try:
+                if not launched.awaits:  # (one a feature still awaits never samples)
+                    self._collect(launched.handle)
+            except RuntimeError:  # the runner failed (raised where it happened; it refuses further use)
+                pass
+
     def _collect(self, handle):
         """The runner's collect(), timed: the step record's wait for the device (bench.py)."""
         t = time.perf_counter()
@@ -407,24 +263,6 @@ class LLMEngine:
         self._finished(finished, now)
         if self.stats is not None:
             self.stats.record(launched.batch, update.appended, finished, update.counts)
-
-    def _finished(self, seqs: list[Sequence], now: float):
-        """Record finished sequences; report their requests once every sample is done."""
-        done = {}
-        for seq in seqs:
-            req = self.requests[seq.request_id]
-            if seq.finish_reason == "error":  # (no token could be sampled, or its intake work failed)
-                logger.warning("request %d (sample %d) failed: %s", req.request_id, seq.index, seq.stop_reason)
-            self.output_processor.mark_finished(req, seq, now)
-            if not req.keep_output and seq.finish_reason != "abort":
-                self._unreported.append((seq.seq_id, seq.completion_token_ids))
-            if req.finished:
-                done[req.request_id] = req
-        for rid, req in done.items():
-            self._finished_ids.append(rid)
-            if not req.keep_output:
-                del self.requests[rid]
-                self.output_processor.forget(req)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

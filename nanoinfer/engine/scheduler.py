@@ -32,50 +32,18 @@ finish_reason "error", those whose work failed. The batch keeps stepping meanwhi
 """
 from bisect import insort
 from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass, field
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS
+from nanoinfer.engine.priority_preemption import preempt_for_waiting
 from nanoinfer.engine.row_planner import RowPlanner
+from nanoinfer.engine.scheduled_batch import ScheduledBatch, StepUpdate, ending_of
 from nanoinfer.engine.sequence import Sequence, SequenceStatus
 from nanoinfer.engine.wait_queue import PriorityWaitQueue, WaitQueue, priority_key
 from nanoinfer.outputs import NON_FINITE_REASON
 
-
-@dataclass
-class ScheduledBatch:
-    """One step's rows: decode rows (one query token) first, then prefill chunks."""
-    seqs: list[Sequence]
-    starts: list[int]            # first position each row computes
-    query_lens: list[int]        # tokens each row computes
-    samples: list[bool]          # whether the row's last token samples (False: a prompt chunk short of its end)
-    num_decode: int = 0          # leading rows with one query token (decode rows)
-    # rows of several tokens (the row planner's), which follow the decode rows: row -> the tokens
-    # after its last one (None until filled in); such a row's query is its last token and those
-    drafts: dict[int, list[int] | None] = field(default_factory=dict)
-    proposals: object = None  # the drafts' tokens, if the planner left them on the device
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.num_decode == len(self.seqs)
-
-    @property
-    def num_tokens(self) -> int:
-        """What step() reports: minus the rows of a pure decode step (nano-vllm's convention), else
-        every token the step computes (prefill chunks plus decode rows)."""
-        return -self.num_decode if self.is_decode_only else sum(self.query_lens)
-
-
-@dataclass(slots=True)
-class StepUpdate:
-    """What processing a step decided: the rows whose sampled token was appended (row order), and
-    the rows that end on it, row -> (finish_reason, stop_reason), by EOS, a stop token id or a
-    length limit (in row order). They are finished by `finish_rows`, once the stop strings the new
-    text completed have joined them."""
-    appended: list[int]
-    ending: dict[int, tuple[str, int | str | None]]
-    counts: dict[int, int] = field(default_factory=dict)  # rows of several tokens: tokens appended (else 1)
+__all__ = ["Scheduler", "ScheduledBatch", "StepUpdate", "ending_of"]
 
 
 class Scheduler:
@@ -163,7 +131,7 @@ class Scheduler:
         preempted = False
         longer = []  # (seq, extra tokens): the planner's rows of several tokens, after the decode rows
         if self.by_priority and self.waiting and self.running:
-            self._preempt_for_waiting()
+            preempt_for_waiting(self)
         # 1. one decode token for every running sequence that generates (oldest first)
         i, decode = 0, []
         self.rows.start_step(self)
@@ -225,35 +193,16 @@ class Scheduler:
         """Whether a request with a token in flight must wait for it before its next row."""
         return sp.needs_host_tokens_to_launch if self.late_masks else sp.needs_host_tokens
 
-    def _preempt_for_waiting(self):
-        """Priority policy: while the first waiting sequence ranks strictly above the lowest-priority
-        running one and cannot be admitted now (no sequence slot, or too few free blocks for its
-        prompt, less the prefix-cache hits running sequences hold, and this step's decode tokens),
-        preempt that running one."""
-        head, bm = self.waiting[0], self.block_manager
-
-        def needs_block(s: Sequence) -> bool:  # its next decode token starts a block
-            return s.num_tokens + s.num_inflight > len(s.block_table) * bm.block_size
-
-        growth = sum(map(needs_block, self.running))
-        while self.running and not head.num_inflight and head.priority < self.running[-1].priority:
-            if len(self.running) < self.max_num_seqs and \
-                    bm.num_free_blocks >= bm.blocks_to_allocate(head, self._uses_cache(head)) + growth:
-                return
-            victim = self.running[-1]
-            growth -= needs_block(victim)
-            self.preempt(victim)
-
     def _allocate(self, seq: Sequence) -> bool:
         """Blocks for a waiting sequence. The sequence that computes a request's prompt_logprobs
         takes no prefix-cache hit: every prompt position must be computed (as vLLM does); so does
-        an embedding that pools every position (mean) or the first (CLS)."""
-        return self.block_manager.allocate(seq, use_cache=self._uses_cache(seq))
+        one a feature marked at intake (`computes_whole_prompt`: an embedding that pools every
+        position, or the first)."""
+        return self.block_manager.allocate(seq, use_cache=self.uses_cache(seq))
 
     @staticmethod
-    def _uses_cache(seq: Sequence) -> bool:
-        return bool(seq.index) or (seq.sampling_params.prompt_logprobs is None and
-                                   (seq.pooling is None or seq.pooling.uses_prefix_cache))
+    def uses_cache(seq: Sequence) -> bool:
+        return bool(seq.index) or (seq.sampling_params.prompt_logprobs is None and not seq.computes_whole_prompt)
 
     def unschedule(self, batch: ScheduledBatch):
         """Undo a step that could not be launched (an exception, e.g. in a user's logits processor):
@@ -398,19 +347,3 @@ class Scheduler:
 
     def abort(self, seq: Sequence):
         self.finish(seq, "abort")
-
-
-
-def ending_of(sp, token_id: int, num_completion: int, num_tokens: int, eos_token_ids,
-              max_model_len: int) -> tuple[str | None, int | None]:
-    """(finish reason, stop reason) when a sequence whose newest token is `token_id` (it then has
-    `num_completion` completion tokens, `num_tokens` in all) ends there, else (None, None): EOS
-    (unless ignore_eos) or one of its stop ids once min_tokens are out, else its length limits."""
-    if num_completion >= sp.min_tokens:
-        if not sp.ignore_eos and token_id in eos_token_ids:
-            return "stop", None  # EOS leaves stop_reason None (vLLM)
-        if token_id in sp.stop_token_ids:
-            return "stop", token_id
-    if (sp.max_tokens is not None and num_completion >= sp.max_tokens) or num_tokens >= max_model_len:
-        return "length", None
-    return None, None

@@ -26,7 +26,7 @@ from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling_params import SAMPLING_EPS
 from nanoinfer.spec.draft_chain import GreedyDraftChain
 from nanoinfer.spec.proposer import DeviceProposals, Proposer
-from nanoinfer.spec.rows import DraftView
+from nanoinfer.engine.draft_rows import DraftView
 from nanoinfer.utils.hf_files import load_tokenizer
 from nanoinfer.utils.staging import Staging
 

@@ -4,10 +4,10 @@ The scheduler places each speculative row after the decode rows with room for k 
 (spec/row_planner.py). Once proposed (`attach_drafts`), a row with fewer proposals is
 shortened, and one with none becomes a plain decode row (moved into the decode section, so a step
 without proposals stays decode-only). For sampling, a row with m proposals is m + 1 sampling rows,
-one per position, each seeing the proposals before it as if they were accepted (`DraftView`): that
-is what makes penalties, seeds, min_tokens, bad words and logprobs exact at every position.
+one per position, each seeing the proposals before it as if they were accepted (`DraftView`,
+engine/draft_rows.py): that is what makes penalties, seeds, min_tokens, bad words and logprobs
+exact at every position.
 """
-from nanoinfer.engine.draft_rows import DraftView, sampling_rows  # noqa: F401 (this module's names too)
 from nanoinfer.engine.scheduler import ScheduledBatch
 
 
