@@ -3,18 +3,21 @@
 this order, asks the row planner chosen here how long each decoding row is, and the admission rule
 chosen here which waiting sequence may run.
 
-    LoRA           lora/feature.py         with enable_lora (a request's adapter is refused without)
+    LoRA           lora/feature.py         always (without enable_lora a request's adapter is refused);
+                                           on the ranks with enable_lora
     structured     structured/feature.py   always (a request may bring a grammar)
-    images         multimodal/feature.py   always (a model without images refuses them)
-    embeddings     pooling/feature.py      runner="pooling" (else embedding requests are refused)
+    images         multimodal/feature.py   always (a model without images refuses them); on the
+                                           ranks of a vision-language model
+    embeddings     pooling/feature.py      runner="pooling", on the ranks too (else embedding
+                                           requests are refused)
     speculative    spec/row_planner.py     with speculative_config
 """
 from nanoinfer.engine.feature import Composition, EngineFeature, EngineParts
 from nanoinfer.engine.row_planner import RowPlanner
 from nanoinfer.lora.admission import AdapterAdmission
-from nanoinfer.lora.feature import LoRAFeature
-from nanoinfer.multimodal.feature import ImageFeature
-from nanoinfer.pooling.feature import PoolingFeature, PoolingRefused
+from nanoinfer.lora.feature import LoRAFeature, LoRARankFeature
+from nanoinfer.multimodal.feature import ImageFeature, ImageRankFeature
+from nanoinfer.pooling.feature import PoolingFeature, PoolingRankFeature, PoolingRefused
 from nanoinfer.spec.row_planner import SpeculativeRows
 from nanoinfer.spec.speculator import build_speculator
 from nanoinfer.structured.feature import StructuredFeature
@@ -38,3 +41,13 @@ class FeatureComposition(Composition):
 
     def admission(self, config):
         return AdapterAdmission(config.max_loras) if config.enable_lora else None
+
+    def rank_features(self, config) -> list:
+        makers = []
+        if config.enable_lora:
+            makers.append(LoRARankFeature)
+        if getattr(config.hf_config, "vision_config", None) is not None:
+            makers.append(ImageRankFeature)
+        if config.runner == "pooling":
+            makers.append(PoolingRankFeature)
+        return makers

@@ -20,6 +20,7 @@ import pytest
 import torch
 import xxhash
 
+from nanoinfer.multimodal.feature import ImageRankFeature
 from nanoinfer.multimodal.feature import ImageFeature
 from nanoinfer.spec.row_planner import SpeculativeRows
 from nanoinfer import LLM, LoRARequest, PoolingParams, SamplingParams
@@ -445,7 +446,7 @@ def test_images_with_speculative_decoding_equal_plain(make_vl_checkpoint, seed):
                                                            if name == "spec" else None)]
             bm = llm.scheduler.block_manager
             assert bm.num_free_blocks == bm.num_blocks
-            assert not llm.model_runner.encoder_cache.embeddings and not llm.feature(ImageFeature).planner.resident
+            assert not llm.model_runner.feature(ImageRankFeature).cache.embeddings and not llm.feature(ImageFeature).planner.resident
             if name == "spec":
                 assert llm.spec_stats.num_drafts > 0
         finally:

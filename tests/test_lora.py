@@ -4,6 +4,7 @@ device slots (slots and the host cache reused, never more adapters in a step tha
 prefix cache keyed by adapter, preemption, tensor parallelism on CPU, add_request / chat / stream."""
 import pytest
 
+from nanoinfer.lora.feature import LoRARankFeature
 from nanoinfer.lora.feature import LoRAFeature
 from nanoinfer import LLM, LoRARequest, SamplingParams
 
@@ -85,8 +86,8 @@ def test_more_adapters_than_slots_reuses_slots_exactly(base, adapters):
         outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=loras)
         check_outputs(base, outs, loras)
         assert max(len(s - {0}) for s in steps) == 2, "never more adapters in a step than slots"
-        assert llm.model_runner.adapters.num_loads > 4, "slots were reused by other adapters"
-        assert len(llm.model_runner.adapters.host) == 2, "the host cache holds max_cpu_loras adapters"
+        assert llm.model_runner.feature(LoRARankFeature).adapters.num_loads > 4, "slots were reused by other adapters"
+        assert len(llm.model_runner.feature(LoRARankFeature).adapters.host) == 2, "the host cache holds max_cpu_loras adapters"
         assert_clean(llm)
     finally:
         llm.exit()

@@ -9,6 +9,8 @@ calls the registered ones in order at fixed points and never names one.
                next forward, or before its results are collected)   process (its results)
     outputs    request_output
     the end    exit
+
+and, on every rank (RankFeature): before_forward, read_hidden, exit.
 """
 from dataclasses import dataclass, field
 
@@ -99,3 +101,28 @@ class Composition:
     def admission(self, config):
         """The scheduler's rule on which waiting sequence may run (None: any)."""
         return None
+
+    def rank_features(self, config) -> list:
+        """Factories of the RankFeatures every rank builds (each called with its ModelRunner)."""
+        return []
+
+
+class RankFeature:
+    """A feature's part on a rank: each ModelRunner builds its own, calling the factories the
+    composition gives (Composition.rank_features: picklable, since with tensor parallelism every
+    worker process builds them) with itself, before its KV cache is measured."""
+    captures_graphs = True  # False: the rank's steps run eager (no CUDA graphs are captured)
+    warms_up = True  # False: the warm-up's steps are not this feature's (it is skipped)
+
+    def before_forward(self, step) -> dict | None:
+        """Before a step's inputs are prepared (load what it needs: adapters, image embeddings).
+        Returns forward-context fields to set once they are, or None."""
+        return None
+
+    def read_hidden(self, step, hidden):
+        """A step without sampling (StepInput.pooling): what the rank reports of its final hidden
+        states (StepResult.pooled), or None if this feature does not read them."""
+        return None
+
+    def exit(self) -> None:
+        """The runner releases its model."""

@@ -69,9 +69,11 @@ class LLMEngine(EngineRequests, EngineThreads):
         # tp > 1: every rank in a spawned worker; num_blocks is the minimum over ranks
         if config.tensor_parallel_size > 1:
             check_main_guard()  # spawned workers re-import the main script
-        self.model_runner = ModelRunner(config) if config.tensor_parallel_size == 1 else TensorParallelExecutor(config)
-        num_blocks = self.model_runner.num_blocks
         composition = composition or Composition()
+        on_ranks = composition.rank_features(config)
+        self.model_runner = ModelRunner(config, rank_features=on_ranks) if config.tensor_parallel_size == 1 \
+            else TensorParallelExecutor(config, on_ranks)
+        num_blocks = self.model_runner.num_blocks
         # token masks filled after the forward's launch: one rank (tensor parallel: in the plan)
         masks_later = config.tensor_parallel_size == 1
         parts = EngineParts(config, self.tokenizer, eos_token_ids, self.vocab_size, self.model_runner, masks_later)

@@ -1,7 +1,8 @@
 """LoRA's engine hooks (engine/feature.py): at intake, the request's adapter is checked against the
 model (intake.py) and rides on its sequences; each step's message places its adapters in device
 slots (slot_table.py). The scheduler's rule on distinct adapters is admission.py."""
-from nanoinfer.engine.feature import EngineFeature, Intake
+from nanoinfer.engine.feature import EngineFeature, Intake, RankFeature
+from nanoinfer.lora.device_adapters import DeviceAdapters
 from nanoinfer.lora.intake import LoRAIntake
 from nanoinfer.lora.slot_table import AdapterSlotTable
 
@@ -19,3 +20,14 @@ class LoRAFeature(EngineFeature):
     def encode(self, batch, step, sample, sampling_seqs):
         if self.slots is not None:  # (embeddings too: a request's adapter shapes its hidden states)
             step.lora = self.slots.assign(batch.seqs)
+
+
+class LoRARankFeature(RankFeature):
+    """A rank's adapter slots: a step's adapters are loaded into them before its forward."""
+
+    def __init__(self, runner):
+        self.adapters = DeviceAdapters(runner.model, runner.config, runner.device)
+
+    def before_forward(self, step) -> None:
+        if step.lora is not None:
+            self.adapters.ensure(step.lora.adapters)

@@ -2,7 +2,8 @@
 its length is checked, and its images are preprocessed in an intake thread (processor.py); each
 step's message gets its rows' rotary positions and the images to encode (step_planner.py). A model
 that takes no images refuses a prompt that brings some."""
-from nanoinfer.engine.feature import EngineFeature, Intake
+from nanoinfer.engine.feature import EngineFeature, Intake, RankFeature
+from nanoinfer.multimodal.encoder_cache import EncoderCache
 from nanoinfer.multimodal.inputs import PROMPT_KEYS, split_multi_modal
 from nanoinfer.multimodal.step_planner import MultiModalStepPlanner
 
@@ -46,3 +47,19 @@ class ImageFeature(EngineFeature):
 def _set_multi_modal(seqs: list, mm) -> None:
     for seq in seqs:
         seq.multi_modal = mm
+
+
+class ImageRankFeature(RankFeature):
+    """A rank's encoded images (a vision-language model's): a step's image embeddings reach the
+    model through the forward context."""
+    warms_up = False  # (the warm-up makes no step with images)
+
+    def __init__(self, runner):
+        self.cache = EncoderCache(runner.model, runner.device)
+
+    def before_forward(self, step) -> dict | None:
+        return {"mm_embeds": self.cache.step_embeds(step.multi_modal)} if step.multi_modal is not None else None
+
+    def exit(self) -> None:
+        self.cache.embeddings.clear()
+        self.cache.model = None

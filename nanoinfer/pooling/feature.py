@@ -4,11 +4,11 @@ sequences get their PoolingState, the scheduler seeing a prompt of one step (int
 step's message marks the rows whose hidden states the ranks sum instead of sampling (rows.py); the
 sums return to the requests before the scheduler finishes them; a request's output is its embedding
 (outputs.py). A generating engine registers PoolingRefused, which turns embedding requests away."""
-from nanoinfer.engine.feature import EngineFeature, Intake
+from nanoinfer.engine.feature import EngineFeature, Intake, RankFeature
 from nanoinfer.pooling.intake import POOLING_SAMPLING, PoolingIntake, runner_mismatch
 from nanoinfer.pooling.outputs import pooling_output
 from nanoinfer.pooling.params import PoolingParams
-from nanoinfer.pooling.rows import pooling_rows, record_pooled
+from nanoinfer.pooling.rows import pool_hidden, pooling_rows, record_pooled
 
 
 class PoolingFeature(EngineFeature):
@@ -45,3 +45,15 @@ class PoolingRefused(EngineFeature):
     def check_request(self, intake: Intake) -> None:
         if isinstance(intake.params, PoolingParams):
             raise runner_mismatch(self.runner, pooling=True)
+
+
+class PoolingRankFeature(RankFeature):
+    """A rank of an embedding engine: its steps run eager and report their rows' summed hidden
+    states instead of tokens."""
+    captures_graphs = warms_up = False
+
+    def __init__(self, runner):
+        pass
+
+    def read_hidden(self, step, hidden):
+        return pool_hidden(hidden, step.pooling)
