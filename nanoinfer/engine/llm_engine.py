@@ -20,9 +20,9 @@ its results are collected. How long each decoding row is, the row planner decide
 above it decides (nanoinfer/features.py); the engine names none.
 
 Requests enter through the InputProcessor (engine/input_processor.py) and live in one registry,
-`requests` (request id -> Request). One thread drives the engine (advance, step, generate,
+`requests` (request id -> Request; engine/engine_requests.py). One thread drives the engine (advance, step, generate,
 stream): a second thread that tries while the first is inside one of them gets a RuntimeError at
-once (`driving`), since the finishes a step reports go to whoever ran it. `add_request`,
+once (`driving`, engine/engine_threads.py), since the finishes a step reports go to whoever ran it. `add_request`,
 `abort_request` and `exit` may be called from any thread: an abort is applied between steps, and
 exit waits for the running step to end.
 """
