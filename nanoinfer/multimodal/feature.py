@@ -5,6 +5,7 @@ that takes no images refuses a prompt that brings some."""
 from nanoinfer.engine.feature import EngineFeature, Intake, RankFeature
 from nanoinfer.multimodal.encoder_cache import EncoderCache
 from nanoinfer.multimodal.inputs import PROMPT_KEYS, split_multi_modal
+from nanoinfer.multimodal.processor import MultiModalProcessor
 from nanoinfer.multimodal.step_planner import MultiModalStepPlanner
 
 
@@ -14,7 +15,6 @@ class ImageFeature(EngineFeature):
     def __init__(self, config, vocab_size: int):
         self.processor = None  # a vision-language model's image intake
         if getattr(config.hf_config, "vision_config", None) is not None:
-            from nanoinfer.multimodal.processor import MultiModalProcessor  # (the image libraries: only for them)
             self.processor = MultiModalProcessor(config.model, config.hf_config, vocab_size,
                                                  config.limit_mm_per_prompt, config.max_image_pixels)
         self.planner = MultiModalStepPlanner()  # requests with images: their rows' positions and images
