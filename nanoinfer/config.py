@@ -64,7 +64,7 @@ class Config:
     max_image_pixels: int = 1 << 26
     # compiled grammars of structured outputs kept for reuse, in bytes (structured/compiler.py)
     grammar_cache_bytes: int = 512 << 20
-    # vLLM's speculative_config dict (nanoinfer/spec/config.py), parsed into a SpeculativeConfig
+    # vLLM's speculative_config dict (nanoinfer/speculative/config.py), parsed into a SpeculativeConfig
     speculative_config: str | dict | None = None  # (a JSON string on the command line)
     # Filled in by __post_init__, not user options.
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
@@ -213,7 +213,7 @@ class Config:
         if self.runner == "auto":
             self.runner = "generate"
     def _check_speculative(self):
-        from nanoinfer.spec.config import SpeculativeConfig
+        from nanoinfer.speculative.config import SpeculativeConfig
         self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is not None and self.runner == "pooling":
             raise ValueError("speculative_config is for generation; runner='pooling' takes none")

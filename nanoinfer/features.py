@@ -10,7 +10,7 @@ chosen here which waiting sequence may run.
                                            ranks of a vision-language model
     embeddings     pooling/feature.py      runner="pooling", on the ranks too (else embedding
                                            requests are refused)
-    speculative    spec/row_planner.py     with speculative_config
+    speculative    speculative/row_planner.py     with speculative_config
 """
 from nanoinfer.engine.feature import Composition, EngineFeature, EngineParts
 from nanoinfer.engine.row_planner import RowPlanner
@@ -18,8 +18,8 @@ from nanoinfer.lora.admission import AdapterAdmission
 from nanoinfer.lora.feature import LoRAFeature, LoRARankFeature
 from nanoinfer.multimodal.feature import ImageFeature, ImageRankFeature
 from nanoinfer.pooling.feature import PoolingFeature, PoolingRankFeature, PoolingRefused
-from nanoinfer.spec.row_planner import SpeculativeRows
-from nanoinfer.spec.speculator import build_speculator
+from nanoinfer.speculative.row_planner import SpeculativeRows
+from nanoinfer.speculative.speculator import build_speculator
 from nanoinfer.structured.feature import StructuredFeature
 
 

@@ -4,7 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 import nanoinfer.engine.block_manager as bm_module
 from nanoinfer.engine.block_manager import BlockManager, hash_block
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
 
 BS = 16

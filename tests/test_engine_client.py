@@ -1,4 +1,4 @@
-"""The pipe between the HTTP process and the engine process (serve/engine_client.py,
+"""The pipe between the HTTP process and the engine process (process/engine_client.py,
 engine_process.py): a command that cannot cross fails only its own submission, and any other failure
 of the writer, the reader or the engine loop leaves a dead engine that says so (never a live-looking
 one that answers nobody), with its process ended and reaped."""
@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.serve.engine_client import EngineClient, EngineDeadError
+from nanoinfer.process.engine_client import EngineClient, EngineDeadError
 from test_server import OPTIONS, wait_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
@@ -77,7 +77,7 @@ def test_a_submission_that_cannot_be_pickled_fails_alone(engine):
 def test_a_submission_the_engine_cannot_unpickle_fails_alone(engine, monkeypatch):
     client, loop = engine
     before = loop.run(generate(client, "The quick brown fox"))
-    monkeypatch.setattr("nanoinfer.serve.engine_client.pack_command",
+    monkeypatch.setattr("nanoinfer.process.engine_client.pack_command",
                         lambda command: (command.sub_id, b"not a pickle"))
     with pytest.raises(ValueError, match="could not be read by the engine"):
         loop.run(client.submit(["hi"], GREEDY, stream=False))
@@ -125,7 +125,7 @@ def test_a_broken_pipe_or_loop_leaves_a_dead_engine_ended_and_reaped(tiny_qwen3,
 
 
 def test_commands_cross_the_pipe_one_pickle_each():
-    from nanoinfer.serve.messages import Abort, Submit, pack_command, unpack_command
+    from nanoinfer.process.messages import Abort, Submit, pack_command, unpack_command
     submit = Submit(7, ["hi"], GREEDY, stream=False)
     assert pack_command(submit)[0] == 7 and pack_command(Abort(7))[0] is None
     assert unpack_command(pack_command(submit)).prompts == ["hi"]

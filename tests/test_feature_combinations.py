@@ -22,13 +22,13 @@ import xxhash
 
 from nanoinfer.multimodal.feature import ImageRankFeature
 from nanoinfer.multimodal.feature import ImageFeature
-from nanoinfer.spec.row_planner import SpeculativeRows
+from nanoinfer.speculative.row_planner import SpeculativeRows
 from nanoinfer import LLM, LoRARequest, PoolingParams, SamplingParams
 from nanoinfer.engine.scheduler import Scheduler
-from nanoinfer.engine.sequence import Sequence, SequenceStatus
-from nanoinfer.engine.step_message import StepResult
-from nanoinfer.spec.config import SpeculativeConfig
-from nanoinfer.spec.speculator import Speculator
+from nanoinfer.step.sequence import Sequence, SequenceStatus
+from nanoinfer.step.step_message import StepResult
+from nanoinfer.speculative.config import SpeculativeConfig
+from nanoinfer.speculative.speculator import Speculator
 
 from test_spec_scheduling import FakeProposer  # proposes the fake model's tokens (same next_token), one wrong
 

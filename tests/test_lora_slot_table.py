@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from nanoinfer.lora.admission import AdapterAdmission
 from nanoinfer import LoRARequest, SamplingParams
 from nanoinfer.engine.scheduler import Scheduler
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 from nanoinfer.lora.slot_table import AdapterSlotTable
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine.step_message import StepInput
+from nanoinfer.step.step_message import StepInput
 from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_QUERY, prepare_inputs
 from nanoinfer.engine.graph_runner import graph_batch_sizes
 from nanoinfer.utils.context import Context, get_context

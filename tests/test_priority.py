@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from hf_reference import assert_greedy_matches_hf
 from nanoinfer import SamplingParams
 from nanoinfer.engine.scheduler import Scheduler
-from nanoinfer.engine.sequence import Sequence, SequenceStatus
+from nanoinfer.step.sequence import Sequence, SequenceStatus
 from test_scheduler import BS, EOS, FakeDevice, check_invariants, fake_next_token, process_step
 
 

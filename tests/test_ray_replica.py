@@ -7,7 +7,7 @@ import time
 import pytest
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.serve.engine_client import EngineDeadError
+from nanoinfer.process.engine_client import EngineDeadError
 from nanoinfer.serve.replicas import ReplicaSet
 from test_server import wait_until
 

@@ -3,7 +3,7 @@ fallback, ties taken in turn, dead replicas skipped, a restarted replica's keys 
 import pytest
 
 from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.serve.router import PrefixAffinityRouter, RoundRobinRouter, prefix_token_ids
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from nanoinfer.engine.step_message import TokenLogprobs
+from nanoinfer.step.step_message import TokenLogprobs
 from nanoinfer.sampling.draw import SAMPLE
 from nanoinfer.sampling.noise import hashed_exponential, seed_keys
 from nanoinfer.sampling.pipeline import PIPELINE, logprobs_to_host, sample_logits
@@ -395,7 +395,7 @@ def test_which_steps_sample_inside_the_decode_graphs():
     """engine/graph_runner.py sample_decode serves one rank's decode-only steps whose rows all sample
     at temperature alone (greedy included), a row's last token each; everything else samples
     after the forward (the logits pipeline, a grammar's mask, prompt logprobs, a row per token)."""
-    from nanoinfer.engine.step_message import PromptLogprobsRequest, SampleInput, StepInput
+    from nanoinfer.step.step_message import PromptLogprobsRequest, SampleInput, StepInput
     from nanoinfer.sampling.sampler import Sampler
 
     cuda = torch.device("cuda")  # (a device name only: nothing here touches a GPU)

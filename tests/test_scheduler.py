@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 import xxhash
 
 from nanoinfer.engine.scheduler import Scheduler
-from nanoinfer.engine.sequence import Sequence, SequenceStatus
+from nanoinfer.step.sequence import Sequence, SequenceStatus
 from nanoinfer.sampling_params import SamplingParams
 
 BS = 16

@@ -596,8 +596,8 @@ class _Pipe:
 def test_engine_core_takes_each_steps_deltas_in_one_call(llm, monkeypatch):
     """The engine process asks the engine for a step's deltas once (not once per request), and
     each delta reaches its submission and prompt: the deltas concatenate to the final outputs."""
-    from nanoinfer.serve.engine_process import EngineCore
-    from nanoinfer.serve.messages import Submit, pack_command
+    from nanoinfer.process.engine_process import EngineCore
+    from nanoinfer.process.messages import Submit, pack_command
 
     commands, events = _Pipe(), _Pipe()
     core = EngineCore(llm, commands, events)

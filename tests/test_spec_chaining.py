@@ -1,4 +1,4 @@
-"""Speculative rows chained onto rows in flight (nanoinfer/spec/chaining.py): the device's count of
+"""Speculative rows chained onto rows in flight (nanoinfer/speculative/chaining.py): the device's count of
 accepted proposals, bonus token and shift; and, through the engine on CPU in float32, outputs equal
 to plain decoding under random workloads that chain rows while others arrive, preempt, sample, run
 out of max_tokens or stop mid-run, with a draft that is right about half the time."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.spec.chaining import chained_inputs
-from nanoinfer.spec.proposer import DeviceProposals
+from nanoinfer.speculative.chaining import chained_inputs
+from nanoinfer.speculative.proposer import DeviceProposals
 
 
 def test_chained_inputs_match_the_host_verification():

@@ -5,7 +5,7 @@ import pytest
 
 from nanoinfer import LLM
 from nanoinfer.serve.cli import build_parser
-from nanoinfer.spec.config import SpeculativeConfig
+from nanoinfer.speculative.config import SpeculativeConfig
 
 
 def test_ngram_and_draft_model_forms():
@@ -66,7 +66,7 @@ def test_server_flag_takes_json(tiny_qwen3):
 
 
 def test_server_metrics_export_the_counters():
-    from nanoinfer.serve.messages import EngineStats
+    from nanoinfer.process.messages import EngineStats
     from nanoinfer.serve.metrics import ServerMetrics
     m = ServerMetrics("m")
     m.engine_stats(EngineStats(spec=(2, 6, 4)))

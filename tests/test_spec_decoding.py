@@ -1,4 +1,4 @@
-"""Speculative decoding through the engine (nanoinfer/spec), on CPU in float32: with every
+"""Speculative decoding through the engine (nanoinfer/speculative), on CPU in float32: with every
 proposer, greedy output equals plain decoding token for token (and HF's argmax), whatever ends a
 run (stop strings, stop ids, EOS, max_tokens), with a tight pool, chunked prefill, overlap on and
 off and mixed batches; seeded sampling with every sampling feature gives the same tokens and
@@ -69,7 +69,7 @@ def test_greedy_output_equals_plain_decoding(tiny_qwen3, draft_other, reference,
     assert tokens(outs) == expected
     stats = llm.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
-    # overlapped, a draft's rows chain onto the ones in flight (spec/chaining.py)
+    # overlapped, a draft's rows chain onto the ones in flight (speculative/chaining.py)
     assert (llm.rows.speculator.num_chained > 0) == (overlap and name != "ngram")
     if name == "draft_same":  # every proposal accepted, at every position
         assert stats.num_accepted_tokens == stats.num_draft_tokens

@@ -1,15 +1,15 @@
-"""The greedy draft chain (nanoinfer/spec/draft_chain.py): the draft's proposals after the first,
+"""The greedy draft chain (nanoinfer/speculative/draft_chain.py): the draft's proposals after the first,
 forwarded as one chain that reads each token on the device, equal the draft's own greedy tokens."""
 from nanoinfer import LLM
 from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
 
 from test_spec_draft_model import K, proposer
 
 
 def test_greedy_chain_proposes_the_drafts_own_greedy_tokens(tiny_qwen3, make_checkpoint):
-    """The greedy proposals after the first run as one chain (spec/draft_chain.py): each row's equal
+    """The greedy proposals after the first run as one chain (speculative/draft_chain.py): each row's equal
     the draft's own greedy continuation, for rows of different lengths allowed different numbers of
     proposals in one batch (a row allowed fewer sits out the chain's later forwards)."""
     draft = make_checkpoint(seed=1, num_layers=1)

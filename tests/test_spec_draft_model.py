@@ -1,14 +1,14 @@
-"""The draft model's KV (nanoinfer/spec/draft_model.py): after a partly accepted run it catches up
+"""The draft model's KV (nanoinfer/speculative/draft_model.py): after a partly accepted run it catches up
 from the first rejected position, and its proposals equal those of a draft computing everything
 afresh (greedy, and sampled with a seed: the same noise); after a preemption it starts over."""
 import pytest
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.spec.config import SpeculativeConfig
-from nanoinfer.spec.draft_model import DraftModelProposer
+from nanoinfer.speculative.config import SpeculativeConfig
+from nanoinfer.speculative.draft_model import DraftModelProposer
 from nanoinfer.utils.hf_files import load_tokenizer
 
 K = 4

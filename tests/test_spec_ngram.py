@@ -1,7 +1,7 @@
 """Prompt lookup: the tokens after the latest earlier occurrence of the longest suffix n-gram."""
 import numpy as np
 
-from nanoinfer.spec.ngram import NgramProposer, lookup
+from nanoinfer.speculative.ngram import NgramProposer, lookup
 
 
 def arr(x):

@@ -1,5 +1,5 @@
-"""The policy that turns speculation off (nanoinfer/spec/policy.py)."""
-from nanoinfer.spec.policy import MIN_PROPOSALS, SpeculationPolicy
+"""The policy that turns speculation off (nanoinfer/speculative/policy.py)."""
+from nanoinfer.speculative.policy import MIN_PROPOSALS, SpeculationPolicy
 
 
 class Seq:

@@ -1,10 +1,10 @@
 """Speculative rows: proposals attached (rows shortened, rows without any moved among the decode
 rows), sampling rows per position, and accepted runs from the sampled tokens."""
 from nanoinfer.engine.scheduler import ScheduledBatch
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.engine.draft_rows import sampling_rows
-from nanoinfer.spec.rows import accepted_runs, attach_drafts
+from nanoinfer.speculative.rows import accepted_runs, attach_drafts
 
 SP = SamplingParams(temperature=0, max_tokens=50)
 

@@ -6,13 +6,13 @@ import random
 
 import xxhash
 
-from nanoinfer.spec.row_planner import SpeculativeRows
-from nanoinfer.engine.step_message import StepResult
+from nanoinfer.speculative.row_planner import SpeculativeRows
+from nanoinfer.step.step_message import StepResult
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.engine.sequence import Sequence
-from nanoinfer.spec.config import SpeculativeConfig
+from nanoinfer.step.sequence import Sequence
+from nanoinfer.speculative.config import SpeculativeConfig
 from nanoinfer.engine.draft_rows import sampling_rows
-from nanoinfer.spec.speculator import Speculator
+from nanoinfer.speculative.speculator import Speculator
 from test_scheduler import BS, EOS, make_scheduler
 
 

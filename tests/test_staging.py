@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanoinfer.engine.forward_inputs import prepare_inputs
-from nanoinfer.engine.step_message import StepInput
+from nanoinfer.step.step_message import StepInput
 from nanoinfer.sampling.column_cache import ColumnCache
 from nanoinfer.utils.context import get_context, reset_context
 from nanoinfer.utils.staging import Staging

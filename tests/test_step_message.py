@@ -5,7 +5,7 @@ import random
 import pytest
 
 from nanoinfer.engine.scheduler import ScheduledBatch
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 from nanoinfer.engine.step_encoder import StepEncoder
 from nanoinfer.sampling_params import SamplingParams
 

@@ -355,7 +355,7 @@ def test_plan_carries_bitmasks_of_sampling_rows_only(engines):
     import pickle
     from types import SimpleNamespace
 
-    from nanoinfer.engine.sequence import Sequence
+    from nanoinfer.step.sequence import Sequence
     from nanoinfer.sampling.plan import build_sampling_plan
     from nanoinfer.structured.grammar_state import BATCH_FILL_MIN_ROWS, GrammarState, bitmask_width, fill_bitmasks
 

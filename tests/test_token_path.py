@@ -7,7 +7,7 @@ import pytest
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.engine.detokenizer import completion_text
-from nanoinfer.engine.step_message import StepResult
+from nanoinfer.step.step_message import StepResult
 from nanoinfer.utils.hf_files import load_tokenizer
 
 BS = 16

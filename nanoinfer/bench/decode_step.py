@@ -22,7 +22,7 @@ STEPS = 50
 def rank_main(rank: int, args, path: str, port: int):
     from nanoinfer.config import Config
     from nanoinfer.engine.model_runner import ModelRunner
-    from nanoinfer.engine.step_message import PlainSample, SampleInput, SamplingPlan, StepInput
+    from nanoinfer.step.step_message import PlainSample, SampleInput, SamplingPlan, StepInput
     from nanoinfer.engine.tp_executor import NO_MULTICAST
     for name, value in NO_MULTICAST.items():
         os.environ.setdefault(name, value)

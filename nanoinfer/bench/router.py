@@ -13,7 +13,7 @@ import random
 import time
 
 from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.serve.router import PrefixAffinityRouter, RoundRobinRouter
 

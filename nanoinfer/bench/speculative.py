@@ -10,7 +10,7 @@ weights real acceptance cannot be measured, so at each batch size this runs
 
 and prints the measured cost of a speculative step (the disagreeing draft: k proposals and their
 verification, every proposal rejected), synchronous and overlapped (each row chained onto the one
-in flight, spec/chaining.py), and the speed-up the overlapped one implies at acceptance rates 0.6
+in flight, speculative/chaining.py), and the speed-up the overlapped one implies at acceptance rates 0.6
 / 0.7 / 0.8: E[tokens per step] * plain step / speculative step, with E = (1 - a^(k+1)) / (1 - a)
 for a per-position acceptance a. Those are computed from measured costs, not measured speed-ups.
 The proposer's own host time a step is printed beside it (a greedy draft's forwards then run on
@@ -65,7 +65,7 @@ def timed_run(llm: LLM, batch: int, prompt_len: int, output_len: int, rng) -> di
     prompts = [[rng.randrange(100, min(10000, llm.vocab_size)) for _ in range(prompt_len)] for _ in range(batch)]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len)
     timer = None
-    speculator = getattr(llm.rows, "speculator", None)  # (spec/row_planner.py)
+    speculator = getattr(llm.rows, "speculator", None)  # (speculative/row_planner.py)
     if speculator is not None:
         timer = speculator.proposer = TimedProposer(speculator.proposer)
     stats0 = (llm.spec_stats.num_drafts, llm.spec_stats.num_accepted_tokens) if llm.spec_stats else (0, 0)

@@ -14,7 +14,7 @@ import time
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine.step_message import StepInput
+from nanoinfer.step.step_message import StepInput
 from nanoinfer.utils.tiny_model import build_tiny_checkpoint
 
 

@@ -20,7 +20,7 @@ from nanoinfer.data_parallel.devices import replica_envs
 from nanoinfer.engine.input_processor import check_priorities
 from nanoinfer.llm import LLM
 from nanoinfer.outputs import RequestOutput
-from nanoinfer.serve.engine_client import EngineClient
+from nanoinfer.process.engine_client import EngineClient
 from nanoinfer.utils.main_guard import check_main_guard
 
 

@@ -17,9 +17,9 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from nanoinfer.serve.engine_client import EngineClient
-from nanoinfer.serve.engine_launch import end_engine_process, launch_engine_process
-from nanoinfer.serve.messages import Ready, StartFailed
+from nanoinfer.process.engine_client import EngineClient
+from nanoinfer.process.engine_launch import end_engine_process, launch_engine_process
+from nanoinfer.process.messages import Ready, StartFailed
 
 PLACEMENT_TIMEOUT_S = float(os.environ.get("NANOINFER_RAY_PLACEMENT_TIMEOUT", 600))
 

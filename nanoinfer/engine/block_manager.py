@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 
 import xxhash
 
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 
 
 def hash_block(token_ids: list[int], prev_hash: int | None, keys: tuple[int, ...] = ()) -> int:

@@ -6,7 +6,7 @@ import time
 
 from nanoinfer.engine.input_processor import check_priorities
 from nanoinfer.engine.output_processor import Request
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.sampling_params import SamplingParams
 

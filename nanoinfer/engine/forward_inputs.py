@@ -13,7 +13,7 @@ from itertools import accumulate, chain
 import numpy as np
 import torch
 
-from nanoinfer.engine.step_message import StepInput
+from nanoinfer.step.step_message import StepInput
 from nanoinfer.utils.context import set_context
 from nanoinfer.utils.staging import Staging
 
@@ -38,7 +38,7 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
     their token from `prev_tokens`, the tokens of the step launched before this one; proposal
     rows theirs from `proposals` (a speculative proposer's tokens, still on the device), and, if
     `offsets` is given (one per row of `proposals`), move their positions by their row's offset
-    there (a speculative row chained onto one in flight, spec/chaining.py: a step of short rows).
+    there (a speculative row chained onto one in flight, speculative/chaining.py: a step of short rows).
     sort_decode_rows: the attention backend wants a decode step's rows longest context first.
     max_short_tokens: the most tokens a step of short rows runs as decode with (the runner's
     largest decode graph).

@@ -26,7 +26,7 @@ from numbers import Integral
 from nanoinfer.config import Config
 from nanoinfer.engine.detokenizer import encode
 from nanoinfer.engine.feature import Intake
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
 
 INTAKE_WORKERS = min(4, os.cpu_count() or 1)  # threads for heavy intake work (they release the GIL in C)

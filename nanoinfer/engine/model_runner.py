@@ -7,7 +7,7 @@
 A step is launched without waiting for the device; `collect` waits for it and brings its results
 to the host. A step whose plan awaits its grammar bitmask (SamplingPlan.grammar_bitmask None) is
 launched up to its logits; `sample_launched` gives the bitmask and samples (structured/step_masks.py).
-Runners never see a Sequence: they take the step message (engine/step_message.py)."""
+Runners never see a Sequence: they take the step message (step/step_message.py)."""
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,7 @@ from nanoinfer.config import Config
 from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS, prepare_inputs
 from nanoinfer.engine.graph_runner import GraphRunner
 from nanoinfer.engine.kv_cache import KVCache
-from nanoinfer.engine.step_message import SampleInput, StepInput, StepResult
+from nanoinfer.step.step_message import SampleInput, StepInput, StepResult
 from nanoinfer.engine.warm_up import warm_up
 from nanoinfer.layers.all_reduce import use_symmetric_memory
 from nanoinfer.layers.attention_backend import select_attention_backend
@@ -93,7 +93,7 @@ class ModelRunner:
         """Enqueue one step and return without waiting for the device. Rank 0 (`sample` given)
         samples and starts a copy of the tokens to the host. On every rank, the step's in-flight
         rows read their input token from `prev` (the step launched before this one) on the device;
-        its proposal rows read theirs from `proposals` (spec/proposer.py, DeviceProposals), and
+        its proposal rows read theirs from `proposals` (speculative/proposer.py, DeviceProposals), and
         their position offsets from `offsets`."""
         prev_tokens = prev.tokens if prev is not None else None
         fields = {}  # (first: a later failure leaves the adapter slots as the message says)

@@ -11,8 +11,8 @@ text while running are decoded once when their output is built.
 import time
 
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer, completion_text, decoder
-from nanoinfer.engine.sequence import Sequence
-from nanoinfer.engine.step_message import PromptLogprobs, TokenLogprobs
+from nanoinfer.step.sequence import Sequence
+from nanoinfer.step.step_message import PromptLogprobs, TokenLogprobs
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 
 

@@ -1,6 +1,6 @@
 """scheduling_policy="priority": a waiting sequence of a strictly higher priority that cannot be
 admitted now preempts running ones of lower priority to take their place (vLLM's rule)."""
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 
 
 def preempt_for_waiting(scheduler) -> None:

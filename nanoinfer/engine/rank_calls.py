@@ -1,9 +1,9 @@
 """The calls the engine's process makes to its tensor-parallel workers (engine/tp_executor.py), and
 what rank 0 reports back: typed, plain data, pickled through each worker's pipe. A step's own data
-(engine/step_message.py) travels in the group's shared-memory payload, named by byte spans."""
+(step/step_message.py) travels in the group's shared-memory payload, named by byte spans."""
 from dataclasses import dataclass
 
-from nanoinfer.engine.step_message import StepResult
+from nanoinfer.step.step_message import StepResult
 
 
 @dataclass(slots=True)

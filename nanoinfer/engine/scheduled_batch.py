@@ -2,7 +2,7 @@
 (StepUpdate), and when a sequence's newest token ends it (ending_of)."""
 from dataclasses import dataclass, field
 
-from nanoinfer.engine.sequence import Sequence
+from nanoinfer.step.sequence import Sequence
 
 
 @dataclass

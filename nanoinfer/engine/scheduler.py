@@ -39,7 +39,7 @@ from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS
 from nanoinfer.engine.priority_preemption import preempt_for_waiting
 from nanoinfer.engine.row_planner import RowPlanner
 from nanoinfer.engine.scheduled_batch import ScheduledBatch, StepUpdate, ending_of
-from nanoinfer.engine.sequence import Sequence, SequenceStatus
+from nanoinfer.step.sequence import Sequence, SequenceStatus
 from nanoinfer.engine.wait_queue import PriorityWaitQueue, WaitQueue, priority_key
 from nanoinfer.outputs import NON_FINITE_REASON
 

@@ -1,10 +1,10 @@
-"""Scheduled sequences -> the step message (engine/step_message.py). Runners never see a Sequence:
+"""Scheduled sequences -> the step message (step/step_message.py). Runners never see a Sequence:
 this is where a step's rows, its sampling plan and its prompt-logprob work are read off them, and
 where the registered features add their parts (EngineFeature.encode)."""
 import random
 
 from nanoinfer.engine.scheduler import ScheduledBatch
-from nanoinfer.engine.step_message import PlainSample, PromptLogprobsRequest, PromptSegment, SampleInput, StepInput
+from nanoinfer.step.step_message import PlainSample, PromptLogprobsRequest, PromptSegment, SampleInput, StepInput
 from nanoinfer.engine.draft_rows import sampling_rows
 from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.plan import build_sampling_plan

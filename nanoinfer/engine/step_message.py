@@ -70,7 +70,7 @@ class StepInput:
     block_tables: list[list[int]]  # per row: its sequence's blocks
     inflight_rows: list[int] = field(default_factory=list)
     inflight_sources: list[int] = field(default_factory=list)
-    # flat token rows holding speculative proposals left on the device (spec/proposer.py,
+    # flat token rows holding speculative proposals left on the device (speculative/proposer.py,
     # DeviceProposals), and their indices in its tokens, flattened: one rank in the engine's process
     proposal_rows: list[int] = field(default_factory=list)
     proposal_sources: list[int] = field(default_factory=list)

@@ -23,7 +23,7 @@ from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.sampling.sampler import SamplingFailed
 from nanoinfer.engine.rank_calls import AllocateKVCache, Exit, Flush, Info, Launch, Ping, Reported
-from nanoinfer.engine.step_message import SampleInput, StepInput, StepResult
+from nanoinfer.step.step_message import SampleInput, StepInput, StepResult
 from nanoinfer.engine.worker_group import MAX_ERROR_CHARS, WorkerFailure, WorkerGroup
 
 logger = logging.getLogger("nanoinfer")

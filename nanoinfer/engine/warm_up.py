@@ -12,7 +12,7 @@ allocators' first device and pinned host allocations at those sizes.
 
 The steps write K/V into the cache's first blocks, which no sequence owns yet; their tokens are
 thrown away."""
-from nanoinfer.engine.step_message import SampleInput, SamplingPlan, StepInput
+from nanoinfer.step.step_message import SampleInput, SamplingPlan, StepInput
 
 
 def warm_up_shapes(max_tokens: int, max_rows: int, max_len: int) -> list[list[tuple[int, int]]]:

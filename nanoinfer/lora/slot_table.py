@@ -5,7 +5,7 @@ its slot does not hold yet (device_adapters.py), so a failed or skipped launch n
 engine and the ranks disagreeing about a slot."""
 from collections import OrderedDict
 
-from nanoinfer.engine.step_message import LoRAStep
+from nanoinfer.step.step_message import LoRAStep
 
 
 class AdapterSlotTable:

@@ -9,8 +9,8 @@ An image no sequence holds is dropped, in the next step's message. Identical ima
 are encoded once and shared."""
 import numpy as np
 
-from nanoinfer.engine.sequence import SequenceStatus
-from nanoinfer.engine.step_message import ImageToEncode, MultiModalStep
+from nanoinfer.step.sequence import SequenceStatus
+from nanoinfer.step.step_message import ImageToEncode, MultiModalStep
 
 
 class MultiModalStepPlanner:

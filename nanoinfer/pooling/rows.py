@@ -6,8 +6,8 @@ Both walk the batch the same way, so segment i is the same row in both.
 Device: `pool_hidden` sums the final hidden states of each segment's rows, in float32."""
 import torch
 
-from nanoinfer.engine.step_message import PoolingRows
-from nanoinfer.engine.sequence import SequenceStatus
+from nanoinfer.step.step_message import PoolingRows
+from nanoinfer.step.sequence import SequenceStatus
 from nanoinfer.utils.device_copy import to_device
 
 

@@ -16,7 +16,7 @@ import weakref
 from array import array
 from itertools import count
 
-from nanoinfer.engine.step_message import TokenConstraints
+from nanoinfer.step.step_message import TokenConstraints
 
 _keys = count(1)  # one counter for every registry of the process: a key is never reused
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoinfer.engine.step_message import TokenConstraints
+from nanoinfer.step.step_message import TokenConstraints
 from nanoinfer.utils.device_copy import to_device
 
 

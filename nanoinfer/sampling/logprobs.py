@@ -4,7 +4,7 @@ logprob and rank. They stay on the device until the step's tokens are copied to 
 """
 import torch
 
-from nanoinfer.engine.step_message import TokenLogprobs
+from nanoinfer.step.step_message import TokenLogprobs
 from nanoinfer.sampling.tensors import SamplingTensors
 
 

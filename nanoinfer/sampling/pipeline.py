@@ -3,7 +3,7 @@
 PIPELINE is one ordered list of Stages (sampling/stage.py): the per-request edits in vLLM's order,
 each run only when some row uses it, then the end that picks the tokens. A feature adds an entry:
 a grammar bitmask (GRAMMAR, structured outputs) after ALLOWED_TOKENS. Speculative decoding needs no
-entry: each proposal position is a sampling row of its own (spec/rows.py) and the host compares.
+entry: each proposal position is a sampling row of its own (speculative/rows.py) and the host compares.
 
     raw logits --(logprobs of the rows that ask: log_softmax of the raw logits)
       -> logits_processors -> allowed_token_ids -> grammar bitmask -> bad words, min_tokens

@@ -1,4 +1,4 @@
-"""The engine's side of sampling: a step's SamplingParams as a SamplingPlan (engine/step_message.py).
+"""The engine's side of sampling: a step's SamplingParams as a SamplingPlan (step/step_message.py).
 
 It runs on the host every step, so it reads the options that do not depend on a row's progress
 once per SamplingParams object, and visits one by one only the rows whose options do (seeds,
@@ -14,7 +14,7 @@ unless the engine fills those after launching the forward (`masks_later`: struct
 import random
 from array import array
 
-from nanoinfer.engine.step_message import SamplingPlan
+from nanoinfer.step.step_message import SamplingPlan
 from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.noise import seed_keys
 from nanoinfer.sampling_params import SAMPLING_EPS

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanoinfer.engine.step_message import (PromptLogprobs, PromptLogprobsRequest, SampleInput, StepInput,
+from nanoinfer.step.step_message import (PromptLogprobs, PromptLogprobsRequest, SampleInput, StepInput,
                                            TokenLogprobs)
 from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
 from nanoinfer.sampling.column_cache import ColumnCache

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoinfer.engine.step_message import SamplingPlan
+from nanoinfer.step.step_message import SamplingPlan
 from nanoinfer.sampling.column_cache import ColumnCache
 from nanoinfer.sampling.constraint_store import TokenConstraintStore
 from nanoinfer.sampling.plan import build_sampling_plan

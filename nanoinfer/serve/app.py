@@ -18,7 +18,7 @@ from nanoinfer.outputs import NON_FINITE_REASON, RequestOutput
 from nanoinfer.serve import convert
 from nanoinfer.serve.chat_renderer import ChatRenderer, RenderRefused
 from nanoinfer.serve.chat_reply import ReplyFormat
-from nanoinfer.serve.engine_client import FINAL_OUTPUTS, EngineClient, EngineDeadError, ShutdownCut, Submission
+from nanoinfer.process.engine_client import FINAL_OUTPUTS, EngineClient, EngineDeadError, ShutdownCut, Submission
 from nanoinfer.serve.errors import APIError, add_error_handlers, error_body, error_response
 from nanoinfer.serve.http_guards import ApiKeyCheck, BodyLimit, HostCheck
 from nanoinfer.serve.limits import ServerLimits, prompt_chars_limit

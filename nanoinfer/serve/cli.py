@@ -212,7 +212,7 @@ def serve(args: argparse.Namespace) -> int:
 def _start_engines(args: argparse.Namespace, options: dict):
     """One engine process, or --data-parallel-size replicas behind a router."""
     from nanoinfer.data_parallel.devices import check_data_parallel_size
-    from nanoinfer.serve.engine_client import EngineClient
+    from nanoinfer.process.engine_client import EngineClient
     if check_data_parallel_size(args.data_parallel_size) == 1 and args.data_parallel_backend == "mp":
         return EngineClient(args.model, options, args.log_level)
     from nanoinfer.serve.replicas import ReplicaSet

@@ -4,7 +4,7 @@ import time
 from collections.abc import AsyncIterator
 
 from nanoinfer.outputs import Logprob, RequestOutput, StreamDelta
-from nanoinfer.serve.engine_client import Submission
+from nanoinfer.process.engine_client import Submission
 from nanoinfer.serve.chat_reply import ReplyFormat, ReplyStream
 from nanoinfer.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
                                       ChatLogProbs, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,

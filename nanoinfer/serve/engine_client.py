@@ -14,10 +14,10 @@ from multiprocessing.connection import wait
 
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.serve.engine_launch import STOP_TIMEOUT_S, end_engine_process, launch_engine_process
-from nanoinfer.serve.messages import Abort, EngineDead, Ready, StartFailed, StepNews, Stop, Submit, pack_command
+from nanoinfer.process.engine_launch import STOP_TIMEOUT_S, end_engine_process, launch_engine_process
+from nanoinfer.process.messages import Abort, EngineDead, Ready, StartFailed, StepNews, Stop, Submit, pack_command
 from nanoinfer.serve.metrics import ServerMetrics
-from nanoinfer.serve.submission import FINAL_OUTPUTS, EngineDeadError, ShutdownCut, Submission
+from nanoinfer.process.submission import FINAL_OUTPUTS, EngineDeadError, ShutdownCut, Submission
 
 __all__ = ["EngineClient", "EngineDeadError", "FINAL_OUTPUTS", "ShutdownCut", "Submission"]
 

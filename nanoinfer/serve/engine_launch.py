@@ -4,7 +4,7 @@ import os
 import threading
 from contextlib import contextmanager
 
-from nanoinfer.serve.engine_process import EXIT_SIGNAL, engine_main
+from nanoinfer.process.engine_process import EXIT_SIGNAL, engine_main
 
 STOP_TIMEOUT_S = 5.0   # a stopping engine aborts its requests and stops its workers; then SIGTERM, SIGKILL
 

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection, wait
 
 from nanoinfer.llm import LLM
 from nanoinfer.pooling.outputs import PoolingRequestOutput
-from nanoinfer.serve.messages import (Abort, Admission, EngineDead, EngineStats, Ready, RemoteError, StartFailed,
+from nanoinfer.process.messages import (Abort, Admission, EngineDead, EngineStats, Ready, RemoteError, StartFailed,
                                       StepNews, Submit, unpack_command)
 
 logger = logging.getLogger("nanoinfer.serve")

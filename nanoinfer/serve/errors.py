@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from nanoinfer.serve.engine_client import EngineDeadError, ShutdownCut
+from nanoinfer.process.engine_client import EngineDeadError, ShutdownCut
 from nanoinfer.serve.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("nanoinfer.serve")

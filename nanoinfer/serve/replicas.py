@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from nanoinfer.data_parallel.devices import check_data_parallel_size, replica_envs
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.serve.engine_client import EngineClient, EngineDeadError, Submission
+from nanoinfer.process.engine_client import EngineClient, EngineDeadError, Submission
 from nanoinfer.serve.metrics import ServerMetrics
 from nanoinfer.serve.router import PrefixAffinityRouter, prefix_token_ids
 

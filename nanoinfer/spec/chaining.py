@@ -10,8 +10,8 @@ progress and length limits count the worst case), and the device corrects it bef
   after them), which is the new row's first query token; the token before it (the last accepted
   proposal, or the row's own first token), which the draft model forwards again with the bonus to
   catch its K/V up; and the shift, accepted - k, which moves the row's positions, cache slots and
-  context lengths back where they belong (engine/forward_inputs.py, spec/draft_chain.py).
-- The draft proposes from there (spec/draft_model.py), and the verify step reads its whole query
+  context lengths back where they belong (engine/forward_inputs.py, speculative/draft_chain.py).
+- The draft proposes from there (speculative/draft_model.py), and the verify step reads its whole query
   (bonus and proposals) on the device.
 
 No token makes a host round trip between the steps. Only requests whose proposals are the draft's
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoinfer.spec.proposer import DeviceProposals
+from nanoinfer.speculative.proposer import DeviceProposals
 from nanoinfer.utils.staging import Staging
 
 

@@ -73,7 +73,7 @@ class GreedyDraftChain:
     def launch(self, first: torch.Tensor, lengths: list[int], max_lens: list[int], tables: list[list[int]],
                offsets: torch.Tensor | None = None):
         """Enqueue the chain: `first` [n] the first proposals on the device (row i's is at position
-        lengths[i], moved by offsets[i] on the device if given: a chained row, spec/chaining.py);
+        lengths[i], moved by offsets[i] on the device if given: a chained row, speculative/chaining.py);
         row i proposes max_lens[i] tokens in all. Returns the host copy of the proposals after the
         first, [num_forwards, n] int64, and the event that marks it complete (None on CPU, where
         it is complete)."""

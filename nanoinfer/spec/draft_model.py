@@ -5,7 +5,7 @@ the target's block tables, so it needs no block bookkeeping of its own.
 Per engine step, for the speculative rows: one forward catches each sequence's draft KV up to its
 last token and proposes the first token, then k - 1 one-token forwards propose the rest. Greedy
 requests propose the draft's argmax, the k - 1 forwards launched as one chain that reads each
-token on the device (spec/draft_chain.py: one CUDA graph, no host round trip between them); with
+token on the device (speculative/draft_chain.py: one CUDA graph, no host round trip between them); with
 sampled requests, or greedy ones whose options change the logits (penalties, logit bias, allowed
 tokens, bad words, min_tokens: `proposes_argmax`), each proposal is drawn with the request's own
 sampling options and noise (`_sample_input`), the proposals so far read on the host. Its KV
@@ -20,12 +20,12 @@ import torch
 
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner
-from nanoinfer.engine.step_message import SampleInput, SamplingPlan, StepInput
+from nanoinfer.step.step_message import SampleInput, SamplingPlan, StepInput
 from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling_params import SAMPLING_EPS
-from nanoinfer.spec.draft_chain import GreedyDraftChain
-from nanoinfer.spec.proposer import DeviceProposals, Proposer
+from nanoinfer.speculative.draft_chain import GreedyDraftChain
+from nanoinfer.speculative.proposer import DeviceProposals, Proposer
 from nanoinfer.engine.draft_rows import DraftView
 from nanoinfer.utils.hf_files import load_tokenizer
 from nanoinfer.utils.staging import Staging
@@ -138,8 +138,8 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def launch(self, seqs: list, max_lens: list[int], lengths: list[int], chained=None) -> DeviceProposals:
         """Greedy requests whose proposals are the draft's argmax: the first from a catch-up
-        forward, the rest from one chain (spec/draft_chain.py), all left on the device. A chained
-        row's catch-up is its last two tokens, on the device (spec/chaining.py): the K/V before
+        forward, the rest from one chain (speculative/draft_chain.py), all left on the device. A chained
+        row's catch-up is its last two tokens, on the device (speculative/chaining.py): the K/V before
         them are the draft's already (its last launch computed them, with the proposals the target
         accepted); its positions are shifted there. Rows are launched host rows first."""
         chained_rows = set(chained.rows) if chained is not None else ()
@@ -232,7 +232,7 @@ class DraftModelProposer(Proposer):
         the options the target will verify that position with (sampling/plan.py on the same
         DraftViews), seeded noise included: a draft equal to its target then proposes exactly the
         target's sample, and any other draft draws either that same noise or independent noise,
-        which keeps verification exact (spec/rows.py, accepted_runs)."""
+        which keeps verification exact (speculative/rows.py, accepted_runs)."""
         if not sampled:
             return SampleInput(SamplingPlan([0.0] * len(rows), all_greedy=True, any_greedy=True, seed=0))
         views = [DraftView(seqs[i], proposals[i]) for i in rows]

@@ -4,7 +4,7 @@ followed the latest such occurrence. Vectorised with numpy: one comparison of ev
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from nanoinfer.spec.proposer import Proposer
+from nanoinfer.speculative.proposer import Proposer
 
 
 def lookup(tokens: np.ndarray, n_max: int, n_min: int, k: int) -> list[int]:

@@ -2,7 +2,7 @@
 
 A proposer sees the scheduled speculative rows (their sequences, with every token on the host, and
 how many tokens each may propose) and returns each row's proposals, any number up to that, the
-most likely first. The verifier (spec/rows.py, accepted_runs) stays exact for proposals that are
+most likely first. The verifier (speculative/rows.py, accepted_runs) stays exact for proposals that are
 deterministic given the sequence, or drawn with noise either independent of the target's at that
 position or the very same (a request's seeded noise). The KV blocks of the row's lookahead
 positions are reserved in the sequence's block table before `propose` is called.
@@ -24,7 +24,7 @@ class DeviceProposals:
     seq_ids: list[int]
     lengths: list[int]
     # [rows] int64 on the device, or None (all 0): how far each row's positions lie before the
-    # scheduled ones (a row chained onto one in flight, spec/chaining.py)
+    # scheduled ones (a row chained onto one in flight, speculative/chaining.py)
     offsets: object = None
     first_samples: list[int] | None = None  # each row's first sampling row in the verify step (Speculator)
     index: dict[int, int] = field(init=False)  # seq_id -> row
@@ -46,7 +46,7 @@ class Proposer(ABC):
 
     def launch(self, seqs: list, max_lens: list[int], lengths: list[int], chained=None) -> DeviceProposals:
         """Exactly max_lens[i] proposals for each sequence (`launches` holds for each), left on the
-        device. lengths[i]: sequence i's length as scheduled. `chained` (spec/chaining.py,
+        device. lengths[i]: sequence i's length as scheduled. `chained` (speculative/chaining.py,
         ChainedRows): the rows chained onto one still in flight, whose last two tokens and shift
         are on the device."""
         raise NotImplementedError

@@ -1,13 +1,13 @@
 """Speculative decoding's row planner (engine/row_planner.py): a decoding sequence's row also
 scores up to k proposed tokens, placed after the decode rows, filled in before the launch
 (Speculator.propose) and verified when the step is processed. With a draft model on one rank and
-overlapped steps, a row may be chained onto its sequence's row still in flight (spec/chaining.py);
+overlapped steps, a row may be chained onto its sequence's row still in flight (speculative/chaining.py);
 such rows run in a decode step of short rows (engine/forward_inputs.py), which caps how many
 proposals the step's rows may score in all (`room`)."""
 from nanoinfer.engine.row_planner import RowPlanner
 from nanoinfer.engine.scheduler import ScheduledBatch, ending_of
-from nanoinfer.engine.sequence import SequenceStatus
-from nanoinfer.spec.speculator import Speculator
+from nanoinfer.step.sequence import SequenceStatus
+from nanoinfer.speculative.speculator import Speculator
 
 
 class SpeculativeRows(RowPlanner):
@@ -60,10 +60,10 @@ class SpeculativeRows(RowPlanner):
 
     def add_row(self, batch: ScheduledBatch, seq, extra: int) -> None:
         """A decode row that also scores `extra` proposed tokens (filled in before launch, and maybe
-        shortened: spec/rows.py). Processing appends the accepted run, up to 1 + extra tokens: until
+        shortened: speculative/rows.py). Processing appends the accepted run, up to 1 + extra tokens: until
         then they count in flight, as if all were accepted, and so does the row's progress. A row
         chained onto one still in flight starts where that one ends if all are accepted; the device
-        shifts it back by what it rejected (spec/chaining.py), processing the host's view."""
+        shifts it back by what it rejected (speculative/chaining.py), processing the host's view."""
         batch.drafts[len(batch.seqs)] = None
         batch.seqs.append(seq)
         batch.starts.append(seq.num_computed_tokens)

@@ -1,7 +1,7 @@
 """A step's speculative rows, from proposals to the sampling rows they expand into.
 
 The scheduler places each speculative row after the decode rows with room for k proposals
-(spec/row_planner.py). Once proposed (`attach_drafts`), a row with fewer proposals is
+(speculative/row_planner.py). Once proposed (`attach_drafts`), a row with fewer proposals is
 shortened, and one with none becomes a plain decode row (moved into the decode section, so a step
 without proposals stays decode-only). For sampling, a row with m proposals is m + 1 sampling rows,
 one per position, each seeing the proposals before it as if they were accepted (`DraftView`,
@@ -45,7 +45,7 @@ def accepted_runs(batch: ScheduledBatch, tokens: list[int], logprobs: list | Non
     proposal made for sure (q one-hot: n-gram, a greedy draft) this is the rejection sampler: its
     accept probability min(1, p/q) is p(draft), the chance that a sample of p equals it, and on
     rejection norm(max(0, p - q)) is p without the draft token: the sample of p at that position,
-    given that it differs. A sampled draft (spec/draft_model.py) draws with independent noise, or
+    given that it differs. A sampled draft (speculative/draft_model.py) draws with independent noise, or
     with the request's seeded noise, the target's own: then a draft close to the target proposes
     the target's sample itself."""
     row_tokens, runs, row_lps = [], {}, [] if logprobs is not None else None

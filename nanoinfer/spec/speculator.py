@@ -4,19 +4,19 @@ accepted runs of a finished one (`verify`), with the acceptance counters.
 
 A sequence gets proposals when every one of its tokens is on the host (none in flight), or, with
 overlapped steps and a draft model on one rank, when its row still in flight had proposals the
-draft left on the device: its next row is chained onto that one (spec/chaining.py), so it runs
+draft left on the device: its next row is chained onto that one (speculative/chaining.py), so it runs
 every step. Otherwise (n-gram, sampled requests, tensor parallelism) a speculative sequence runs
 every other step while the rest of the batch overlaps, as requests that need host tokens do;
 requests with logits processors, multi-token bad words or structured outputs get none.
 """
 from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_QUERY
 from nanoinfer.engine.scheduler import ScheduledBatch
-from nanoinfer.engine.step_message import StepResult
-from nanoinfer.spec.config import SpeculativeConfig
-from nanoinfer.spec.ngram import NgramProposer
-from nanoinfer.spec.policy import SpeculationPolicy
-from nanoinfer.spec.rows import accepted_runs, attach_drafts
-from nanoinfer.spec.stats import SpecStats
+from nanoinfer.step.step_message import StepResult
+from nanoinfer.speculative.config import SpeculativeConfig
+from nanoinfer.speculative.ngram import NgramProposer
+from nanoinfer.speculative.policy import SpeculationPolicy
+from nanoinfer.speculative.rows import accepted_runs, attach_drafts
+from nanoinfer.speculative.stats import SpecStats
 
 
 class Speculator:
@@ -77,7 +77,7 @@ class Speculator:
         if on_host:
             proposals = self.proposer.propose([seqs[i] for i in on_host], [max_lens[i] for i in on_host])
             for i, p in zip(on_host, proposals):
-                if not p:  # (see spec/policy.py)
+                if not p:  # (see speculative/policy.py)
                     self.policy.record(seqs[i], 1, 0)
                 drafts[rows[i]] = p
         attach_drafts(batch, drafts)
@@ -97,7 +97,7 @@ class Speculator:
         chained = [i for i, (r, seq) in enumerate(zip(rows, seqs)) if batch.starts[r] >= seq.num_tokens]
         links = None
         if chained:
-            from nanoinfer.spec.chaining import ChainedRows, chained_inputs
+            from nanoinfer.speculative.chaining import ChainedRows, chained_inputs
             links = ChainedRows(chained, *chained_inputs(self.in_flight, prev_handle.tokens,
                                                          [seqs[i].seq_id for i in chained]))
             self.num_chained += len(chained)
@@ -144,7 +144,7 @@ def build_speculator(config, tokenizer, target_runner, num_blocks: int, eos_toke
     spec = config.speculative_config
     proposer = None
     if spec.method == "draft_model":
-        from nanoinfer.spec.draft_model import DraftModelProposer
+        from nanoinfer.speculative.draft_model import DraftModelProposer
         proposer = DraftModelProposer(config, spec, tokenizer, target_runner, num_blocks, eos_token_ids)
         num_blocks = proposer.num_blocks
     speculator = Speculator(spec, config.max_model_len, proposer)
