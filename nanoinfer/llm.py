@@ -6,6 +6,7 @@ from numbers import Integral
 from tqdm.auto import tqdm
 
 from nanoinfer.engine.llm_engine import LLMEngine
+from nanoinfer.features import FeatureComposition
 from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.pooling.api import PoolingAPI
 from nanoinfer.utils.chat import render_chat
@@ -32,7 +33,7 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
                 return
         elif data_parallel_size != 1:
             raise ValueError("data_parallel_size > 1 needs nanoinfer.data_parallel (import nanoinfer)")
-        super().__init__(model, **options)
+        super().__init__(model, FeatureComposition(), **options)  # the features, as the config asks
 
     @property
     def data_parallel_size(self) -> int:

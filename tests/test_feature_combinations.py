@@ -20,6 +20,9 @@ import pytest
 import torch
 import xxhash
 
+from nanoinfer.multimodal.feature import ImageRankFeature
+from nanoinfer.multimodal.feature import ImageFeature
+from nanoinfer.speculative.row_planner import SpeculativeRows
 from nanoinfer import LLM, LoRARequest, PoolingParams, SamplingParams
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.step.sequence import Sequence, SequenceStatus
@@ -111,7 +114,8 @@ class Loop:
 
     def __init__(self, sched, device, speculator=None, overlap=True):
         self.sched, self.device, self.speculator, self.overlap = sched, device, speculator, overlap
-        sched.speculator = speculator
+        if speculator is not None:
+            sched.rows = SpeculativeRows(speculator)
         self.inflight = None
 
     def step(self):
@@ -442,7 +446,7 @@ def test_images_with_speculative_decoding_equal_plain(make_vl_checkpoint, seed):
                                                            if name == "spec" else None)]
             bm = llm.scheduler.block_manager
             assert bm.num_free_blocks == bm.num_blocks
-            assert not llm.model_runner.encoder_cache.embeddings and not llm.step_encoder.multimodal.resident
+            assert not llm.model_runner.feature(ImageRankFeature).cache.embeddings and not llm.feature(ImageFeature).planner.resident
             if name == "spec":
                 assert llm.spec_stats.num_drafts > 0
         finally:

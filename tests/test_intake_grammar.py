@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from nanoinfer.structured.feature import StructuredFeature
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
 from nanoinfer.serve.limits import ServerLimits
 from nanoinfer.structured import schema_limits
@@ -123,7 +124,7 @@ def test_slow_compile_leaves_the_batch_stepping(llm, monkeypatch):
     """The compile is held until the plain request has finished: the plain request ran all its steps
     meanwhile (nothing waited for the grammar), and its tokens equal the same request run alone."""
     alone = llm.generate(PROMPT, PLAIN, use_tqdm=False)[0].outputs[0].token_ids
-    compiler = llm.input_processor._grammar_intake().compiler
+    compiler = llm.feature(StructuredFeature)._grammar_intake().compiler
     gate, started, real = threading.Event(), threading.Event(), compiler.compile
 
     def slow_compile(params):
@@ -149,7 +150,7 @@ def test_slow_compile_leaves_the_batch_stepping(llm, monkeypatch):
 
 
 def test_failed_compile_fails_that_request_only(llm, monkeypatch):
-    compiler = llm.input_processor._grammar_intake().compiler
+    compiler = llm.feature(StructuredFeature)._grammar_intake().compiler
 
     def failing_compile(params):
         raise ValueError("structured_outputs.choice could not be compiled: out of luck")
@@ -165,7 +166,7 @@ def test_failed_compile_fails_that_request_only(llm, monkeypatch):
 
 
 def test_abort_while_compiling(llm, monkeypatch):
-    compiler = llm.input_processor._grammar_intake().compiler
+    compiler = llm.feature(StructuredFeature)._grammar_intake().compiler
     gate, real = threading.Event(), compiler.compile
     monkeypatch.setattr(compiler, "compile", lambda params: gate.wait(120) and real(params))
     rid = llm.add_request(PROMPT, SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
@@ -196,7 +197,7 @@ def test_grammar_cache_is_bounded_in_bytes():
 
 def test_compiler_cache_holds_at_most_its_bytes(llm):
     from nanoinfer.utils.hf_files import load_eos_token_ids
-    one = llm.input_processor._grammar_intake().compiler.compile(StructuredOutputsParams(choice=unique_choices()))
+    one = llm.feature(StructuredFeature)._grammar_intake().compiler.compile(StructuredOutputsParams(choice=unique_choices()))
     budget = 3 * (one.memory_size_bytes + ENTRY_OVERHEAD_BYTES)
     compiler = StructuredCompiler(llm.tokenizer, llm.vocab_size, load_eos_token_ids(llm.config.model, llm.tokenizer),
                                   cache_bytes=budget)

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from nanoinfer.multimodal.feature import ImageFeature
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.multimodal.media import MediaLoader
 from test_multimodal import data_url
@@ -32,7 +33,7 @@ def test_slow_image_leaves_the_batch_stepping(llm, monkeypatch):
     image = random_image(120, 90, seed=3)
     alone_image = llm.generate(image_request(image), GREEDY, use_tqdm=False)[0]
     alone_text = llm.generate("plain text", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    processor = llm.input_processor.multimodal
+    processor = llm.feature(ImageFeature).processor
     gate, started, real = threading.Event(), threading.Event(), processor._preprocess
 
     def slow_preprocess(images, kwargs):
@@ -60,7 +61,7 @@ def test_failed_preprocessing_fails_that_request_only(llm, monkeypatch):
     def broken(images, kwargs):
         raise ValueError("the image processor failed on multi_modal_data['image']: broken")
 
-    monkeypatch.setattr(llm.input_processor.multimodal, "_preprocess", broken)
+    monkeypatch.setattr(llm.feature(ImageFeature).processor, "_preprocess", broken)
     outs = llm.generate([image_request(random_image(50, 40, seed=1)), "plain text"], GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error" and "broken" in outs[0].outputs[0].stop_reason
     assert len(outs[1].outputs[0].token_ids) == GREEDY.max_tokens

@@ -4,6 +4,8 @@ device slots (slots and the host cache reused, never more adapters in a step tha
 prefix cache keyed by adapter, preemption, tensor parallelism on CPU, add_request / chat / stream."""
 import pytest
 
+from nanoinfer.lora.feature import LoRARankFeature
+from nanoinfer.lora.feature import LoRAFeature
 from nanoinfer import LLM, LoRARequest, SamplingParams
 
 from lora_reference import ALL_TARGETS, assert_greedy_matches, differs_from, make_adapter
@@ -44,12 +46,12 @@ def check_outputs(base, outs, loras):
 
 def record_steps(llm) -> list[set]:
     """Each launched step's set of adapter ids (0: the base model), recorded from now on."""
-    steps, assign = [], llm.step_encoder.adapter_slots.assign
+    steps, assign = [], llm.feature(LoRAFeature).slots.assign
 
     def spy(seqs):
         steps.append({s.lora_int_id for s in seqs})
         return assign(seqs)
-    llm.step_encoder.adapter_slots.assign = spy
+    llm.feature(LoRAFeature).slots.assign = spy
     return steps
 
 
@@ -84,8 +86,8 @@ def test_more_adapters_than_slots_reuses_slots_exactly(base, adapters):
         outs = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=loras)
         check_outputs(base, outs, loras)
         assert max(len(s - {0}) for s in steps) == 2, "never more adapters in a step than slots"
-        assert llm.model_runner.adapters.num_loads > 4, "slots were reused by other adapters"
-        assert len(llm.model_runner.adapters.host) == 2, "the host cache holds max_cpu_loras adapters"
+        assert llm.model_runner.feature(LoRARankFeature).adapters.num_loads > 4, "slots were reused by other adapters"
+        assert len(llm.model_runner.feature(LoRARankFeature).adapters.host) == 2, "the host cache holds max_cpu_loras adapters"
         assert_clean(llm)
     finally:
         llm.exit()

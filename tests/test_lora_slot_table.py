@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from nanoinfer.lora.admission import AdapterAdmission
 from nanoinfer import LoRARequest, SamplingParams
 from nanoinfer.engine.scheduler import Scheduler
 from nanoinfer.step.sequence import Sequence
@@ -61,7 +62,7 @@ def test_slots_never_collide_within_a_step(steps, num_slots):
 def scheduler(max_loras: int, max_num_seqs: int = 8) -> Scheduler:
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_model_len=64,
                              kvcache_block_size=16, enable_lora=True, max_loras=max_loras)
-    return Scheduler(config, 64, frozenset({0}))
+    return Scheduler(config, 64, frozenset({0}), admission=AdapterAdmission(max_loras))
 
 
 @settings(max_examples=100, deadline=None)

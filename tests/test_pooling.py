@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
+from nanoinfer.pooling.feature import PoolingFeature
 from nanoinfer import LLM, PoolingParams, SamplingParams
 
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog " * 3, "A", "paged KV cache"]
@@ -96,7 +97,7 @@ def test_pooling_type_from_sentence_transformers_files(make_checkpoint, tmp_path
     llm = LLM(path, task="embed", kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=16,
               num_kvcache_blocks=64)
     try:
-        assert llm.pooling.pooling_type == pooling
+        assert llm.feature(PoolingFeature).pooling_type == pooling
         for _ in range(2):  # the second time, the prompts' blocks are in the prefix cache
             outs = llm.embed(PROMPTS, use_tqdm=False)
             for out in outs:

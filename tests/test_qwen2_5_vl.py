@@ -4,6 +4,8 @@ prompt, batches mixing image and text-only requests, chunked prefill through an 
 the image-keyed prefix cache, and tensor parallelism."""
 import pytest
 
+from nanoinfer.multimodal.feature import ImageRankFeature
+from nanoinfer.multimodal.feature import ImageFeature
 from nanoinfer import LLM, SamplingParams
 from vl_reference import assert_vl_greedy_matches_hf, random_image
 
@@ -51,9 +53,9 @@ def test_batch_matches_hf(vl):
         for i, ((prompt, sizes), out) in enumerate(zip(CASES, outs)):
             assert_vl_greedy_matches_hf(vl, prompt, case_images(i, sizes), out.prompt_token_ids,
                                         out.outputs[0].token_ids)
-        assert not llm.step_encoder.multimodal.resident  # every image's embeddings were dropped
+        assert not llm.feature(ImageFeature).planner.resident  # every image's embeddings were dropped
         llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)  # a step after: the runner's too
-        assert not llm.model_runner.encoder_cache.embeddings
+        assert not llm.model_runner.feature(ImageRankFeature).cache.embeddings
     finally:
         llm.exit()
 
@@ -65,12 +67,12 @@ def test_chunked_prefill_through_image(vl):
     try:
         prompt, image = f"Describe {P} please.", random_image(280, 224, seed=3)
         encoded = []
-        real = llm.model_runner.encoder_cache.model.encode_images
+        real = llm.model_runner.feature(ImageRankFeature).cache.model.encode_images
 
         def counting(pixels, grids):
             encoded.append(len(grids))
             return real(pixels, grids)
-        llm.model_runner.encoder_cache.model.encode_images = counting
+        llm.model_runner.feature(ImageRankFeature).cache.model.encode_images = counting
         out = run(llm, request(prompt, [image]))[0]
         assert out.prompt_token_ids.count(llm.config.hf_config.image_token_id) > 32
         assert encoded == [1]
@@ -174,10 +176,10 @@ def test_abort_mid_image_drops_its_embeddings(vl):
         rid = llm.add_request(request(f"Describe {P}.", [random_image(280, 224, seed=6)]), GREEDY)
         intake_done(llm, rid)
         llm.step()  # the first chunk reaches into the image: it is encoded
-        assert len(llm.model_runner.encoder_cache.embeddings) == 1
+        assert len(llm.model_runner.feature(ImageRankFeature).cache.embeddings) == 1
         llm.abort_request(rid)
         llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
-        assert not llm.model_runner.encoder_cache.embeddings and not llm.step_encoder.multimodal.resident
+        assert not llm.model_runner.feature(ImageRankFeature).cache.embeddings and not llm.feature(ImageFeature).planner.resident
         bm = llm.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks
     finally:
@@ -242,7 +244,7 @@ def test_failed_launch_forgets_its_images(vl):
             pairs += llm.step()[0]
         assert [tokens for _, tokens in pairs] == [want]
         llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
-        assert not llm.model_runner.encoder_cache.embeddings and not llm.step_encoder.multimodal.resident
+        assert not llm.model_runner.feature(ImageRankFeature).cache.embeddings and not llm.feature(ImageFeature).planner.resident
     finally:
         llm.exit()
 

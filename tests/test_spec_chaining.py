@@ -103,7 +103,7 @@ def test_chained_rows_give_plain_decoding_under_random_workloads(tiny_qwen3, dra
             assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
             stats = llm.spec_stats
             assert 0.2 < stats.acceptance_rate < 0.8
-            chained += llm.speculator.num_chained
+            chained += llm.rows.speculator.num_chained
             preempted += llm.scheduler.num_preemptions
         finally:
             llm.exit()
@@ -165,7 +165,7 @@ def test_a_step_undone_after_the_step_it_chained_onto_was_processed(tiny_qwen3, 
                 llm.step()
             assert llm.pop_output(ra).outputs[0].token_ids == expected, f"on call {on_call}"
             llm.pop_output(rb)
-        assert raised == 6 and llm.speculator.num_chained > 0
+        assert raised == 6 and llm.rows.speculator.num_chained > 0
         bm = llm.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks
     finally:

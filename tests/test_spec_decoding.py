@@ -70,7 +70,7 @@ def test_greedy_output_equals_plain_decoding(tiny_qwen3, draft_other, reference,
     stats = llm.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
     # overlapped, a draft's rows chain onto the ones in flight (speculative/chaining.py)
-    assert (llm.speculator.num_chained > 0) == (overlap and name != "ngram")
+    assert (llm.rows.speculator.num_chained > 0) == (overlap and name != "ngram")
     if name == "draft_same":  # every proposal accepted, at every position
         assert stats.num_accepted_tokens == stats.num_draft_tokens
         assert stats.accepted_per_position[0] == stats.num_drafts
@@ -134,7 +134,7 @@ def test_tight_pool_and_chunked_prefill(tiny_qwen3, draft_other, reference, name
     llm = LLM(tiny_qwen3, kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=10,
               max_num_batched_tokens=24, speculative_config=spec)
     sizes = []
-    runner = getattr(llm.speculator.proposer, "runner", None)
+    runner = getattr(llm.rows.speculator.proposer, "runner", None)
     if runner is not None:
         launch = runner.launch
         runner.launch = lambda step, *a: (sizes.append(sum(step.query_lens)), launch(step, *a))[1]

@@ -6,11 +6,12 @@ import random
 
 import xxhash
 
+from nanoinfer.speculative.row_planner import SpeculativeRows
 from nanoinfer.step.step_message import StepResult
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.step.sequence import Sequence
 from nanoinfer.speculative.config import SpeculativeConfig
-from nanoinfer.speculative.rows import sampling_rows
+from nanoinfer.engine.draft_rows import sampling_rows
 from nanoinfer.speculative.speculator import Speculator
 from test_scheduler import BS, EOS, make_scheduler
 
@@ -46,7 +47,7 @@ def run(workload, num_blocks, budget, speculate: bool, seed: int):
     speculator = None
     if speculate:
         speculator = Speculator(SpeculativeConfig("ngram", 3), 200, FakeProposer(random.Random(seed)))
-        sched.speculator = speculator
+        sched.rows = SpeculativeRows(speculator)
     seqs = [Sequence(p, SamplingParams(max_tokens=m), BS) for p, m in workload]
     for s in seqs:
         sched.add(s)

@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 
+from nanoinfer.structured.feature import StructuredFeature
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
 from test_engine_loop import failing_processor
 
@@ -362,7 +363,7 @@ def test_plan_carries_bitmasks_of_sampling_rows_only(engines):
     from nanoinfer.structured.grammar_state import BATCH_FILL_MIN_ROWS, GrammarState, bitmask_width, fill_bitmasks
 
     llm = engines()
-    compiler = llm.input_processor._grammar_intake().compiler
+    compiler = llm.feature(StructuredFeature)._grammar_intake().compiler
     sp = structured(temperature=0, choice=CITIES)
     seqs = [Sequence([1, 2, 3], sp, 16) for _ in range(3)] + [Sequence([1, 2, 3], SamplingParams(temperature=0), 16)]
     for seq in seqs[:3]:
@@ -397,7 +398,7 @@ def test_plan_carries_bitmasks_of_sampling_rows_only(engines):
 def test_compiled_grammars_are_cached(engines):
     llm = engines()
     llm.generate(PROMPTS[0], structured(json=PERSON, max_tokens=4), use_tqdm=False)
-    compiler = llm.input_processor._grammar_intake().compiler
+    compiler = llm.feature(StructuredFeature)._grammar_intake().compiler
     before = len(compiler.cache)
     key = StructuredOutputsParams(json=json.dumps(PERSON, indent=2)).cache_key()
     assert compiler.compile(StructuredOutputsParams(json=json.dumps(PERSON))) is \

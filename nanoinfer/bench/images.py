@@ -126,6 +126,7 @@ def image_workload(llm, args, bound_of, flops_rate: float | None, run) -> None:
     run(llm, prompts, params) -> (steps, seconds)."""
     import torch
     from nanoinfer import SamplingParams
+    from nanoinfer.multimodal.feature import ImageFeature
     cuda = llm.config.device == "cuda"
     sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.image_output_len)
     # warm-up, as bench.py's for text: as many requests of the same shapes, other images (kernels
@@ -162,7 +163,7 @@ def image_workload(llm, args, bound_of, flops_rate: float | None, run) -> None:
               f"per image ({seconds / t * 100:.1f}% of the run)")
     print(f"request intake (image processor in threads, tokens): {sum(intake) * 1e3 / args.images:.2f} ms per "
           f"request ({sum(intake) / t * 100:.1f}% of the run)")
-    grid = llm.input_processor.multimodal._preprocess([requests[0]["multi_modal_data"]["image"]], {})[1][0]
+    grid = llm.feature(ImageFeature).processor._preprocess([requests[0]["multi_modal_data"]["image"]], {})[1][0]
     flops = vision_flops(llm.config.hf_config.vision_config, [grid] * args.images)
     print(f"vision tower: grid {grid}, {flops / args.images / 1e9:.1f} GFLOP per image")
     if bound_of is not None and flops_rate:

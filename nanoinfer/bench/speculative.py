@@ -65,8 +65,9 @@ def timed_run(llm: LLM, batch: int, prompt_len: int, output_len: int, rng) -> di
     prompts = [[rng.randrange(100, min(10000, llm.vocab_size)) for _ in range(prompt_len)] for _ in range(batch)]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len)
     timer = None
-    if llm.speculator is not None:
-        timer = llm.speculator.proposer = TimedProposer(llm.speculator.proposer)
+    speculator = getattr(llm.rows, "speculator", None)  # (speculative/row_planner.py)
+    if speculator is not None:
+        timer = speculator.proposer = TimedProposer(speculator.proposer)
     stats0 = (llm.spec_stats.num_drafts, llm.spec_stats.num_accepted_tokens) if llm.spec_stats else (0, 0)
     _sync(llm)
     llm.step_log = []
@@ -84,7 +85,7 @@ def timed_run(llm: LLM, batch: int, prompt_len: int, output_len: int, rng) -> di
     out = dict(tok_s=batch * output_len / t, step_ms=1e3 * sum(decode) / max(len(decode), 1),
                tokens_per_step=batch * output_len / max(len(steps), 1), propose_ms=0.0, accepted=0.0)
     if timer is not None:
-        llm.speculator.proposer = timer.proposer
+        speculator.proposer = timer.proposer
         out["propose_ms"] = 1e3 * sum(timer.times) / max(len(timer.times), 1)
         drafts = llm.spec_stats.num_drafts - stats0[0]
         out["accepted"] = (llm.spec_stats.num_accepted_tokens - stats0[1]) / max(drafts, 1)

@@ -4,16 +4,17 @@ A prompt (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict) 
 checked against the model's vocabulary, its sampling params against the vocabulary and the engine's
 limits; the prompt is truncated as asked, must leave room for one output token within max_model_len,
 and prompt + max_tokens must fit the whole KV cache (else it could never run). Bad words are
-encoded here, once; a LoRA adapter is checked against the model (lora/intake.py). The request's n
-samples become n sequences. Every error found here is a ValueError or TypeError raised before
-anything is queued.
+encoded here, once. The registered features check the request too (EngineFeature.check_request,
+before the length checks; .prepare, once its sequences are built: an adapter, images, a grammar,
+an embedding's params). The request's n samples become n sequences. Every error found here is a
+ValueError or TypeError raised before anything is queued.
 
-Heavy intake work (compiling a grammar that is not cached, structured/intake.py; decoding and
-preprocessing images, multimodal/processor.py) runs in a small pool of intake threads, off the
-engine loop: the request's sequences carry its future (`Sequence.intake`) and the scheduler admits
-them only once it is done; if it fails, the request finishes with finish_reason "error" and the
-message as its stop_reason. Only what is cheap to decide (a spec that does not parse, an image
-over the pixel cap, a prompt too long for its images) is checked before queueing.
+Heavy intake work the features hand over (compiling a grammar that is not cached, decoding and
+preprocessing images) runs in a small pool of intake threads, off the engine loop: the request's
+sequences carry its future (`Sequence.intake`) and the scheduler admits them only once it is done;
+if it fails, the request finishes with finish_reason "error" and the message as its stop_reason.
+Only what is cheap to decide (a spec that does not parse, an image over the pixel cap, a prompt too
+long for its images) is checked before queueing.
 """
 import os
 import pickle
@@ -24,11 +25,9 @@ from numbers import Integral
 
 from nanoinfer.config import Config
 from nanoinfer.engine.detokenizer import encode
+from nanoinfer.engine.feature import Intake
 from nanoinfer.step.sequence import Sequence
-from nanoinfer.lora.intake import LoRAIntake
-from nanoinfer.multimodal.inputs import split_multi_modal
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.utils.hf_files import load_eos_token_ids
 
 INTAKE_WORKERS = min(4, os.cpu_count() or 1)  # threads for heavy intake work (they release the GIL in C)
 
@@ -62,24 +61,16 @@ def check_priorities(priority, num_prompts: int, policy: str) -> list[int]:
 
 
 class InputProcessor:
-    def __init__(self, config: Config, tokenizer, vocab_size: int, kv_capacity_tokens: int):
+    def __init__(self, config: Config, tokenizer, vocab_size: int, kv_capacity_tokens: int, features=()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = config.max_model_len
-        self.prompt_only = config.runner == "pooling"  # (embeddings: no output token needs room)
         self.block_size = config.kvcache_block_size
         self.tensor_parallel = config.tensor_parallel_size > 1
         self.kv_capacity_tokens = kv_capacity_tokens  # every block of the pool
-        self.model_path = config.model
-        self.grammar_cache_bytes = config.grammar_cache_bytes
-        self._grammar = None  # made for the first structured request (xgrammar is optional)
+        self.features = features  # the registered EngineFeatures, asked in order
+        self.prompt_keys = frozenset(k for f in features for k in f.prompt_keys)  # a prompt dict's keys they read
         self._workers: ThreadPoolExecutor | None = None  # made for the first heavy intake work
-        self.lora = LoRAIntake(config)
-        self.multimodal = None  # a vision-language model's image intake
-        if getattr(config.hf_config, "vision_config", None) is not None:
-            from nanoinfer.multimodal.processor import MultiModalProcessor
-            self.multimodal = MultiModalProcessor(config.model, config.hf_config, vocab_size,
-                                                  config.limit_mm_per_prompt, config.max_image_pixels)
 
     def process_all(self, prompts: list, sampling_params: list, max_tokens_must_fit: bool = False,
                     lora_requests: list | None = None) -> list[PreparedRequest]:
@@ -108,53 +99,42 @@ class InputProcessor:
         vLLM does), so the samples differ. max_tokens_must_fit: prompt + max_tokens over
         max_model_len is an error (vLLM's OpenAI server) instead of stopping at max_model_len (its
         offline LLM). lora_request: the adapter (a LoRARequest) its samples run under, or None."""
+        prompt, extras = self._split_extras(prompt)
+        extras["lora_request"] = lora_request
+        text, token_ids = self._tokenize(prompt)
+        intake = Intake(token_ids, sampling_params, extras)
+        for feature in self.features:
+            feature.check_request(intake)
+        sampling_params = intake.params
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        prompt, mm_data, mm_kwargs = split_multi_modal(prompt)
-        text, token_ids = self._tokenize(prompt)
-        images = None  # the work that makes the prompt's MultiModalInputs
-        if self.multimodal is not None:  # images expand their placeholders before any length check
-            token_ids, images = self.multimodal.process(token_ids, mm_data, mm_kwargs)
-        elif mm_data or mm_kwargs:
-            raise ValueError("multi_modal_data / mm_processor_kwargs given, but this model takes no images")
         sp = self._resolve_whole_vocabulary(sampling_params)
         self._check_sampling_params(sp)
-        fitted = self._fit_length(token_ids, sp, max_tokens_must_fit)
-        if images is not None and len(fitted) != len(token_ids):
-            raise ValueError("truncate_prompt_tokens cannot cut a prompt with images")
-        token_ids = fitted
+        token_ids = self._fit_length(intake.token_ids, sp, max_tokens_must_fit, intake.generates)
+        intake.truncated = len(token_ids) != len(intake.token_ids)
         if sp.bad_words:
             sp = sp.with_bad_words_token_ids(self.tokenizer)
             bad = [t for word in sp.bad_words_token_ids for t in word if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"bad_words encode to token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        lora_request = self.lora.check(lora_request)
         seqs = self._sequences(token_ids, sp)
-        for seq in seqs:
-            seq.lora_request = lora_request
-        work = []  # heavy intake work, run in the intake threads in order
-        if sp.structured_outputs is not None:
-            grammar = self._grammar_intake().prepare(sp.structured_outputs, seqs)  # (a cached grammar: set now)
-            if grammar is not None:
-                work.append(grammar)
-        if images is not None:
-            work.append(lambda: _set_multi_modal(seqs, images()))
-        if work:
-            intake = self._run_in_workers(work)
+        intake.seqs, intake.params = seqs, sp
+        for feature in self.features:
+            feature.prepare(intake)
+        if intake.work:
+            future = self._run_in_workers(intake.work)
             for seq in seqs:
-                seq.intake = intake
+                seq.intake = future
         return PreparedRequest(seqs, text)
 
-    def _grammar_intake(self):
-        if self._grammar is None:
-            from nanoinfer.structured.intake import GrammarIntake
-            # the same EOS ids as the scheduler's: a finished grammar allows only tokens that stop
-            self._grammar = GrammarIntake(self.tokenizer, self.vocab_size,
-                                          load_eos_token_ids(self.model_path, self.tokenizer),
-                                          self.grammar_cache_bytes)
-        return self._grammar
+    def _split_extras(self, prompt) -> tuple[object, dict]:
+        """A prompt dict's text/token part, and the keys the features read from it."""
+        if not isinstance(prompt, dict) or not self.prompt_keys.intersection(prompt):
+            return prompt, {}
+        return ({k: v for k, v in prompt.items() if k not in self.prompt_keys},
+                {k: v for k, v in prompt.items() if k in self.prompt_keys})
 
     def _run_in_workers(self, work: list) -> Future:
         if self._workers is None:
@@ -235,14 +215,16 @@ class InputProcessor:
                 raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, "
                                  f"got {getattr(sp, name)}")
 
-    def _fit_length(self, token_ids: list[int], sp: SamplingParams, max_tokens_must_fit: bool) -> list[int]:
+    def _fit_length(self, token_ids: list[int], sp: SamplingParams, max_tokens_must_fit: bool,
+                    generates: bool = True) -> list[int]:
         """The prompt, truncated as asked; a ValueError unless it leaves room for an output token
-        within max_model_len and prompt + max_tokens fits the whole KV cache."""
+        (`generates`) within max_model_len and prompt + max_tokens fits the whole KV cache."""
+        prompt_only = not generates
         max_len = self.max_model_len
         if sp.truncate_prompt_tokens is not None:  # keep the last k prompt tokens (vLLM)
             keep = sp.truncate_prompt_tokens
             if keep == -1:  # vLLM: the model's length; here as much of it as can be admitted
-                keep = self._longest_admissible_prompt(sp, max_tokens_must_fit)
+                keep = self._longest_admissible_prompt(sp, max_tokens_must_fit, generates)
             if keep > max_len:
                 raise ValueError(f"truncate_prompt_tokens must be at most max_model_len={max_len}, "
                                  f"got {sp.truncate_prompt_tokens}")
@@ -250,12 +232,12 @@ class InputProcessor:
         # as vLLM's offline LLM: the prompt must leave room for one token; generation stops at
         # max_model_len (finish_reason "length") whatever max_tokens says. An embedding's prompt
         # may fill max_model_len.
-        if self.prompt_only and len(token_ids) > max_len:
+        if prompt_only and len(token_ids) > max_len:
             raise ValueError(f"prompt length {len(token_ids)} exceeds max_model_len={max_len}")
-        if not self.prompt_only and len(token_ids) >= max_len:
+        if not prompt_only and len(token_ids) >= max_len:
             raise ValueError(f"prompt length {len(token_ids)} plus at least 1 output token exceeds "
                              f"max_model_len={max_len}: the prompt must be at most {max_len - 1} tokens")
-        if max_tokens_must_fit and not self.prompt_only and sp.max_tokens is not None \
+        if max_tokens_must_fit and not prompt_only and sp.max_tokens is not None \
                 and len(token_ids) + sp.max_tokens > max_len:
             raise ValueError(f"prompt length {len(token_ids)} + max_tokens {sp.max_tokens} = "
                              f"{len(token_ids) + sp.max_tokens} exceeds max_model_len={max_len}")
@@ -265,11 +247,11 @@ class InputProcessor:
                              f"({self.kv_capacity_tokens} tokens)")
         return token_ids
 
-    def _longest_admissible_prompt(self, sp: SamplingParams, max_tokens_must_fit: bool) -> int:
+    def _longest_admissible_prompt(self, sp: SamplingParams, max_tokens_must_fit: bool, generates: bool) -> int:
         """truncate_prompt_tokens=-1: max_model_len, less one output token (an embedding's prompt
         may fill it), less max_tokens where prompt + max_tokens must fit (the server); at least 1
         (a max_tokens that leaves no room is then refused as usual)."""
-        if self.prompt_only:
+        if not generates:
             return self.max_model_len
         room = sp.max_tokens if max_tokens_must_fit and sp.max_tokens is not None else 1
         return max(1, self.max_model_len - room)
@@ -291,7 +273,3 @@ def _run_all(work: list) -> None:
     for step in work:
         step()
 
-
-def _set_multi_modal(seqs: list[Sequence], mm) -> None:
-    for seq in seqs:
-        seq.multi_modal = mm

@@ -8,18 +8,21 @@ ids and length; the output processor records logprobs, detokenizes and returns t
 new text completed; the engine finishes those sequences through the scheduler. Without overlap
 (`async_scheduling=False`) the same path processes the step it just launched. The runner is a
 ModelRunner in this process (one rank) or a TensorParallelExecutor driving worker processes; both
-take the step as encoded by engine/step_encoder.py. Embeddings (runner="pooling", nanoinfer/pooling)
-take the same path: their steps return hidden-state sums instead of tokens, recorded before the
-scheduler finishes the request. A step with structured-output rows is launched up to its logits;
-their grammar masks are filled once the step before it is processed, and it samples before the
-next step's forward (structured/step_masks.py): the host's mask work overlaps the device. With
-disable_log_stats=False, processing also counts the engine's statistics (engine/stats.py), logged
-between steps.
+take the step as encoded by engine/step_encoder.py. With disable_log_stats=False, processing also
+counts the engine's statistics (engine/stats.py), logged between steps.
+
+Features attach through hooks (engine/feature.py) that the engine calls at fixed points: intake,
+a step encoded, a step launched once the step before it is processed, before the next forward, a
+step's results, a request's output, exit. A step a feature awaits (`Launched.awaits`: launched up
+to its logits, e.g. waiting for token masks) completes before the next step's forward or before
+its results are collected. How long each decoding row is, the row planner decides
+(engine/row_planner.py). Which features and planner an engine runs with, the composition place
+above it decides (nanoinfer/features.py); the engine names none.
 
 Requests enter through the InputProcessor (engine/input_processor.py) and live in one registry,
-`requests` (request id -> Request). One thread drives the engine (advance, step, generate,
+`requests` (request id -> Request; engine/engine_requests.py). One thread drives the engine (advance, step, generate,
 stream): a second thread that tries while the first is inside one of them gets a RuntimeError at
-once (`driving`), since the finishes a step reports go to whoever ran it. `add_request`,
+once (`driving`, engine/engine_threads.py), since the finishes a step reports go to whoever ran it. `add_request`,
 `abort_request` and `exit` may be called from any thread: an abort is applied between steps, and
 exit waits for the running step to end.
 """
@@ -30,28 +33,21 @@ import random
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from nanoinfer.config import Config
-from nanoinfer.engine.input_processor import InputProcessor, check_priorities
+from nanoinfer.engine.engine_requests import EngineRequests
+from nanoinfer.engine.engine_threads import EngineThreads
+from nanoinfer.engine.feature import Composition, EngineParts
+from nanoinfer.engine.input_processor import InputProcessor
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor, Request
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
-from nanoinfer.step.sequence import Sequence
 from nanoinfer.engine.sigint import sigint_deferred
 from nanoinfer.engine.step_encoder import StepEncoder, sampled_rows
-from nanoinfer.engine.stats import StatLogger
+from nanoinfer.engine.stats import StatLogger, engine_metrics
 from nanoinfer.engine.step_record import StepRecord
 from nanoinfer.engine.tp_executor import TensorParallelExecutor
-from nanoinfer.lora.slot_table import AdapterSlotTable
-from nanoinfer.outputs import RequestOutput, StreamDelta
-from nanoinfer.pooling.intake import POOLING_SAMPLING, PoolingIntake, runner_mismatch
-from nanoinfer.pooling.params import PoolingParams
-from nanoinfer.pooling.outputs import pooling_output
-from nanoinfer.pooling.rows import record_pooled
-from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.structured.step_masks import AwaitingMasks, StepMasks
 from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
 from nanoinfer.utils.main_guard import check_main_guard
 
@@ -61,8 +57,9 @@ EXIT_WAIT_S = 60.0  # how long exit() from another thread waits for a running st
 INTAKE_WAIT_S = 0.05  # how long a step with nothing to run waits for a request's intake work (commands go on)
 
 
-class LLMEngine:
-    def __init__(self, model: str, **options):
+class LLMEngine(EngineRequests, EngineThreads):
+    def __init__(self, model: str, composition: Composition | None = None, **options):
+        """composition: which features and row planner the engine runs with (None: none, plain rows)."""
         self.config = config = Config.from_options(model, **options)
         self.tokenizer = load_tokenizer(config.tokenizer)
         eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
@@ -72,52 +69,44 @@ class LLMEngine:
         # tp > 1: every rank in a spawned worker; num_blocks is the minimum over ranks
         if config.tensor_parallel_size > 1:
             check_main_guard()  # spawned workers re-import the main script
-        self.model_runner = ModelRunner(config) if config.tensor_parallel_size == 1 else TensorParallelExecutor(config)
+        composition = composition or Composition()
+        on_ranks = composition.rank_features(config)
+        self.model_runner = ModelRunner(config, rank_features=on_ranks) if config.tensor_parallel_size == 1 \
+            else TensorParallelExecutor(config, on_ranks)
         num_blocks = self.model_runner.num_blocks
-        self.speculator = None  # speculative decoding (nanoinfer/speculative), with speculative_config
-        if config.speculative_config is not None:
-            from nanoinfer.speculative.speculator import build_speculator
-            try:  # (a draft model's KV cache shares the pool's memory: fewer blocks)
-                self.speculator = build_speculator(config, self.tokenizer, self.model_runner, num_blocks,
-                                                   eos_token_ids)
-            except BaseException:
-                self.model_runner.exit()
-                raise
-            num_blocks = self.speculator.num_blocks
+        # token masks filled after the forward's launch: one rank (tensor parallel: in the plan)
+        masks_later = config.tensor_parallel_size == 1
+        parts = EngineParts(config, self.tokenizer, eos_token_ids, self.vocab_size, self.model_runner, masks_later)
+        try:  # (a planner's own KV cache may share the pool's memory: fewer blocks)
+            self.rows = composition.row_planner(parts, num_blocks)
+        except BaseException:
+            self.model_runner.exit()
+            raise
+        num_blocks = self.rows.num_blocks or num_blocks
         if num_blocks * config.kvcache_block_size < config.max_model_len:
             self.model_runner.exit()
-            if self.speculator is not None:
-                self.speculator.exit()
+            self.rows.exit()
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks x {config.kvcache_block_size} tokens = "
                 f"{num_blocks * config.kvcache_block_size} tokens, less than one max_model_len={config.max_model_len} "
                 "sequence; raise num_kvcache_blocks / gpu_memory_utilization or lower max_model_len")
         self.model_runner.allocate_kv_cache(num_blocks)
-        if self.speculator is not None:
-            self.speculator.allocate(num_blocks)
-        self.scheduler = Scheduler(config, num_blocks, eos_token_ids, config.enable_prefix_caching)
-        self.scheduler.speculator = self.speculator
-        # grammar masks after the forward's launch: one rank (tensor parallel: filled with the plan)
-        masks_later = config.tensor_parallel_size == 1
-        self.scheduler.masks_after_launch = masks_later
-        self.step_masks = StepMasks(self.vocab_size, config.device == "cuda") if masks_later else None
+        self.rows.allocate(num_blocks)
+        self.features = composition.features(parts)  # their hooks are called in this order
+        self.scheduler = Scheduler(config, num_blocks, eos_token_ids, config.enable_prefix_caching, self.rows,
+                                   composition.admission(config), masks_later)
         self.step_encoder = StepEncoder(self.vocab_size, eos_token_ids, self._seeds,
                                         config.tensor_parallel_size > 1 and config.device == "cuda",
-                                        AdapterSlotTable(config.max_loras) if config.enable_lora else None,
-                                        masks_later)
+                                        self.features, masks_later)
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size,
-                                              num_blocks * config.kvcache_block_size)
+                                              num_blocks * config.kvcache_block_size, self.features)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.pooling = PoolingIntake(config.model, config.hf_config.hidden_size) if config.runner == "pooling" else None
         self.requests: dict[int, Request] = {}
         self.overlap = config.async_scheduling
         self.inflight: Launched | None = None
         self.step_log: list | None = None   # set to a list to record each step's StepRecord (bench.py)
         self.stats = None if config.disable_log_stats else StatLogger()  # logged every few seconds
-        self._step_lock = threading.Lock()  # held while a step or a registry change runs (_locked)
-        self._lock_holder: int | None = None  # the thread holding it
-        self._driver: int | None = None  # the thread inside advance / generate / stream (driving)
-        self._driver_lock = threading.Lock()
+        self._init_threads()
         self._aborts: deque[int] = deque()  # abort_request ids not applied yet
         self._finished_ids: list[int] = []  # requests finished outside a step, for the next advance()
         self._unreported: list[tuple[int, list[int]]] = []  # step()'s pairs not returned yet
@@ -127,123 +116,6 @@ class LLMEngine:
         # objects) lives as long as the engine; frozen, the cycle collector stops rescanning it, so a
         # full collection no longer stalls a step for a tenth of a second or more (vLLM does the same)
         gc.freeze()
-
-    # ---- requests -------------------------------------------------------------------------------
-    def add_requests(self, prompts: list, sampling_params: list, *, stream: bool = False,
-                     keep_output: bool = False, max_tokens_must_fit: bool = False,
-                     lora_requests: list | None = None, priority=None) -> list[int]:
-        """Validate every request, then queue them all (a bad one queues none; the error names its
-        index). Returns the request ids. stream: detokenize every step (for stream_deltas).
-        keep_output: the request stays in the engine until pop_output(); step() does not report it.
-        max_tokens_must_fit: see InputProcessor.process (for the server). lora_requests: each
-        prompt's LoRARequest or None (None: none for any). priority: an int for all or one per
-        prompt (scheduling_policy="priority"; the lower runs first). An engine made with
-        runner="pooling" takes PoolingParams (or None) instead of SamplingParams: embeddings."""
-        if self._exited:
-            raise RuntimeError("this engine has exited; create a new LLM")
-        priorities = check_priorities(priority, len(prompts), self.config.scheduling_policy)
-        pooling_params = None
-        if self.pooling is not None or any(isinstance(p, PoolingParams) for p in sampling_params):
-            if self.pooling is None:
-                raise runner_mismatch(self.config.runner, pooling=True)
-            pooling_params = self.pooling.check(sampling_params)
-            sampling_params = [POOLING_SAMPLING] * len(prompts)
-        prepared = self.input_processor.process_all(prompts, sampling_params, max_tokens_must_fit, lora_requests)
-        rids = []
-        with self._locked():  # an abort from another thread reads the registry meanwhile
-            if self._exited:  # exit() ran on another thread meanwhile
-                raise RuntimeError("this engine has exited; create a new LLM")
-            for i, (request, p) in enumerate(zip(prepared, priorities)):
-                seqs = request.seqs
-                for seq in seqs:
-                    seq.priority = p
-                if pooling_params is not None:
-                    self.pooling.attach(seqs, pooling_params[i])
-                req = self.output_processor.new_request(seqs, request.prompt, keep_output, stream, i)
-                self.requests[req.request_id] = req
-                self.scheduler.add(seqs[0])
-                for seq in seqs[1:]:
-                    self.scheduler.add(seq, after=seqs[0])  # waits for the first's prompt, then shares its blocks
-                rids.append(req.request_id)
-        return rids
-
-    def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = False,
-                    keep_output: bool = False, lora_request=None, priority: int = 0) -> int:
-        """Queue a request (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict),
-        under adapter `lora_request` (a LoRARequest) or the base model; returns its request id.
-        Raises ValueError/TypeError on bad input. With n > 1, step() reports each sample under its
-        own sequence id (the first is the request id)."""
-        return self.add_requests([prompt], [sampling_params], stream=stream, keep_output=keep_output,
-                                 lora_requests=[lora_request], priority=[priority])[0]
-
-    def abort_request(self, request_id: int):
-        """Stop a request (all n samples; or one sample, given its sequence id) wherever it is; its
-        blocks are freed, the other requests go on. Safe from any thread: while a step is running
-        the abort waits for the step's end."""
-        self._aborts.append(request_id)
-        with self._locked(timeout=0) as acquired:
-            if acquired:
-                self._apply_aborts()
-
-    def _apply_aborts(self):
-        now = time.time()
-        for _ in range(len(self._aborts)):  # those queued so far: another thread cannot stall the step
-            rid = self._aborts.popleft()
-            req = self.requests.get(rid)
-            seqs = req.seqs if req is not None else \
-                [s for r in self.requests.values() for s in r.seqs if s.seq_id == rid]
-            seqs = [seq for seq in seqs if not seq.is_finished]
-            for seq in seqs:
-                self.scheduler.abort(seq)
-            self._finished(seqs, now)
-        self._drop_wasted_step()
-
-    def _drop_wasted_step(self):
-        """A step in flight whose every row has stopped meanwhile is wasted: wait for it and drop it,
-        so that is_finished() holds as soon as no request is left."""
-        if self.inflight is not None and all(s.is_finished for s in self.inflight.batch.seqs):
-            launched, self.inflight = self.inflight, None
-            try:
-                if launched.masks is None:  # (one still waiting for its grammar masks never samples)
-                    self._collect(launched.handle)
-            except RuntimeError:  # the runner failed (raised where it happened; it refuses further use)
-                pass
-
-    def get_output(self, request_id: int) -> RequestOutput:
-        """The request's output so far (text, tokens, logprobs, finish reasons)."""
-        return self._output(self._request(request_id))
-
-    def _output(self, req: Request):
-        return pooling_output(req) if self.pooling is not None else self.output_processor.request_output(req)
-
-    def pop_output(self, request_id: int) -> RequestOutput:
-        """The request's output; the engine then forgets the request (aborting what still runs)."""
-        with self._locked():  # an abort from another thread reads the registry meanwhile
-            req = self._request(request_id)
-            if not req.finished:
-                self._aborts.append(request_id)
-                self._apply_aborts()
-            self.requests.pop(request_id, None)  # (an aborted hand request has already left)
-            self.output_processor.forget(req)
-            return self._output(req)
-
-    def stream_deltas(self, request_id: int, index: int = 0) -> list[StreamDelta]:
-        """For a request added with stream=True: what each of its completions produced since the
-        last call; a completion's last delta has finished=True. `index` fills StreamDelta.index."""
-        return self.output_processor.stream_deltas(self._request(request_id), index)
-
-    def take_stream_deltas(self, request_ids) -> list[StreamDelta]:
-        """stream_deltas of all the requests in `request_ids` (a set or dict of ids) at once, in one
-        call per step: only the requests with news are visited. A request's StreamDelta.index is
-        its prompt's position in its add_requests call."""
-        with self._locked():  # an abort from another thread records news meanwhile
-            return self.output_processor.take_deltas(request_ids)
-
-    def _request(self, request_id: int) -> Request:
-        req = self.requests.get(request_id)
-        if req is None:
-            raise KeyError(f"no request {request_id} (unknown, or its output was already taken)")
-        return req
 
     # ---- loop -----------------------------------------------------------------------------------
     def advance(self) -> tuple[list[int], int]:
@@ -255,39 +127,6 @@ class LLMEngine:
             if self._exited:  # exit() ran on another thread while this one waited
                 raise RuntimeError("this engine has exited; create a new LLM")
             return self._advance()
-
-    @contextmanager
-    def driving(self):
-        """Marks the calling thread as the one driving the engine for the block (re-entrant on that
-        thread). Another thread already inside is a RuntimeError, raised before anything runs."""
-        me = threading.get_ident()
-        with self._driver_lock:
-            other = self._driver
-            if other is not None and other != me:
-                raise RuntimeError(
-                    "the engine is driven by one thread: another thread is inside generate(), stream(), step() "
-                    "or advance(); call them from one thread (add_request and abort_request may be called from any)")
-            self._driver = me
-        try:
-            yield
-        finally:
-            if other is None:
-                self._driver = None
-
-    @contextmanager
-    def _locked(self, timeout: float = -1):
-        """The step lock, recording the thread that holds it: exit() called on that thread (from a
-        signal handler) must not wait for itself. Yields whether it was acquired within `timeout`
-        seconds (always, with the default: no limit)."""
-        if not self._step_lock.acquire(timeout=timeout):
-            yield False
-            return
-        self._lock_holder = threading.get_ident()
-        try:
-            yield True
-        finally:
-            self._lock_holder = None
-            self._step_lock.release()
 
     def _advance(self):
         """advance()'s step, under the step lock."""
@@ -309,8 +148,8 @@ class LLMEngine:
         prev, self.inflight = self.inflight, launched
         if prev is not None:
             self._process(prev)
-        if launched is not None and launched.masks is not None:
-            self._fill_masks(launched)
+        if launched is not None and launched.awaits:
+            self._after_launch(launched)
         if launched is not None and not self.overlap:
             self.inflight = None
             self._process(launched)
@@ -335,43 +174,42 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch) -> "Launched":
         """Launch the batch; if that fails, the engine stays consistent (the batch, and a step in
-        flight whose sampling failed with it, are unscheduled) and the caller sees the error."""
-        prev, prev_failed = self.inflight, False
+        flight that failed to complete with it, are unscheduled) and the caller sees the error."""
+        prev = self.inflight
+        prev_handle = prev.handle if prev is not None else None
         try:
-            if batch.drafts:
-                if prev is not None and prev.masks is not None:  # (rows chained onto it read its tokens)
-                    prev_failed = True
-                    self._sample(prev)
-                    prev_failed = False
-                self.speculator.propose(batch, prev.handle if prev else None)
+            if self.rows.fills(batch):  # (rows it fills in may read the tokens of the step in flight)
+                self._complete_inflight(prev)
+                self.rows.fill(batch, prev_handle)
             step, sample = self.step_encoder.encode(batch, prev.rows if prev else None)
-            masks, self.step_encoder.awaiting_masks = self.step_encoder.awaiting_masks, None  # (the step's alone)
-            if prev is not None and prev.masks is not None:
-                prev_failed = True
-                self._sample(prev)  # (its forward ran while this step was scheduled and encoded)
-                prev_failed = False
-            props = batch.proposals  # (one rank here)
-            proposals = (props.tokens, props.offsets) if props is not None else ()
-            handle = self.model_runner.launch(step, sample, prev.handle if prev else None, *proposals)
-            if self.speculator is not None:
-                self.speculator.launched(batch)
+            self._complete_inflight(prev)  # (its forward ran while this step was scheduled and encoded)
+            handle = self.model_runner.launch(step, sample, prev_handle, *self.rows.device_inputs(batch))
+            self.rows.launched(batch)
         except BaseException:
-            self.scheduler.unschedule(batch)  # (the newest first: a row of both starts at prev's start)
+            self.scheduler.unschedule(batch)
             self.step_encoder.unschedule()
-            if prev_failed:
-                self.inflight = None
-                self.scheduler.unschedule(prev.batch)
             raise
-        return Launched(batch, sampled_rows(batch), handle, masks)
+        return Launched(batch, sampled_rows(batch), handle, self.step_encoder.awaits or None)
 
-    def _fill_masks(self, launched: "Launched"):
-        """The grammar masks of a step launched up to its logits: its rows' tokens of the step before
-        are on the host now. A step with user logits processors (or without overlap) samples now:
-        if that raises, it is undone, as a failed launch."""
+    def _complete_inflight(self, prev: "Launched | None"):
+        """The step in flight completes what its features await; if that fails, it is unscheduled."""
+        if prev is None or not prev.awaits:
+            return
         try:
-            self.step_masks.fill(launched.masks)
-            if launched.masks.eager or not self.overlap:
-                self._sample(launched)
+            self._complete(prev)
+        except BaseException:
+            self.inflight = None
+            self.scheduler.unschedule(prev.batch)
+            raise
+
+    def _after_launch(self, launched: "Launched"):
+        """A step its features await, launched; the step before it is processed now (its tokens
+        are on the host). One they ask to complete now (or without overlap) does: if that raises,
+        it is undone, as a failed launch."""
+        try:
+            now = [feature.launched(launched, state) for feature, state in launched.awaits.items()]
+            if any(now) or not self.overlap:
+                self._complete(launched)
         except BaseException:
             if self.inflight is launched:
                 self.inflight = None
@@ -379,11 +217,22 @@ class LLMEngine:
             self.step_encoder.unschedule()
             raise
 
-    def _sample(self, launched: "Launched"):
-        """A step launched up to its logits samples under its grammar masks."""
-        masks, launched.masks = launched.masks, None
-        if masks is not None:
-            self.step_masks.sample(self.model_runner, launched.handle, masks)
+    def _complete(self, launched: "Launched"):
+        """What a launched step's features await, done (it samples)."""
+        awaits, launched.awaits = launched.awaits, None
+        for feature, state in (awaits or {}).items():
+            feature.complete(launched, state)
+
+    def _drop_wasted_step(self):
+        """A step in flight whose every row has stopped meanwhile is wasted: wait for it and drop it,
+        so that is_finished() holds as soon as no request is left."""
+        if self.inflight is not None and all(s.is_finished for s in self.inflight.batch.seqs):
+            launched, self.inflight = self.inflight, None
+            try:
+                if not launched.awaits:  # (one a feature still awaits never samples)
+                    self._collect(launched.handle)
+            except RuntimeError:  # the runner failed (raised where it happened; it refuses further use)
+                pass
 
     def _collect(self, handle):
         """The runner's collect(), timed: the step record's wait for the device (bench.py)."""
@@ -397,7 +246,7 @@ class LLMEngine:
         """The one path of a step's tokens: the scheduler appends them and decides EOS, stop ids and
         length; the output processor records them and returns stop-string hits; those finish here."""
         try:
-            self._sample(launched)
+            self._complete(launched)
         except BaseException:  # (no step was launched after it: nothing else to undo)
             self.scheduler.unschedule(launched.batch)
             raise
@@ -406,11 +255,9 @@ class LLMEngine:
         seqs = launched.batch.seqs
         if result.prompt_logprobs:
             self.output_processor.record_prompt_logprobs(seqs, result.prompt_logprobs, self.requests)
-        if result.pooled is not None:  # before update finishes them: their sums are kept while running
-            record_pooled(launched.batch, result.pooled)
-        tokens, logprobs, runs = result.tokens, result.logprobs, None
-        if launched.batch.drafts:  # speculative rows: their accepted runs
-            tokens, runs, logprobs = self.speculator.verify(launched.batch, result)
+        for feature in self.features:  # (before update finishes their sequences)
+            feature.process(launched.batch, result)
+        tokens, runs, logprobs = self.rows.results(launched.batch, result)
         update = self.scheduler.update(launched.batch, tokens, runs)
         stops = self.output_processor.record_tokens(seqs, update.appended, update.ending, logprobs,
                                                     self.requests, now, update.counts)
@@ -418,24 +265,6 @@ class LLMEngine:
         self._finished(finished, now)
         if self.stats is not None:
             self.stats.record(launched.batch, update.appended, finished, update.counts)
-
-    def _finished(self, seqs: list[Sequence], now: float):
-        """Record finished sequences; report their requests once every sample is done."""
-        done = {}
-        for seq in seqs:
-            req = self.requests[seq.request_id]
-            if seq.finish_reason == "error":  # (no token could be sampled, or its intake work failed)
-                logger.warning("request %d (sample %d) failed: %s", req.request_id, seq.index, seq.stop_reason)
-            self.output_processor.mark_finished(req, seq, now)
-            if not req.keep_output and seq.finish_reason != "abort":
-                self._unreported.append((seq.seq_id, seq.completion_token_ids))
-            if req.finished:
-                done[req.request_id] = req
-        for rid, req in done.items():
-            self._finished_ids.append(rid)
-            if not req.keep_output:
-                del self.requests[rid]
-                self.output_processor.forget(req)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -448,13 +277,12 @@ class LLMEngine:
 
     @property
     def spec_stats(self):
-        """Speculative decoding's acceptance counters (nanoinfer/speculative/stats.py), None without it."""
-        return self.speculator.stats if self.speculator is not None else None
+        """The row planner's counters (a draft's acceptance), None if it keeps none."""
+        return self.rows.stats
 
     def get_metrics(self) -> list:
         """vLLM's LLM.get_metrics(): a list of metrics, each with `name` and `value` (the engine's
-        totals since start, and speculative decoding's counters)."""
-        from nanoinfer.engine.stats import engine_metrics
+        totals since start, and the row planner's counters)."""
         return engine_metrics(self)
 
     def check_health(self):
@@ -484,8 +312,10 @@ class LLMEngine:
         self.inflight = None
         if hasattr(self, "model_runner"):
             self.model_runner.exit()
-        if getattr(self, "speculator", None) is not None:
-            self.speculator.exit()
+        if hasattr(self, "rows"):
+            self.rows.exit()
+        for feature in getattr(self, "features", ()):
+            feature.exit()
         if getattr(self, "input_processor", None) is not None:
             self.input_processor.close()
         atexit.unregister(self.exit)
@@ -499,5 +329,5 @@ class Launched:
     batch: ScheduledBatch
     rows: dict[int, int]
     handle: object  # the runner's: an InFlight (one rank) or a step id (tensor parallel)
-    masks: AwaitingMasks | None = None  # launched up to its logits: its sampling awaits grammar masks
+    awaits: dict | None = None  # feature -> its state: launched up to its logits, it samples once they complete
 

@@ -1,6 +1,6 @@
 """One tensor-parallel rank: its shard of the model, its KV cache, and a step's launch, which reads
 
-    [LoRA adapters into their slots] -> prepare (engine/forward_inputs.py)
+    [features: adapters into their slots, images' embeddings] -> prepare (engine/forward_inputs.py)
     -> sample (sampling/sampler.py: the step's route runs its forward, engine/graph_runner.py)
     -> copy (the tokens start for the host)
 
@@ -23,9 +23,7 @@ from nanoinfer.layers.all_reduce import use_symmetric_memory
 from nanoinfer.layers.attention_backend import select_attention_backend
 from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.models import build_model
-from nanoinfer.pooling.rows import pool_hidden
 from nanoinfer.sampling.sampler import Sampled, Sampler
-from nanoinfer.multimodal.encoder_cache import EncoderCache
 from nanoinfer.utils.context import get_context, reset_context
 from nanoinfer.utils.threads import cpu_threads
 
@@ -44,7 +42,8 @@ class InFlight:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0, dist_init_method: str | None = None):
+    def __init__(self, config: Config, rank: int = 0, dist_init_method: str | None = None, rank_features=()):
+        """rank_features: factories of this rank's RankFeatures (engine/feature.py), each called with it."""
         self.config = config
         self.rank = rank
         self.world_size = config.tensor_parallel_size
@@ -68,22 +67,22 @@ class ModelRunner:
             config.hf_config.hidden_size, config.torch_dtype, self.device,
             mixed_steps=self.attention.mixed_step_graphs and dense, sorts_decode_rows=self.attention.sorts_decode_rows,
             lora=config.enable_lora, sample_graphs=self.sampler.samples_in_graphs)
-        self.adapters = None  # the LoRA slots and host cache of adapters (nanoinfer/lora)
-        if config.enable_lora:
-            from nanoinfer.lora.device_adapters import DeviceAdapters
-            self.adapters = DeviceAdapters(self.model, config, self.device)
+        self.features = [make(self) for make in rank_features]  # (their device memory before the pool's)
         self.num_blocks = self.kv_cache.measure_capacity()
-        self.encoder_cache = EncoderCache(self.model, self.device)  # images' embeddings (vision-language models)
+
+    def feature(self, kind: type):
+        """This rank's feature of class `kind`, or None."""
+        return next((f for f in self.features if isinstance(f, kind)), None)
 
     def allocate_kv_cache(self, num_blocks: int):
         self.kv_cache.allocate(num_blocks)
         self.num_blocks = num_blocks
-        if self.device.type == "cuda" and not self.config.enforce_eager and self.config.runner != "pooling":
-            self.graph_runner.capture()  # (embedding steps run eager)
+        if self.device.type == "cuda" and not self.config.enforce_eager and \
+                all(f.captures_graphs for f in self.features):
+            self.graph_runner.capture()  # (a feature's steps may run eager: embeddings)
         # compile and allocate what the first requests' steps outside the graphs need, now (one rank
-        # that samples; not for embeddings or images, whose steps the warm-up does not make)
-        if self.device.type == "cuda" and self.world_size == 1 and self.config.runner != "pooling" \
-                and getattr(self.config.hf_config, "vision_config", None) is None:
+        # that samples; not for features whose steps the warm-up does not make: embeddings, images)
+        if self.device.type == "cuda" and self.world_size == 1 and all(f.warms_up for f in self.features):
             warm_up(self, num_blocks)
             self.graph_runner.mixed_replays = 0
 
@@ -97,10 +96,11 @@ class ModelRunner:
         its proposal rows read theirs from `proposals` (speculative/proposer.py, DeviceProposals), and
         their position offsets from `offsets`."""
         prev_tokens = prev.tokens if prev is not None else None
-        if step.lora is not None:  # (first: a later failure leaves the slots as the message says)
-            self.adapters.ensure(step.lora.adapters)
+        fields = {}  # (first: a later failure leaves the adapter slots as the message says)
+        for feature in self.features:
+            fields.update(feature.before_forward(step) or ())
         try:
-            forward = self._prepare(step, prev_tokens, proposals, offsets)
+            forward = self._prepare(step, prev_tokens, proposals, offsets, fields)
             if step.pooling is not None:
                 sampled, pooled = self._pool(step, sample, forward)
             else:  # the route that samples the step runs its forward (sampling/sampler.py)
@@ -112,21 +112,26 @@ class ModelRunner:
             return InFlight(None, None, awaiting=(step, sample, sampled.args, forward))
         return self._copy_to_host(sampled, pooled) if sample is not None else InFlight(sampled, sampled.inputs)
 
-    def _prepare(self, step: StepInput, prev_tokens, proposals, offsets) -> StepForward:
-        """The step's inputs on the device and its context (engine/forward_inputs.py); its images'
-        embeddings."""
-        mm_embeds = self.encoder_cache.step_embeds(step.multi_modal) if step.multi_modal is not None else None
+    def _prepare(self, step: StepInput, prev_tokens, proposals, offsets, fields: dict) -> StepForward:
+        """The step's inputs on the device and its context (engine/forward_inputs.py), with what the
+        features put there (`fields`: adapter slots, images' embeddings)."""
         input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
                                               self.attention.sorts_decode_rows, prev_tokens,
                                               min(SHORT_ROWS_MAX_TOKENS, self.config.max_num_seqs), proposals, offsets)
-        get_context().mm_embeds = mm_embeds
+        context = get_context()
+        for name, value in fields.items():
+            setattr(context, name, value)
         return StepForward(self.graph_runner, input_ids, positions)
 
     def _pool(self, step: StepInput, sample: SampleInput | None, forward: StepForward):
         """An embedding step: the final hidden states, eager, pooled on rank 0; no LM head, no sampling."""
         hidden = self.model(forward.input_ids, forward.positions)  # (every rank: the forward's all-reduces)
-        pooled = pool_hidden(hidden, step.pooling) if sample is not None else None
+        pooled = self._read_hidden(step, hidden) if sample is not None else None
         return Sampled(torch.zeros(step.num_rows, dtype=torch.int64, device=self.device)), pooled
+
+    def _read_hidden(self, step: StepInput, hidden: torch.Tensor) -> torch.Tensor | None:
+        """What the features read of a step's final hidden states (embeddings' sums)."""
+        return next((out for f in self.features if (out := f.read_hidden(step, hidden)) is not None), None)
 
     @torch.inference_mode()
     def sample_launched(self, inflight: InFlight, bitmask: torch.Tensor) -> None:
@@ -182,8 +187,8 @@ class ModelRunner:
         self.graph_runner.release()
         self.kv_cache.release()
         self.graph_runner.model = self.sampler.lm_head = self.model = None
-        self.encoder_cache.embeddings.clear()
-        self.encoder_cache.model = None
+        for feature in self.features:
+            feature.exit()
         if self.device.type == "cuda" and self.world_size == 1:
             # (with tensor parallel a dead peer can leave a collective hanging: don't wait on it)
             torch.cuda.synchronize(self.device)

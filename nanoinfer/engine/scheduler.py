@@ -19,10 +19,11 @@ are appended when it is processed. A sequence whose in-flight token reaches a le
 scheduled again; one that stops on EOS or a stop string meanwhile wastes one row, which `update`
 ignores. A request whose next step needs all its tokens on the host (`logits_processors`, bad
 words of several tokens: SamplingParams.needs_host_tokens_to_launch) is not scheduled while it has
-a token in flight, so it runs every other step while the rest of the batch overlaps; a grammar's
-mask is filled after the launch (structured/step_masks.py; with tensor parallelism it waits too).
-With LoRA, the running sequences use at most max_loras distinct adapters (lora/admission.py), so
-no step needs more adapters than the device has slots.
+a token in flight, so it runs every other step while the rest of the batch overlaps; with
+`late_masks` (the engine fills token masks after the launch) only those wait, else every request
+that needs_host_tokens does. How long a decoding row is comes from the row planner
+(engine/row_planner.py); which waiting sequence may join the running ones, from an optional
+`admission` rule (LoRA's: at most max_loras distinct adapters running, lora/admission.py).
 
 A sequence whose intake work is still running (`seq.intake`, a future: a grammar's compile, image
 preprocessing) waits in `preparing`, out of the queue, as vLLM's WAITING_FOR_FSM; the engine calls
@@ -31,55 +32,24 @@ finish_reason "error", those whose work failed. The batch keeps stepping meanwhi
 """
 from bisect import insort
 from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass, field
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS
+from nanoinfer.engine.priority_preemption import preempt_for_waiting
+from nanoinfer.engine.row_planner import RowPlanner
+from nanoinfer.engine.scheduled_batch import ScheduledBatch, StepUpdate, ending_of
 from nanoinfer.step.sequence import Sequence, SequenceStatus
 from nanoinfer.engine.wait_queue import PriorityWaitQueue, WaitQueue, priority_key
 from nanoinfer.outputs import NON_FINITE_REASON
-from nanoinfer.lora.admission import admits, running_adapters
 
-
-@dataclass
-class ScheduledBatch:
-    """One step's rows: decode rows (one query token) first, then prefill chunks."""
-    seqs: list[Sequence]
-    starts: list[int]            # first position each row computes
-    query_lens: list[int]        # tokens each row computes
-    samples: list[bool]          # whether the row's last token samples (False: a prompt chunk short of its end)
-    num_decode: int = 0          # leading rows with one query token (decode rows)
-    # speculative rows (nanoinfer/speculative), which follow the decode rows: row -> its proposed tokens
-    # (None until proposed); such a row's query is its last token and the proposals
-    drafts: dict[int, list[int] | None] = field(default_factory=dict)
-    proposals: object = None  # spec.proposer.DeviceProposals: the drafts' tokens, still on the device
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.num_decode == len(self.seqs)
-
-    @property
-    def num_tokens(self) -> int:
-        """What step() reports: minus the rows of a pure decode step (nano-vllm's convention), else
-        every token the step computes (prefill chunks plus decode rows)."""
-        return -self.num_decode if self.is_decode_only else sum(self.query_lens)
-
-
-@dataclass(slots=True)
-class StepUpdate:
-    """What processing a step decided: the rows whose sampled token was appended (row order), and
-    the rows that end on it, row -> (finish_reason, stop_reason), by EOS, a stop token id or a
-    length limit (in row order). They are finished by `finish_rows`, once the stop strings the new
-    text completed have joined them."""
-    appended: list[int]
-    ending: dict[int, tuple[str, int | str | None]]
-    counts: dict[int, int] = field(default_factory=dict)  # speculative rows: tokens appended (else 1)
+__all__ = ["Scheduler", "ScheduledBatch", "StepUpdate", "ending_of"]
 
 
 class Scheduler:
     def __init__(self, config: Config, num_blocks: int, eos_token_ids: frozenset[int],
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, rows: RowPlanner | None = None, admission=None,
+                 late_masks: bool = False):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -98,14 +68,11 @@ class Scheduler:
         self.held_under: dict[int, int] = {}
         self.preparing: dict[Sequence, None] = {}  # (ordered set) waiting for their intake work
         self.num_preemptions = 0
-        # distinct adapters running at most (0: LoRA off)
-        self.max_loras = config.max_loras if getattr(config, "enable_lora", False) else 0
-        # speculative decoding (nanoinfer/speculative/speculator.py): whether a sequence speculates (it then
-        # waits for its tokens in flight) and how many tokens its next row may propose
-        self.speculator = None
-        # the engine fills grammar masks after launching a step's forward (structured/step_masks.py):
-        # a structured request need not wait for its token in flight (False: it waits, tensor parallel)
-        self.masks_after_launch = False
+        self.rows = rows or RowPlanner()  # each decoding row's length
+        self.admission = admission  # whether a waiting sequence may join the running ones (None: all may)
+        # the engine fills token masks after launching a step's forward: a request whose masks are
+        # all that needs its tokens on the host runs every step (False: it waits for them)
+        self.late_masks = late_masks
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running and not self.held and not self.preparing
@@ -162,23 +129,21 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [], [], [])
         preempted = False
-        speculative = []  # (seq, lookahead): rows placed after the decode rows
+        longer = []  # (seq, extra tokens): the planner's rows of several tokens, after the decode rows
         if self.by_priority and self.waiting and self.running:
-            self._preempt_for_waiting()
+            preempt_for_waiting(self)
         # 1. one decode token for every running sequence that generates (oldest first)
         i, decode = 0, []
-        room = self._chain_room() if self.speculator is not None else None
+        self.rows.start_step(self)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
             if seq.num_computed_tokens != len(seq.token_ids) + seq.num_inflight - 1 or \
                     (seq.num_inflight and self._waits_for_inflight(seq)):
                 continue  # mid-prefill (step 2), or its token in flight keeps it out of this step
-            k = self._lookahead(seq, budget, len(self.running) - i, room) if self.speculator else 0
-            if seq.num_inflight > 1 and not k:
-                continue  # its speculative row in flight, and no room to chain the next one: it waits
-            if room is not None:
-                room -= k
+            k = self.rows.extra_tokens(self, seq, budget, len(self.running) - i)
+            if k is None:
+                continue  # the planner keeps it out of this step
             while not self.block_manager.append_slot(seq):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -187,32 +152,34 @@ class Scheduler:
                     break
             else:
                 if k:
-                    speculative.append((seq, k))
+                    longer.append((seq, k))
                 else:
                     decode.append(seq)
                 budget -= 1 + k
         self._add_decode_rows(batch, decode)
-        for seq, k in speculative:  # (preempted meanwhile: dropped; its blocks are gone)
+        for seq, k in longer:  # (preempted meanwhile: dropped; its blocks are gone)
             if seq.status == SequenceStatus.RUNNING:
-                self._add_speculative_row(batch, seq, k)
+                self.rows.add_row(batch, seq, k)
         # 2. prefill chunks: sequences mid-prefill, then new ones (none after a preemption: memory is short)
         for seq in self.running:
             if budget <= 0:
                 break
             if seq.num_computed_tokens < len(seq.token_ids) - 1:  # (from num_tokens - 1 on, a sequence decodes: step 1)
                 budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
-        adapters = running_adapters(self.running) if self.max_loras else None
+        admission = self.admission
+        if admission is not None:
+            admission.start(self.running)
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.intake is not None:  # (a sample released by a sibling that finished before its intake did)
                 self.preparing[self.waiting.popleft()] = None
                 continue
-            if adapters is not None and not admits(adapters, seq, self.max_loras):
-                break  # its adapter would be one more than the device slots: it waits its turn
+            if admission is not None and not admission.admits(seq):
+                break  # the rule keeps it waiting its turn
             if seq.num_inflight or not self._allocate(seq):
                 break  # a preempted sequence's last token is still in flight, or the pool is full
-            if adapters is not None and seq.lora_int_id:
-                adapters.add(seq.lora_int_id)
+            if admission is not None:
+                admission.admitted(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if self.by_priority:
@@ -222,59 +189,27 @@ class Scheduler:
             budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
         return batch if batch.seqs else None
 
-    def _chain_room(self) -> int | None:
-        """With a speculative row in flight that the next one may chain onto (speculative/speculator.py,
-        `chains`): how many proposals this step's rows may score in all, so that it runs as a
-        decode step of short rows (engine/forward_inputs.py), the only kind that places rows whose
-        positions the device shifts. None (no row chains, and the other rows score up to k): there
-        is no such row, a prompt chunk may join the step, or the step has no room for proposals."""
-        spec = self.speculator
-        if not spec.chaining or not any(seq.num_inflight > 1 and spec.chains(seq) for seq in self.running) or \
-                self.waiting or any(seq.num_computed_tokens < len(seq.token_ids) - 1 for seq in self.running):
-            return None
-        room = self.short_rows_tokens - len(self.running)
-        return room if room > 0 else None
-
     def _waits_for_host(self, sp) -> bool:
         """Whether a request with a token in flight must wait for it before its next row."""
-        return sp.needs_host_tokens_to_launch or (sp.structured_outputs is not None and not self.masks_after_launch)
-
-    def _preempt_for_waiting(self):
-        """Priority policy: while the first waiting sequence ranks strictly above the lowest-priority
-        running one and cannot be admitted now (no sequence slot, or too few free blocks for its
-        prompt, less the prefix-cache hits running sequences hold, and this step's decode tokens),
-        preempt that running one."""
-        head, bm = self.waiting[0], self.block_manager
-
-        def needs_block(s: Sequence) -> bool:  # its next decode token starts a block
-            return s.num_tokens + s.num_inflight > len(s.block_table) * bm.block_size
-
-        growth = sum(map(needs_block, self.running))
-        while self.running and not head.num_inflight and head.priority < self.running[-1].priority:
-            if len(self.running) < self.max_num_seqs and \
-                    bm.num_free_blocks >= bm.blocks_to_allocate(head, self._uses_cache(head)) + growth:
-                return
-            victim = self.running[-1]
-            growth -= needs_block(victim)
-            self.preempt(victim)
+        return sp.needs_host_tokens_to_launch if self.late_masks else sp.needs_host_tokens
 
     def _allocate(self, seq: Sequence) -> bool:
         """Blocks for a waiting sequence. The sequence that computes a request's prompt_logprobs
         takes no prefix-cache hit: every prompt position must be computed (as vLLM does); so does
-        an embedding that pools every position (mean) or the first (CLS)."""
-        return self.block_manager.allocate(seq, use_cache=self._uses_cache(seq))
+        one a feature marked at intake (`computes_whole_prompt`: an embedding that pools every
+        position, or the first)."""
+        return self.block_manager.allocate(seq, use_cache=self.uses_cache(seq))
 
     @staticmethod
-    def _uses_cache(seq: Sequence) -> bool:
-        return bool(seq.index) or (seq.sampling_params.prompt_logprobs is None and
-                                   (seq.pooling is None or seq.pooling.uses_prefix_cache))
+    def uses_cache(seq: Sequence) -> bool:
+        return bool(seq.index) or (seq.sampling_params.prompt_logprobs is None and not seq.computes_whole_prompt)
 
     def unschedule(self, batch: ScheduledBatch):
         """Undo a step that could not be launched (an exception, e.g. in a user's logits processor):
         its rows are scheduled again next time. Blocks it allocated stay with their sequences.
-        Progress is given back by each row's length, not reset to its start: a chained speculative
-        row's start assumed its predecessor's proposals all accepted, and processing that one may
-        already have given back the rejected ones."""
+        Progress is given back by each row's length, not reset to its start: a row of several
+        tokens chained onto its sequence's row in flight assumed that one's tokens all accepted, and
+        processing it may already have given back the rejected ones."""
         for row, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
             if seq.status == SequenceStatus.RUNNING:  # (a preempted one starts over; a finished one is done)
                 seq.num_computed_tokens -= batch.query_lens[row]
@@ -283,13 +218,13 @@ class Scheduler:
     def _waits_for_inflight(self, seq: Sequence) -> bool:
         """Whether a running sequence with tokens in flight is left out of the decode rows: its
         in-flight tokens may end it by length (it will not be scheduled again; processing finishes
-        it), the host must see that token (to propose, too), or a speculative row in flight that
-        the next one cannot chain onto (its length is unknown: `_lookahead` decides)."""
+        it), the host must see that token, or the row planner keeps it out (a row of several tokens
+        in flight whose length is unknown)."""
         sp = seq.sampling_params
-        n = len(seq.token_ids) + seq.num_inflight  # (a speculative row in flight: as if all were accepted)
+        n = len(seq.token_ids) + seq.num_inflight  # (a row of several in flight: as if all were accepted)
         return n >= self.max_model_len or (sp.max_tokens is not None and n - seq.num_prompt_tokens >= sp.max_tokens) \
             or (sp.has_token_constraints and self._waits_for_host(sp)) \
-            or bool(self.speculator and seq.num_inflight == 1 and self.speculator.speculates(seq, len(self.running)))
+            or self.rows.waits(seq, len(self.running))
 
     @staticmethod
     def _add_decode_rows(batch: ScheduledBatch, seqs: list[Sequence]):
@@ -315,31 +250,6 @@ class Scheduler:
         batch.samples.append(samples)
         return num_tokens
 
-    def _lookahead(self, seq: Sequence, budget: int, num_after: int, room: int | None) -> int:
-        """How many proposals the sequence's row may score (at most `room`, see _chain_room), with
-        the blocks for them reserved; none when that would take a block one of the `num_after`
-        sequences after it may need."""
-        k, bm = self.speculator.lookahead(seq, budget, len(self.running), room), self.block_manager
-        end = seq.num_tokens + seq.num_inflight + k
-        if k and end > len(seq.block_table) * bm.block_size and bm.num_free_blocks <= num_after:
-            return 0
-        return k if k and bm.append_slot(seq, k) else 0
-
-    @staticmethod
-    def _add_speculative_row(batch: ScheduledBatch, seq: Sequence, k: int):
-        """A decode row that also scores k proposed tokens (filled in before launch, and maybe
-        shortened: nanoinfer/speculative/rows.py). Processing appends the accepted run, up to 1 + k tokens:
-        until then they count in flight, as if all were accepted, and so does the row's progress.
-        A row chained onto one still in flight starts where that one ends if all are accepted; the
-        device shifts it back by what it rejected (speculative/chaining.py), processing the host's view."""
-        batch.drafts[len(batch.seqs)] = None
-        batch.seqs.append(seq)
-        batch.starts.append(seq.num_computed_tokens)
-        batch.query_lens.append(1 + k)
-        batch.samples.append(True)
-        seq.num_computed_tokens += 1 + k
-        seq.num_inflight += 1 + k
-
     def preempt(self, seq: Sequence):
         """Recompute preemption: drop its KV, put it first in line; it re-prefills prompt + output
         (once its in-flight tokens, still valid, have been appended)."""
@@ -355,8 +265,8 @@ class Scheduler:
                runs: dict[int, list[int]] | None = None) -> StepUpdate:
         """Record what a finished step computed: register its full blocks in the prefix cache,
         append the sampled tokens, release the samples held for a first token's prompt, and decide
-        which sequences end on EOS, stop token ids and length limits. `runs`: a speculative row's
-        accepted tokens (nanoinfer/speculative), appended up to the first that ends the sequence."""
+        which sequences end on EOS, stop token ids and length limits. `runs`: the accepted tokens of
+        a row of several (the row planner's), appended up to the first that ends the sequence."""
         appended, ending, counts = [], {}, {}
         bm, eos, max_model_len = self.block_manager, self.eos_token_ids, self.max_model_len
         # a block is registered once full: most rows of most steps fill none and skip commit()
@@ -372,7 +282,7 @@ class Scheduler:
                 ending[row] = ("error", NON_FINITE_REASON)  # (its K/V are not cached either)
                 continue
             if runs and row in runs:
-                counts[row] = self._append_run(seq, batch.query_lens[row], runs[row], row, ending)
+                counts[row] = self.rows.append_run(self, seq, batch.query_lens[row], runs[row], row, ending)
                 appended.append(row)
                 continue
             if status is SequenceStatus.RUNNING and caching:
@@ -394,25 +304,6 @@ class Scheduler:
             if reason is not None:
                 ending[row] = (reason, stop_reason)
         return StepUpdate(appended, ending, counts)
-
-    def _append_run(self, seq: Sequence, query_len: int, run: list[int], row: int, ending: dict) -> int:
-        """Append a speculative row's accepted tokens until one ends the sequence; the K/V computed
-        for the appended ones (all but the newest) are kept, those of rejected proposals are
-        overwritten later. Its progress counted all query_len tokens: it gives back those not
-        appended (a row chained after it was scheduled from there). Returns how many were appended."""
-        num = 0
-        for token_id in run:
-            seq.append_token(token_id)
-            num += 1
-            reason, stop_reason = ending_of(seq.sampling_params, token_id, seq.num_completion_tokens, seq.num_tokens,
-                                            self.eos_token_ids, self.max_model_len)
-            if reason is not None:
-                ending[row] = (reason, stop_reason)
-                break
-        if seq.status == SequenceStatus.RUNNING:
-            seq.num_computed_tokens -= query_len - num
-            self.block_manager.commit(seq, seq.num_tokens - 1)
-        return num
 
     def finish_rows(self, batch: ScheduledBatch, update: StepUpdate, stop_strings: dict[int, str]) -> list[Sequence]:
         """Finish the step's ending rows in row order (their blocks return to the free list in that
@@ -456,19 +347,3 @@ class Scheduler:
 
     def abort(self, seq: Sequence):
         self.finish(seq, "abort")
-
-
-
-def ending_of(sp, token_id: int, num_completion: int, num_tokens: int, eos_token_ids,
-              max_model_len: int) -> tuple[str | None, int | None]:
-    """(finish reason, stop reason) when a sequence whose newest token is `token_id` (it then has
-    `num_completion` completion tokens, `num_tokens` in all) ends there, else (None, None): EOS
-    (unless ignore_eos) or one of its stop ids once min_tokens are out, else its length limits."""
-    if num_completion >= sp.min_tokens:
-        if not sp.ignore_eos and token_id in eos_token_ids:
-            return "stop", None  # EOS leaves stop_reason None (vLLM)
-        if token_id in sp.stop_token_ids:
-            return "stop", token_id
-    if (sp.max_tokens is not None and num_completion >= sp.max_tokens) or num_tokens >= max_model_len:
-        return "length", None
-    return None, None

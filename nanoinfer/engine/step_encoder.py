@@ -1,21 +1,19 @@
 """Scheduled sequences -> the step message (step/step_message.py). Runners never see a Sequence:
-this is where a step's rows, its sampling plan and its prompt-logprob work are read off them."""
+this is where a step's rows, its sampling plan and its prompt-logprob work are read off them, and
+where the registered features add their parts (EngineFeature.encode)."""
 import random
 
 from nanoinfer.engine.scheduler import ScheduledBatch
-from nanoinfer.step.step_message import PromptLogprobsRequest, PromptSegment, SampleInput, SamplingPlan, StepInput
-from nanoinfer.multimodal.step_planner import MultiModalStepPlanner
-from nanoinfer.pooling.rows import pooling_rows
+from nanoinfer.step.step_message import PromptLogprobsRequest, PromptSegment, SampleInput, StepInput
+from nanoinfer.engine.draft_rows import sampling_rows
 from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling.sampler import vocab_shard_sample
-from nanoinfer.speculative.rows import sampling_rows
-from nanoinfer.structured.step_masks import AwaitingMasks
 
 
 def sampled_rows(batch: ScheduledBatch) -> dict[int, int]:
-    """seq_id -> row of the step's tokens, for the rows of a batch that sample a token (a
-    speculative row has a token per query position: its last one is named)."""
+    """seq_id -> row of the step's tokens, for the rows of a batch that sample a token (a row of
+    several tokens has a token per query position: its last one is named)."""
     if not batch.drafts:
         return {seq.seq_id: row for row, seq in enumerate(batch.seqs) if batch.samples[row]}
     rows, i = {}, -1
@@ -29,45 +27,44 @@ def sampled_rows(batch: ScheduledBatch) -> dict[int, int]:
 class StepEncoder:
     """vocab_size and eos_token_ids: what the sampling plan checks against. seeds: the generator
     plain steps draw their noise seed from (seeded from the config). sample_on_shards: the ranks
-    can sample their vocabulary shards (tensor parallelism on CUDA). adapter_slots: places the
-    step's LoRA adapters in device slots (None: LoRA off). masks_later: a plan leaves its grammar
-    bitmask to the engine, which fills it after the forward's launch (structured/step_masks.py)."""
+    can sample their vocabulary shards (tensor parallelism on CUDA). features: the registered
+    EngineFeatures, which add their parts to each step. masks_later: a plan leaves its token masks
+    to the engine, which fills them after the forward's launch."""
 
     def __init__(self, vocab_size: int, eos_token_ids, seeds: random.Random | None = None,
-                 sample_on_shards: bool = False, adapter_slots=None, masks_later: bool = False):
+                 sample_on_shards: bool = False, features=(), masks_later: bool = False):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.seeds = seeds
         self.sample_on_shards = sample_on_shards
-        self.adapter_slots = adapter_slots  # a lora.slot_table.AdapterSlotTable with enable_lora
+        self.features = features
         self.masks_later = masks_later
-        self.awaiting_masks: AwaitingMasks | None = None  # the last step's, with masks_later
-        self.multimodal = MultiModalStepPlanner()  # requests with images: their rows' positions and images
+        self.awaits: dict = {}  # the last step's: feature -> its state to complete before the step samples
+        self.encoded: list = []  # the features that added their parts to the last step
         self.constraints = TokenConstraintRegistry()  # the token constraints the sampling rank holds
 
     def unschedule(self):
         """The step last encoded was not launched."""
-        self.multimodal.unschedule()
+        for feature in self.encoded:
+            feature.unschedule()
+        self.encoded = []
         self.constraints.unschedule()
 
     def encode(self, batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> tuple[StepInput, SampleInput]:
         """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any."""
+        self.encoded, self.awaits = [], {}
         step = encode_rows(batch, prev_rows)
-        step.rope_positions, step.multi_modal = self.multimodal.plan(batch)
-        if self.adapter_slots is not None:  # (embeddings too: a request's adapter shapes its hidden states)
-            step.lora = self.adapter_slots.assign(batch.seqs)
-        self.awaiting_masks = None
-        if batch.seqs[0].pooling is not None:  # an embedding engine's step: every row pools
-            step.pooling = pooling_rows(batch)
-            return step, SampleInput(SamplingPlan([0.0] * len(batch.seqs), True, True))  # (unused)
         seqs, samples = batch.seqs, batch.samples
-        if batch.drafts:  # speculative rows: one sampling row per query position (nanoinfer/speculative)
+        if batch.drafts:  # rows of several tokens: one sampling row per query position
             seqs, samples, step.sample_rows = sampling_rows(batch)
         plan = build_sampling_plan(seqs, self.vocab_size, self.eos_token_ids, samples, prev_rows, self.seeds,
                                    self.masks_later, self.constraints)
-        if plan.grammar_rows and plan.grammar_bitmask is None:
-            self.awaiting_masks = AwaitingMasks([seqs[i] for i in plan.grammar_rows], plan.processors is not None)
         sample = SampleInput(plan, prompt_logprobs_request(batch))
+        for feature in self.features:
+            self.encoded.append(feature)
+            state = feature.encode(batch, step, sample, seqs)
+            if state is not None:
+                self.awaits[feature] = state
         if sample.prompt_logprobs is not None:
             step.prompt_logit_rows = prompt_logit_rows(batch, sample.prompt_logprobs)
         step.plain_sample = vocab_shard_sample(sample, self.sample_on_shards)
@@ -88,13 +85,13 @@ def encode_rows(batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> Step
     for row in range(batch.num_decode, len(batch.seqs)):
         seq, start, q = batch.seqs[row], batch.starts[row], batch.query_lens[row]
         i = on_device.get(seq.seq_id) if row in batch.drafts else None
-        if i is not None:  # a speculative row whose whole query is on the device (speculative/proposer.py)
+        if i is not None:  # a row whose whole query is on the device (the planner left it there)
             proposal_rows += range(len(input_ids), len(input_ids) + q)
             proposal_sources += range(i * width, i * width + q)
             input_ids += [0] * q
             continue
         input_ids += seq.token_ids[start:start + q]
-        if row in batch.drafts:  # a speculative row: its last token, then the proposals
+        if row in batch.drafts:  # a row of several: its last token, then the tokens filled in
             input_ids += batch.drafts[row]
     return StepInput(batch.num_decode, batch.starts, batch.query_lens, input_ids,
                      [seq.block_table for seq in batch.seqs], inflight_rows, inflight_sources,

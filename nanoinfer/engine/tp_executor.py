@@ -57,12 +57,12 @@ def free_port() -> int:
 
 
 # ---- a rank -------------------------------------------------------------------------------------
-def serve_rank(channel, config: Config, init_method: str):
+def serve_rank(channel, config: Config, init_method: str, rank_features=()):
     """A worker's loop: load this rank's shard, then run the engine's calls until Exit.
     Answers to Launch/Flush: a list of Reported, for the steps reported now."""
     for name, value in NO_MULTICAST.items():  # unless the user asks otherwise
         os.environ.setdefault(name, value)
-    runner = ModelRunner(config, channel.rank, init_method)
+    runner = ModelRunner(config, channel.rank, init_method, rank_features)
     gc.freeze()  # (as the engine's process does: full collections skip the start-up objects)
     channel.answer(runner.num_blocks)
     ranks = RankLoop(runner, channel)
@@ -128,7 +128,8 @@ class RankLoop:
 
 # ---- the engine's side --------------------------------------------------------------------------
 class TensorParallelExecutor:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, rank_features=()):
+        """rank_features: what every rank's ModelRunner builds its RankFeatures with (picklable)."""
         self.config = config
         self.world_size = n = config.tensor_parallel_size
         self.step_timeout = step_timeout()
@@ -140,7 +141,7 @@ class TensorParallelExecutor:
         self._answers_pending = False
         self.group = None
         try:
-            self.group = WorkerGroup(n, serve_rank, lambda rank: (config, self.init_method), "nanoinfer-tp")
+            self.group = WorkerGroup(n, serve_rank, lambda rank: (config, self.init_method, tuple(rank_features)), "nanoinfer-tp")
             blocks = self.group.wait("start-up")
         except BaseException as e:
             self._fail(e, "during start-up")

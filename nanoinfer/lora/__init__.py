@@ -7,6 +7,7 @@
 - intake.py: the engine's check of a request's adapter (ValueError naming the tensor).
 - slot_table.py: the engine's choice of device slot for each adapter of a step (LRU).
 - admission.py: the scheduler's rule, never more distinct adapters running than slots.
+- feature.py: the engine hooks (intake check, each step's slots) and the rank hook (loading slots).
 - linear.py: the linear-layer weight method that adds x @ A^T @ B^T per row by slot.
 - device_adapters.py: one rank's slots and its host cache of adapters (LRU, max_cpu_loras).
 

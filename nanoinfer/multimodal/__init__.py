@@ -2,7 +2,8 @@
 Qwen3-VL: models/qwen2_5_vl.py, models/qwen3_vl.py).
 
 How an image travels:
-- intake (`processor.py`, called by engine/input_processor.py): each `<|image_pad|>` placeholder of
+- the engine and rank hooks (`feature.py`) that carry all of the below.
+- intake (`processor.py`, through the intake hooks): each `<|image_pad|>` placeholder of
   the prompt is expanded to the image's token count, known from its size; then, in an intake thread
   (off the engine loop), the checkpoint's Hugging Face image processor turns each image into
   patches, the request's M-RoPE positions are computed (`mrope.py`) and each image gets a content

@@ -6,7 +6,7 @@ expanded to the image's token count; the prompt's M-RoPE positions are computed.
 Two parts: what is cheap is decided at once (the checks, and each image's token count from its
 size, as the processor's `get_number_of_image_patches` tells without its pixels), so the prompt's
 length is known before queueing; the preprocessing itself (resizing, normalising, hashing the
-pixels) is returned as work that the engine runs in an intake thread (engine/input_processor.py).
+pixels) is returned as work that the engine runs in an intake thread (feature.py, engine/input_processor.py).
 
 Every problem is a ValueError / TypeError naming it: not an image, an empty image, an image over
 max_image_pixels, a placeholder count that differs from the image count, images for a text-only

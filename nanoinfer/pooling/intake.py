@@ -32,6 +32,7 @@ class PoolingIntake:
     def attach(self, seqs, params: PoolingParams):
         for seq in seqs:
             seq.pooling = PoolingState(self.pooling_type, params, seq.num_prompt_tokens)
+            seq.computes_whole_prompt = not seq.pooling.uses_prefix_cache  # (mean and CLS read the first positions)
 
 
 def per_prompt(pooling_params, num_prompts: int) -> list:

@@ -29,6 +29,7 @@ class Sequence:
         self.index = index                 # which of the request's n samples
         self.priority = 0                  # scheduling_policy="priority": the lower value runs first
         self.pooling = None                # an embedding request's PoolingState (nanoinfer/pooling)
+        self.computes_whole_prompt = False  # set at intake: no prefix-cache hit, every position computed
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)
         self.num_prompt_tokens = len(token_ids)

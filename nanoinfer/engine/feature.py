@@ -1,0 +1,128 @@
+"""The seam through which features attach to the engine. A feature (LoRA, images, structured
+outputs, embeddings: each in its own folder) implements some of these hooks; the composition place
+above the engine (nanoinfer/features.py) reads the Config and picks which are registered; the engine
+calls the registered ones in order at fixed points and never names one.
+
+    intake     check_request (before the length checks)   prepare (the request's sequences built)
+    a step     encode (its message built)   unschedule (it was not launched)
+               launched (it is launched and the step before it processed)   complete (before the
+               next forward, or before its results are collected)   process (its results)
+    outputs    request_output
+    the end    exit
+
+and, on every rank (RankFeature): before_forward, read_hidden, exit.
+"""
+from dataclasses import dataclass, field
+
+from nanoinfer.engine.row_planner import RowPlanner
+
+
+@dataclass(slots=True)
+class Intake:
+    """One request at intake, as the features see it. `params`: what the caller gave (a feature
+    may replace it by the SamplingParams the scheduler sees); `extras`: the prompt dict's keys the
+    features read (EngineFeature.prompt_keys) and the request's options (lora_request);
+    `generates`: the request needs room for output tokens; `truncated`: the prompt was cut to
+    fit; `work`: heavy intake work, run in an intake thread in order before the request is queued."""
+    token_ids: list[int]
+    params: object
+    extras: dict
+    generates: bool = True
+    truncated: bool = False
+    seqs: list = field(default_factory=list)
+    work: list = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """What a feature may be built from: the engine's config, tokenizer, stop ids, vocabulary size
+    and runner (a ModelRunner, or the TensorParallelExecutor driving the ranks). masks_later: a
+    step's sampling plan leaves its token masks to the engine, filled after the forward's launch
+    (one rank; with tensor parallelism the plan fills them)."""
+    config: object
+    tokenizer: object
+    eos_token_ids: frozenset
+    vocab_size: int
+    runner: object
+    masks_later: bool
+
+
+class EngineFeature:
+    """No-op hooks: a feature overrides those it needs."""
+    prompt_keys: tuple[str, ...] = ()  # keys of a prompt dict it reads, handed over in Intake.extras
+
+    def check_request(self, intake: Intake) -> None:
+        """Intake, before the prompt's length checks: check the request's options; may rewrite its
+        prompt tokens or params. Raises ValueError / TypeError for bad input."""
+
+    def prepare(self, intake: Intake) -> None:
+        """Intake, the request's sequences built (nothing queued yet): attach state to them, or
+        append the work that does so to intake.work."""
+
+    def encode(self, batch, step, sample, sampling_seqs: list):
+        """A step's message is built (`sampling_seqs`: its sampling rows' sequences): add this
+        feature's part. A value returned is the step's state this feature must `complete` before
+        it samples (it was launched up to its logits)."""
+
+    def unschedule(self) -> None:
+        """The step last encoded was not launched."""
+
+    def launched(self, launched, state) -> bool:
+        """A step returned state from `encode`; it is launched and the step before it processed (its
+        tokens are on the host). Returns whether the step must `complete` now."""
+        return False
+
+    def complete(self, launched, state) -> None:
+        """Before the next step's forward, or before the step's results are collected."""
+
+    def process(self, batch, result) -> None:
+        """A step's results, before the scheduler appends its tokens."""
+
+    def request_output(self, request):
+        """The request's output, if this feature builds it (else None: the engine's)."""
+        return None
+
+    def exit(self) -> None:
+        """The engine exits."""
+
+
+class Composition:
+    """Which features an engine runs with. This default registers none and plans plain rows; the
+    composition place (nanoinfer/features.py) reads the Config and chooses."""
+
+    def row_planner(self, parts: EngineParts, num_blocks: int) -> RowPlanner:
+        """The planner of each step's rows (it may take part of the pool's `num_blocks`)."""
+        return RowPlanner()
+
+    def features(self, parts: EngineParts) -> list[EngineFeature]:
+        """The features, in the order their hooks are called."""
+        return []
+
+    def admission(self, config):
+        """The scheduler's rule on which waiting sequence may run (None: any)."""
+        return None
+
+    def rank_features(self, config) -> list:
+        """Factories of the RankFeatures every rank builds (each called with its ModelRunner)."""
+        return []
+
+
+class RankFeature:
+    """A feature's part on a rank: each ModelRunner builds its own, calling the factories the
+    composition gives (Composition.rank_features: picklable, since with tensor parallelism every
+    worker process builds them) with itself, before its KV cache is measured."""
+    captures_graphs = True  # False: the rank's steps run eager (no CUDA graphs are captured)
+    warms_up = True  # False: the warm-up's steps are not this feature's (it is skipped)
+
+    def before_forward(self, step) -> dict | None:
+        """Before a step's inputs are prepared (load what it needs: adapters, image embeddings).
+        Returns forward-context fields to set once they are, or None."""
+        return None
+
+    def read_hidden(self, step, hidden):
+        """A step without sampling (StepInput.pooling): what the rank reports of its final hidden
+        states (StepResult.pooled), or None if this feature does not read them."""
+        return None
+
+    def exit(self) -> None:
+        """The runner releases its model."""

@@ -1,0 +1,33 @@
+"""LoRA's engine hooks (engine/feature.py): at intake, the request's adapter is checked against the
+model (intake.py) and rides on its sequences; each step's message places its adapters in device
+slots (slot_table.py). The scheduler's rule on distinct adapters is admission.py."""
+from nanoinfer.engine.feature import EngineFeature, Intake, RankFeature
+from nanoinfer.lora.device_adapters import DeviceAdapters
+from nanoinfer.lora.intake import LoRAIntake
+from nanoinfer.lora.slot_table import AdapterSlotTable
+
+
+class LoRAFeature(EngineFeature):
+    def __init__(self, config):
+        self.intake = LoRAIntake(config)
+        self.slots = AdapterSlotTable(config.max_loras) if config.enable_lora else None
+
+    def prepare(self, intake: Intake) -> None:
+        lora_request = self.intake.check(intake.extras.get("lora_request"))
+        for seq in intake.seqs:
+            seq.lora_request = lora_request
+
+    def encode(self, batch, step, sample, sampling_seqs):
+        if self.slots is not None:  # (embeddings too: a request's adapter shapes its hidden states)
+            step.lora = self.slots.assign(batch.seqs)
+
+
+class LoRARankFeature(RankFeature):
+    """A rank's adapter slots: a step's adapters are loaded into them before its forward."""
+
+    def __init__(self, runner):
+        self.adapters = DeviceAdapters(runner.model, runner.config, runner.device)
+
+    def before_forward(self, step) -> None:
+        if step.lora is not None:
+            self.adapters.ensure(step.lora.adapters)

@@ -1,0 +1,59 @@
+"""Embeddings' engine hooks (engine/feature.py), registered for an engine made with
+runner="pooling": at intake a request's PoolingParams are checked against the model and its
+sequences get their PoolingState, the scheduler seeing a prompt of one step (intake.py); each
+step's message marks the rows whose hidden states the ranks sum instead of sampling (rows.py); the
+sums return to the requests before the scheduler finishes them; a request's output is its embedding
+(outputs.py). A generating engine registers PoolingRefused, which turns embedding requests away."""
+from nanoinfer.engine.feature import EngineFeature, Intake, RankFeature
+from nanoinfer.pooling.intake import POOLING_SAMPLING, PoolingIntake, runner_mismatch
+from nanoinfer.pooling.outputs import pooling_output
+from nanoinfer.pooling.params import PoolingParams
+from nanoinfer.pooling.rows import pool_hidden, pooling_rows, record_pooled
+
+
+class PoolingFeature(EngineFeature):
+    def __init__(self, config):
+        self.intake = PoolingIntake(config.model, config.hf_config.hidden_size)
+
+    @property
+    def pooling_type(self) -> str:
+        return self.intake.pooling_type
+
+    def check_request(self, intake: Intake) -> None:
+        intake.extras["pooling_params"] = self.intake.check([intake.params])[0]
+        intake.params = POOLING_SAMPLING
+        intake.generates = False  # (an embedding's prompt may fill max_model_len)
+
+    def prepare(self, intake: Intake) -> None:
+        self.intake.attach(intake.seqs, intake.extras["pooling_params"])
+
+    def encode(self, batch, step, sample, sampling_seqs):
+        step.pooling = pooling_rows(batch)  # every row pools
+
+    def process(self, batch, result) -> None:
+        if result.pooled is not None:  # before the scheduler finishes them: their sums are kept while running
+            record_pooled(batch, result.pooled)
+
+    def request_output(self, request):
+        return pooling_output(request)
+
+
+class PoolingRefused(EngineFeature):
+    def __init__(self, runner: str):
+        self.runner = runner
+
+    def check_request(self, intake: Intake) -> None:
+        if isinstance(intake.params, PoolingParams):
+            raise runner_mismatch(self.runner, pooling=True)
+
+
+class PoolingRankFeature(RankFeature):
+    """A rank of an embedding engine: its steps run eager and report their rows' summed hidden
+    states instead of tokens."""
+    captures_graphs = warms_up = False
+
+    def __init__(self, runner):
+        pass
+
+    def read_hidden(self, step, hidden):
+        return pool_hidden(hidden, step.pooling)

@@ -1,0 +1,44 @@
+"""Structured outputs' engine hooks (engine/feature.py): at intake a request's grammar is looked up,
+or compiled in an intake thread (intake.py); a step whose sampling plan leaves its grammar bitmask
+to the engine (one rank: `masks_later`) is launched up to its logits, its masks filled once the step
+before it is processed, and it samples before the next forward or its collect (step_masks.py)."""
+from nanoinfer.engine.feature import EngineFeature, Intake
+from nanoinfer.structured.intake import GrammarIntake
+from nanoinfer.structured.step_masks import AwaitingMasks, StepMasks
+
+
+class StructuredFeature(EngineFeature):
+    def __init__(self, config, tokenizer, vocab_size: int, eos_token_ids, runner, masks_later: bool):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.stop_token_ids = eos_token_ids  # a finished grammar allows only tokens that stop
+        self.cache_bytes = config.grammar_cache_bytes
+        self._grammar = None  # made for the first structured request (xgrammar is optional)
+        self.runner = runner
+        self.step_masks = StepMasks(vocab_size, config.device == "cuda") if masks_later else None
+
+    def _grammar_intake(self):
+        if self._grammar is None:  # (its compiler imports xgrammar, an optional dependency)
+            self._grammar = GrammarIntake(self.tokenizer, self.vocab_size, self.stop_token_ids, self.cache_bytes)
+        return self._grammar
+
+    def prepare(self, intake: Intake) -> None:
+        spec = intake.params.structured_outputs
+        if spec is not None:
+            grammar = self._grammar_intake().prepare(spec, intake.seqs)  # (a cached grammar: set now)
+            if grammar is not None:
+                intake.work.append(grammar)
+
+    def encode(self, batch, step, sample, sampling_seqs):
+        plan = sample.plan
+        if plan.grammar_rows and plan.grammar_bitmask is None:
+            return AwaitingMasks([sampling_seqs[i] for i in plan.grammar_rows], plan.processors is not None)
+        return None
+
+    def launched(self, launched, masks: AwaitingMasks) -> bool:
+        """Fill the masks; a step with user logits processors samples now, so that an error in them
+        fails that step."""
+        self.step_masks.fill(masks)
+        return masks.eager
+
+    def complete(self, launched, masks: AwaitingMasks) -> None:
+        self.step_masks.sample(self.runner, launched.handle, masks)
