@@ -42,9 +42,10 @@ def apply_processors(logits: torch.Tensor, t: SamplingTensors) -> None:
 
 def apply_allowed_tokens(logits: torch.Tensor, t: SamplingTensors) -> None:
     """allowed_token_ids: every other token of those rows -> -inf."""
-    keep = torch.zeros(t.allowed_rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
-    keep[t.allowed_pos, t.allowed_tokens] = True
-    logits[t.allowed_rows] = logits[t.allowed_rows].masked_fill(~keep, float("-inf"))
+    c = t.constraints
+    keep = torch.zeros(c.allowed_rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
+    keep[c.allowed_pos, c.allowed_tokens] = True
+    logits[c.allowed_rows] = logits[c.allowed_rows].masked_fill(~keep, float("-inf"))
 
 
 def apply_grammar(logits: torch.Tensor, t: SamplingTensors) -> None:
@@ -56,12 +57,13 @@ def apply_suppression(logits: torch.Tensor, t: SamplingTensors) -> None:
     """Bad words (their banned last tokens) and min_tokens (EOS and stop ids) -> -inf."""
     if t.suppress_rows is not None:
         logits[t.suppress_rows, t.suppress_tokens] = float("-inf")
-    if t.banned_rows is not None:
-        logits[t.banned_rows, t.banned_tokens] = float("-inf")
+    if t.constraints.banned_rows is not None:
+        logits[t.constraints.banned_rows, t.constraints.banned_tokens] = float("-inf")
 
 
 def apply_logit_bias(logits: torch.Tensor, t: SamplingTensors) -> None:
-    logits.index_put_((t.bias_rows, t.bias_tokens), t.bias_values, accumulate=True)
+    c = t.constraints
+    logits.index_put_((c.bias_rows, c.bias_tokens), c.bias_values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
@@ -91,9 +93,9 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
 
 
 PROCESSORS = Stage("logits_processors", lambda t: t.processors is not None, apply_processors)
-ALLOWED_TOKENS = Stage("allowed_token_ids", lambda t: t.allowed_rows is not None, apply_allowed_tokens)
+ALLOWED_TOKENS = Stage("allowed_token_ids", lambda t: t.constraints.allowed_rows is not None, apply_allowed_tokens)
 GRAMMAR = Stage("structured_outputs", lambda t: t.grammar_rows is not None, apply_grammar)
-SUPPRESSION = Stage("bad_words, min_tokens", lambda t: t.suppress_rows is not None or t.banned_rows is not None,
+SUPPRESSION = Stage("bad_words, min_tokens", lambda t: t.suppress_rows is not None or t.constraints.banned_rows is not None,
                     apply_suppression)
-LOGIT_BIAS = Stage("logit_bias", lambda t: t.bias_rows is not None, apply_logit_bias)
+LOGIT_BIAS = Stage("logit_bias", lambda t: t.constraints.bias_rows is not None, apply_logit_bias)
 PENALTIES = Stage("penalties", lambda t: t.pen_tokens is not None, apply_penalties)

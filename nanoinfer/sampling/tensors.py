@@ -8,13 +8,13 @@ sampling/constraint_store.py), grammar bitmasks (structured outputs), seeds, log
 logits processors. A field is None when no row uses it, which is how a pipeline stage knows, on the host, whether it
 applies. Vocabulary-sized work happens only on the device.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from nanoinfer.step.step_message import SamplingPlan
 from nanoinfer.sampling.column_cache import ColumnCache
-from nanoinfer.sampling.constraint_store import TokenConstraintStore
+from nanoinfer.sampling.constraint_store import StepConstraints, TokenConstraintStore
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.utils.device_copy import to_device
 
@@ -46,18 +46,9 @@ class SamplingTensors:
     lp_rows_list: list[int] | None = None
     lp_counts: list[int] | None = None         # per lp row, its own N
     lp_max: int | None = None
-    # the requests' TokenConstraints, gathered from the device (sampling/constraint_store.py):
-    # allowed_token_ids: rows `allowed_rows` keep only (allowed_pos[j] -> row allowed_rows[pos], token)
-    allowed_rows: torch.Tensor | None = None
-    allowed_pos: torch.Tensor | None = None
-    allowed_tokens: torch.Tensor | None = None
-    # logit_bias: logits[bias_rows, bias_tokens] += bias_values
-    bias_rows: torch.Tensor | None = None
-    bias_tokens: torch.Tensor | None = None
-    bias_values: torch.Tensor | None = None
-    # one-token bad words: logits[banned_rows, banned_tokens] = -inf
-    banned_rows: torch.Tensor | None = None
-    banned_tokens: torch.Tensor | None = None
+    # the requests' allowed_token_ids, logit_bias and one-token bad words, gathered from the device
+    # (sampling/constraint_store.py)
+    constraints: StepConstraints = field(default_factory=StepConstraints)
     # structured outputs: rows `grammar_rows` keep the tokens their [G, ceil(V / 32)] int32 bitmask allows
     grammar_rows: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
@@ -130,10 +121,7 @@ class SamplingTensors:
     def _add_constraints(self, p: SamplingPlan, store: TokenConstraintStore) -> None:
         store.update(p.new_constraints)
         if p.constraint_rows:
-            c = store.gather(p.constraint_rows, p.constraint_keys)
-            self.allowed_rows, self.allowed_pos, self.allowed_tokens = c.allowed_rows, c.allowed_pos, c.allowed_tokens
-            self.bias_rows, self.bias_tokens, self.bias_values = c.bias_rows, c.bias_tokens, c.bias_values
-            self.banned_rows, self.banned_tokens = c.banned_rows, c.banned_tokens
+            self.constraints = store.gather(p.constraint_rows, p.constraint_keys)
         store.drop(p.dropped_constraints)  # (after the gather: a one-plan store's keys go now)
 
     def set_grammar_bitmask(self, bitmask: torch.Tensor, device: torch.device) -> None:
