@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,26 +69,53 @@ def snippet_env() -> dict:
     return env
 
 
-def run_snippet(snippet: Snippet, code: str, cwd: Path) -> None:
+def execute(snippet: Snippet, code: str, cwd: Path) -> tuple[str, str]:
+    """Runs a block in a fresh process; returns (what went wrong or "", its output)."""
     argv = [sys.executable, "-c", code] if snippet.lang == "python" else ["bash", "-euo", "pipefail", "-c", code]
     try:
         done = subprocess.run(argv, cwd=cwd, env=snippet_env(), capture_output=True, text=True,
                               timeout=SNIPPET_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{snippet.where}: still running after {SNIPPET_TIMEOUT_S} s\n--- block:\n{code}\n"
-                    f"--- output:\n{e.stdout or ''}{e.stderr or ''}")
-    output = done.stdout + done.stderr
+        return f"still running after {SNIPPET_TIMEOUT_S} s", f"{e.stdout or ''}{e.stderr or ''}"
     # curl exits 0 on an HTTP error: the OpenAI-shaped error body is what tells
-    failed = done.returncode != 0 or (snippet.lang == "bash" and '"error":' in done.stdout)
-    if failed:
-        pytest.fail(f"{snippet.where}: exit status {done.returncode}\n--- block:\n{code}\n--- output:\n"
-                    f"{output[-4000:]}", pytrace=False)
+    if done.returncode != 0 or (snippet.lang == "bash" and '"error":' in done.stdout):
+        return f"exit status {done.returncode}", done.stdout + done.stderr
+    return "", done.stdout + done.stderr
+
+
+def check(snippet: Snippet, code: str, problem: str, output: str) -> None:
+    if problem:
+        pytest.fail(f"{snippet.where}: {problem}\n--- block:\n{code}\n--- output:\n{output[-4000:]}", pytrace=False)
+
+
+def offline_code(snippet: Snippet, tiny_model_path: str) -> str:
+    code = snippet.code
+    if snippet.mode == "tiny":
+        quoted = repr(tiny_model_path) if snippet.lang == "python" else shlex.quote(tiny_model_path)
+        code = HUB_ID.sub(lambda m: quoted, code)
+        code = re.sub(r"\bMODEL\b", tiny_model_path, code)
+    return code
 
 
 @pytest.fixture(scope="module")
 def tiny_model_path() -> str:
     from nanoinfer.utils.tiny_model import default_tiny_model_dir
     return str(default_tiny_model_dir())
+
+
+@pytest.fixture(scope="module")
+def offline_runs(tiny_model_path, tmp_path_factory, request):
+    """The selected runnable offline blocks, started at once on two workers; each test waits for its own."""
+    selected = {item.callspec.params["snippet"].where for item in request.session.items
+                if item.name.startswith("test_offline_snippet")}
+    pool = ThreadPoolExecutor(max_workers=2)
+    runs = {}
+    for s in SNIPPETS:
+        if s.mode in ("run", "tiny") and s.where in selected:
+            code = offline_code(s, tiny_model_path)
+            runs[s.where] = code, pool.submit(execute, s, code, tmp_path_factory.mktemp("snippet"))
+    yield runs
+    pool.shutdown(cancel_futures=True)
 
 
 def free_port() -> int:
@@ -147,15 +175,11 @@ def test_every_block_is_marked_and_found():
 
 @pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s.mode in ("run", "tiny", "skip")],
                          ids=lambda s: s.where)
-def test_offline_snippet(snippet, tiny_model_path, tmp_path):
+def test_offline_snippet(snippet, offline_runs):
     if snippet.mode == "skip":
         pytest.skip(f"{snippet.where}: {snippet.reason or 'marked skip'}")
-    code = snippet.code
-    if snippet.mode == "tiny":
-        quoted = repr(tiny_model_path) if snippet.lang == "python" else shlex.quote(tiny_model_path)
-        code = HUB_ID.sub(lambda m: quoted, code)
-        code = re.sub(r"\bMODEL\b", tiny_model_path, code)
-    run_snippet(snippet, code, tmp_path)
+    code, run = offline_runs[snippet.where]
+    check(snippet, code, *run.result())
 
 
 @pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s.mode == "server"], ids=lambda s: s.where)
@@ -165,4 +189,4 @@ def test_server_snippet(snippet, documented_server, tmp_path):
         pytest.skip(f"{snippet.where}: curl is not installed")
     code = re.sub(r"\b8000\b", str(port), snippet.code)
     code = re.sub(r"\bMODEL\b", served_name, code)
-    run_snippet(snippet, code, tmp_path)
+    check(snippet, code, *execute(snippet, code, tmp_path))
