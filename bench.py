@@ -4,7 +4,12 @@ token ids, outputs of U[100, 1024] tokens (ignore_eos), temperature 0.6, max_mod
 Without --model the model is Qwen3-0.6B-shaped (or 8B with --config 8b) with random weights: throughput
 does not depend on the weights, and nothing is downloaded. On CUDA it also prints the run's lower bound:
 sum over steps of (weight bytes + KV bytes read) / copy bandwidth + prefill FLOPs / bf16 matmul rate,
-both ceilings measured in this process, and the per-step CPU time against the step time."""
+both ceilings measured in this process, and the per-step CPU time against the step time.
+
+On CPU, a run that ends in seconds: --config builtin-tiny (the built-in tiny checkpoint of example.py,
+a 384-token vocabulary; `--config tiny` keeps Qwen3's full vocabulary), e.g.
+    python bench.py --config builtin-tiny --num-seqs 16 --min-input-len 32 --max-input-len 128 \\
+        --min-output-len 32 --max-output-len 64"""
 import argparse
 import random
 import time
@@ -15,6 +20,9 @@ import torch
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.bench.random_model import SHAPES, make_random_model_dir
 from nanoinfer.utils.ceilings import measure_ceilings
+from nanoinfer.utils.tiny_model import default_tiny_model_dir
+
+BUILTIN_TINY = "builtin-tiny"  # --config: the built-in tiny checkpoint (its own weights), not a SHAPES entry
 
 
 class Profiler:
@@ -158,7 +166,9 @@ def long_prompt_arrivals(llm: LLM, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", help="a real checkpoint (directory or repo id) instead of random weights")
-    p.add_argument("--config", choices=sorted(SHAPES), default="0.6b", help="shape of the random model")
+    p.add_argument("--config", choices=[*sorted(SHAPES), BUILTIN_TINY], default="0.6b",
+                   help=f"shape of the random model; {BUILTIN_TINY}: the built-in tiny checkpoint (CPU-sized: "
+                        "tiny shapes and a 384-token vocabulary; 'tiny' has Qwen3's full vocabulary)")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--min-input-len", type=int, default=100)
     p.add_argument("--max-input-len", type=int, default=1024)
@@ -207,7 +217,10 @@ def main():
     p.add_argument("--speculative-runs", default="plain,same,same-sync,other,other-sync,policy,ngram",
                    help="--speculative: which runs (each its own engine); the computed table needs plain "
                         "and other-sync")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # (the description's example command)
     args = p.parse_args()
+    if args.config == BUILTIN_TINY and not args.model:
+        args.model = default_tiny_model_dir()
     if args.speculative:
         from nanoinfer.bench.speculative import main_args
         if "--config" not in " ".join(__import__("sys").argv):

@@ -18,9 +18,11 @@ def main():
         path = os.path.expanduser(args.model)
     else:
         from nanoinfer.utils.tiny_model import default_tiny_model_dir
+        # flushed before the progress bars (stderr) of building it on first use and of generating
+        print("No --model given: using the built-in tiny random-weight Qwen3 (built on first use).\n"
+              "Its weights are random, so the text below is gibberish; pass --model for a real model.", flush=True)
         path = default_tiny_model_dir()
-        print(f"No --model given: using the built-in tiny random-weight Qwen3 at {path}.\n"
-              "Its weights are random, so the text below is gibberish; pass --model for a real model.\n")
+        print(f"The tiny model: {path}\n", flush=True)
 
     llm = LLM(path, tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
               max_model_len=min(4096, 1024 + args.max_tokens))

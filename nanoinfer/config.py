@@ -2,16 +2,16 @@
 import os
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoConfig, PretrainedConfig
+# torch, transformers and the model registry are imported where they are used, so that reading the
+# options (`nanoinfer serve --help` lists them from this class) stays fast
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
-from nanoinfer.models import check_architecture
-from nanoinfer.multimodal.config import language_model_config
-
-# vLLM's dtype names, "half" and "float" included
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+# vLLM's dtype names, "half" and "float" included -> torch's
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 # A sequence holds whole blocks and the prefix cache shares only full ones, so a block is useful up to
 # about one context (vLLM offers <= 256; flash-attn wants multiples of 256); 2**16 tokens leaves room
 # for the longest contexts while keeping one block's K/V per layer (256 MiB at 8 KV heads x 128 bf16)
@@ -68,8 +68,8 @@ class Config:
     # vLLM's speculative_config dict (nanoinfer/speculative/config.py), parsed into a SpeculativeConfig
     speculative_config: str | dict | None = None  # (a JSON string on the command line)
     # Filled in by __post_init__, not user options.
-    hf_config: PretrainedConfig | None = field(default=None, repr=False)
-    torch_dtype: torch.dtype | None = field(default=None, repr=False)
+    hf_config: "PretrainedConfig | None" = field(default=None, repr=False)
+    torch_dtype: "torch.dtype | None" = field(default=None, repr=False)
 
     @classmethod
     def option_names(cls) -> set[str]:
@@ -143,6 +143,7 @@ class Config:
             raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
 
     def _check_device(self):
+        import torch
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         if self.device == "auto":
@@ -155,6 +156,8 @@ class Config:
 
     def _check_model(self):
         """The checkpoint's config, and the options that depend on it."""
+        from nanoinfer.models import check_architecture
+        from nanoinfer.multimodal.config import language_model_config
         if self.hf_config is None:
             self.model = resolve_model_path(self.model)
             self.hf_config = language_model_config(load_hf_config(self.model))
@@ -185,6 +188,7 @@ class Config:
             check_lora_model(hf)
 
     def _resolve_dtype(self):
+        import torch
         hf = self.hf_config
         if self.dtype == "auto":
             if self.device == "cpu":
@@ -192,10 +196,10 @@ class Config:
             else:
                 ckpt = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
                 if isinstance(ckpt, str):
-                    ckpt = _DTYPES.get(ckpt)
+                    ckpt = getattr(torch, _DTYPES.get(ckpt, ""), None)
                 self.torch_dtype = ckpt if ckpt in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
         else:
-            self.torch_dtype = _DTYPES[self.dtype]
+            self.torch_dtype = getattr(torch, _DTYPES[self.dtype])
 
     def _check_runner(self):
         """scheduling_policy, and runner with its older alias task."""
@@ -247,9 +251,10 @@ def _path(name: str, value) -> str:
     return os.path.expanduser(os.fspath(value))
 
 
-def load_hf_config(path: str) -> PretrainedConfig:
+def load_hf_config(path: str) -> "PretrainedConfig":
     """The checkpoint's config.json, never running code from the checkpoint (transformers would
     otherwise ask on stdin whether to run an auto_map's code)."""
+    from transformers import AutoConfig
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except Exception as e:  # unreadable, custom code, or refused by transformers' own validators

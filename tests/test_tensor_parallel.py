@@ -188,11 +188,13 @@ def test_kv_head_replication_and_a_worker_raising_in_forward(kv1, monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_sampling_features_and_a_raising_logits_processor(tiny_qwen3):
+def test_sampling_features_and_a_raising_logits_processor(tiny_qwen3, capfd):
     """What rank 0 samples with (penalties over in-flight tokens, seeds, logprobs, prompt
     logprobs, a picklable logits processor, token constraints sent once and then named by key)
     gives tp = 1's results; an unpicklable processor is refused up front; one that raises fails its
-    own request (finish_reason "error") and the engine keeps serving."""
+    own request (finish_reason "error") and the engine keeps serving. The workers exit quietly: no
+    library reports leaked objects at their teardown (triton's nanobind did, ~60 lines, when the
+    workers' frozen objects outlived it)."""
     vocab = 384
     prompts = random_prompts(5, vocab, seed=5)
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
@@ -232,6 +234,8 @@ def test_sampling_features_and_a_raising_logits_processor(tiny_qwen3):
     finally:
         llm.exit()
     assert_clean(llm)
+    output = "".join(capfd.readouterr())  # (the workers write to this process's descriptors)
+    assert "leaked" not in output, output
 
 
 @pytest.mark.timeout(180)
@@ -341,9 +345,9 @@ SIDE_SCRIPT = textwrap.dedent("""
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_engines_side_by_side_and_one_after_another(tiny_qwen3, tmp_path, monkeypatch, sig):
-    """Two TP engines in this process at once, and one in another process at the same time, which
-    then gets Ctrl-C (or SIGKILL) mid-generation: its workers must go too, leaving nothing behind;
-    then another engine here after the first ones exit. A tiny segment makes every call outgrow it."""
+    """Two TP engines in this process at once (with SIGINT), and one in another process at the same
+    time, which then gets Ctrl-C (or SIGKILL) mid-generation: its workers must go too, leaving nothing
+    behind; then another engine here after the first ones exit. A tiny segment makes every call outgrow it."""
     monkeypatch.setattr(worker_group, "INITIAL_SEGMENT_BYTES", 128)
     script = tmp_path / "side.py"
     script.write_text(SIDE_SCRIPT)
@@ -356,14 +360,15 @@ def test_engines_side_by_side_and_one_after_another(tiny_qwen3, tmp_path, monkey
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     engines = []
     try:
-        engines = [LLM(tiny_qwen3, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
-                   for _ in range(2)]
-        first, other = engines
-        assert first.model_runner.init_method != other.model_runner.init_method
-        big = [list(range(1, 100))] * 6  # a prefill payload of several KiB: the segment grows
-        assert generate(first, big, params) == generate(other, big[:1], params) * 6
-        assert first.model_runner.group.shm.size > 128 and our_segments() == []
-        assert generate(first, prompt, params) == expected == generate(other, prompt, params)
+        if sig == signal.SIGINT:  # (two engines here do not depend on the side's signal: built once)
+            engines = [LLM(tiny_qwen3, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=128)
+                       for _ in range(2)]
+            first, other = engines
+            assert first.model_runner.init_method != other.model_runner.init_method
+            big = [list(range(1, 100))] * 6  # a prefill payload of several KiB: the segment grows
+            assert generate(first, big, params) == generate(other, big[:1], params) * 6
+            assert first.model_runner.group.shm.size > 128 and our_segments() == []
+            assert generate(first, prompt, params) == expected == generate(other, prompt, params)
         lines = [side.stdout.readline() for _ in range(2)]  # while these engines are alive
         assert [line.split(None, 1)[0] for line in lines if line.strip()] == ["TOKENS", "PIDS"], \
             "".join(lines) + side.stdout.read()

@@ -81,6 +81,7 @@ def serve_rank(channel, config: Config, init_method: str, rank_features=()):
             channel.answer()
         elif isinstance(message, Exit):
             runner.exit()
+            gc.unfreeze()  # (as the engine does: frozen cycles would keep triton's objects past its teardown)
             channel.answer()
             return
         else:

@@ -19,7 +19,7 @@ from nanoinfer.serve.reasoning import PARSERS
 def add_engine_args(parser: argparse.ArgumentParser):
     """One flag per Config option (`max_model_len` -> --max-model-len); bools get --x / --no-x,
     `int | None` options accept "none". Flags not given leave Config's default."""
-    hints = typing.get_type_hints(Config)
+    hints = {f.name: f.type for f in fields(Config)}  # (the options' annotations are types, not strings)
     group = parser.add_argument_group("engine options (LLM(model, **options))")
     for f in fields(Config):
         if f.name not in Config.option_names():
@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", default=argparse.SUPPRESS,
-                       help="the model name clients use (default: MODEL as given)")
+                       help="the model name clients use (default: MODEL's directory name for a local checkpoint, "
+                            "else MODEL as given; clients may also use MODEL as given)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's and nanoinfer's log level")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -14,6 +14,7 @@ from nanoinfer.outputs import RequestOutput
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+_FINISH_REASONS = ("stop", "length", "abort")  # the finish reasons a request_success series starts with
 
 
 class ServerMetrics:
@@ -50,11 +51,23 @@ class ServerMetrics:
         self.model_name = model_name
         self.engine = "0"
         self._last_delta: dict[tuple[int, int], float] = {}  # (request, completion) -> its last delta's time
+        self._export_zeros()
+
+    def _export_zeros(self):
+        """Every series of this engine at zero from the start (as vLLM's), so that a scrape before the
+        first request sees the metrics and rate() has a starting point."""
+        for metric in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens,
+                       self.generation_tokens, self.prefix_queries, self.prefix_hits, self.ttft, self.itl,
+                       self.tpot, self.e2e, *self.spec):
+            self._m(metric)
+        for reason in _FINISH_REASONS:
+            self._m(self.success, finished_reason=reason)
 
     def for_engine(self, index: int) -> "ServerMetrics":
         """The same series, fed by data-parallel replica `index` (its request ids are its own)."""
         view = copy.copy(self)
         view.engine, view._last_delta = str(index), {}
+        view._export_zeros()
         return view
 
     def _m(self, metric, **labels):
