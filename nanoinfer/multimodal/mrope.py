@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from nanoinfer.layers.rotary_embedding import RotaryEmbedding
+from nanoinfer.models.config_limits import head_dim, rope_theta
 
 
 def mrope_positions(num_tokens: int, images: list[tuple[int, int, int, int]],
@@ -87,7 +88,6 @@ class MRotaryEmbedding(RotaryEmbedding):
 def mrope_for(config, build, model_name: str, interleaved_default: bool | None = None) -> MRotaryEmbedding:
     """The M-RoPE of a vision-language config: its rope_parameters' (or rope_scaling's)
     mrope_section, and mrope_interleaved (Qwen3-VL) where `interleaved_default` is given."""
-    from nanoinfer.models.config_limits import head_dim, rope_theta
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     section = params.get("mrope_section")
     if section is None:
