@@ -5,12 +5,12 @@ from numbers import Integral
 
 from tqdm.auto import tqdm
 
+from nanoinfer.chat import render_chat
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.features import FeatureComposition
 from nanoinfer.multimodal.media import MediaLoader
 from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.pooling.api import PoolingAPI
-from nanoinfer.utils.chat import render_chat
 
 
 def _is_token_ids(x) -> bool:

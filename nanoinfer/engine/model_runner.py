@@ -43,7 +43,7 @@ class InFlight:
 
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, dist_init_method: str | None = None, rank_features=()):
-        """rank_features: factories of this rank's RankFeatures (engine/feature.py), each called with it."""
+        """rank_features: factories of this rank's RankFeatures (step/feature.py), each called with it."""
         self.config = config
         self.rank = rank
         self.world_size = config.tensor_parallel_size

@@ -18,7 +18,7 @@ from collections import deque
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 
-from nanoinfer.utils.chat import render_chat
+from nanoinfer.chat import render_chat
 
 logger = logging.getLogger("nanoinfer.serve")
 
