@@ -15,10 +15,9 @@ Every step is shape-only (no host sync, no data-dependent allocation): CUDA grap
 import torch
 from torch import nn
 
+from nanoinfer.kernels import fp8_prologue_quant, fp8_quant  # (looked up at call time: tests substitute them)
 from nanoinfer.kernels.fp8_gemm import block_k_for, fp8_gemm
 from nanoinfer.kernels.fp8_gemv import fp8_gemv, supports
-from nanoinfer.kernels.fp8_prologue_quant import quantize_fp8_after
-from nanoinfer.kernels.fp8_quant import quantize_fp8
 from nanoinfer.layers.linear_method import (Deferred, LinearMethod, ShardSlice, linear, linear_parameter,
                                            load_feature_slice, takes_gemv)
 from nanoinfer.quant import fp8_math
@@ -168,15 +167,16 @@ class Fp8LinearMethod(LinearMethod):
         s, dtype = self.scheme, layer.compute_dtype
         gk = layer.fp8_group_k if scale.shape[1] > 1 else None
         if isinstance(x, Deferred):  # (_quantizes_after said yes)
-            xq, x_scale = quantize_fp8_after(x.x, norm_weight=x.norm_weight, eps=x.eps, residual=x.residual,
-                                             residual_out=x.residual_out, silu_mul=x.silu_mul, group_k=gk)
+            xq, x_scale = fp8_prologue_quant.quantize_fp8_after(
+                x.x, norm_weight=x.norm_weight, eps=x.eps, residual=x.residual, residual_out=x.residual_out,
+                silu_mul=x.silu_mul, group_k=gk)
             return self._product(layer, xq, x_scale, scale, dtype)
         x = x.reshape(-1, x.shape[-1])
         if s.static_input:
             xq = fp8_math.quantize_static(x, layer.input_scale)
             x_scale = layer.input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
         else:
-            xq, x_scale = quantize_fp8(x if x.stride(-1) == 1 else x.contiguous(), gk)
+            xq, x_scale = fp8_quant.quantize_fp8(x if x.stride(-1) == 1 else x.contiguous(), gk)
         return self._product(layer, xq, x_scale, scale, dtype)
 
     @staticmethod
