@@ -1,5 +1,5 @@
 """The composition place: which features an engine runs with, read off the Config. The engine
-(engine/) names no feature; it calls the hooks of those registered here (engine/feature.py), in
+(engine/) names no feature; it calls the hooks of those registered here (step/feature.py), in
 this order, asks the row planner chosen here how long each decoding row is, and the admission rule
 chosen here which waiting sequence may run.
 
@@ -12,8 +12,8 @@ chosen here which waiting sequence may run.
                                            requests are refused)
     speculative    speculative/row_planner.py     with speculative_config
 """
-from nanoinfer.engine.feature import Composition, EngineFeature, EngineParts
-from nanoinfer.engine.row_planner import RowPlanner
+from nanoinfer.step.feature import Composition, EngineFeature, EngineParts
+from nanoinfer.step.row_planner import RowPlanner
 from nanoinfer.lora.admission import AdapterAdmission
 from nanoinfer.lora.feature import LoRAFeature, LoRARankFeature
 from nanoinfer.multimodal.feature import ImageFeature, ImageRankFeature

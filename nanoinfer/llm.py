@@ -5,11 +5,12 @@ from numbers import Integral
 
 from tqdm.auto import tqdm
 
+from nanoinfer.chat import render_chat
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.features import FeatureComposition
+from nanoinfer.multimodal.media import MediaLoader
 from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.pooling.api import PoolingAPI
-from nanoinfer.utils.chat import render_chat
 
 
 def _is_token_ids(x) -> bool:
@@ -84,7 +85,6 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
             raise TypeError("messages must be a conversation (a non-empty list of {'role', 'content'} dicts) "
                             "or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        from nanoinfer.multimodal.media import MediaLoader
         media = MediaLoader(self.config.allowed_local_media_path, self.config.allowed_media_domains)
         prompts = [render_chat(self.tokenizer, conv, chat_template, add_generation_prompt, chat_template_kwargs,
                                tools, continue_final_message, media=media) for conv in conversations]

@@ -1,7 +1,7 @@
 """render_chat: the chat template rendering shared by LLM.chat and the server."""
 import pytest
 
-from nanoinfer.utils.chat import render_chat
+from nanoinfer.chat import render_chat
 from nanoinfer.utils.tiny_model import train_tokenizer
 
 

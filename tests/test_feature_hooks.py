@@ -1,10 +1,10 @@
-"""The engine core names no feature: features attach through the hooks of engine/feature.py, which
+"""The engine core names no feature: features attach through the hooks of step/feature.py, which
 the engine calls in order at fixed points, with the composition chosen above it."""
 import ast
 import pathlib
 
 from nanoinfer import SamplingParams
-from nanoinfer.engine.feature import EngineFeature
+from nanoinfer.step.feature import EngineFeature
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.features import FeatureComposition
 

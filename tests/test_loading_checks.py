@@ -66,7 +66,7 @@ def test_bad_config_numbers_are_refused(tiny_qwen3, tmp_path, edit, match):
 
 
 def test_weights_beyond_memory_are_refused_before_allocating(tiny_qwen3, tmp_path):
-    from nanoinfer.models import build_model
+    from nanoinfer.models.build import build_model
     from nanoinfer.layers.attention_backend import TorchAttentionBackend
     path = copy_checkpoint(tiny_qwen3, tmp_path / "ckpt", edit_config=lambda c: c.update(
         vocab_size=1 << 24, hidden_size=1 << 17, intermediate_size=1 << 10, head_dim=16))

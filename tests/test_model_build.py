@@ -13,7 +13,8 @@ from nanoinfer.layers.attention_backend import TorchAttentionBackend
 from nanoinfer.layers.linear import QKVParallelLinear, RowParallelLinear
 from nanoinfer.layers.linear_method import DenseLinearMethod, linear, linear_parameter
 from nanoinfer.layers.model_build import ModelBuild, TensorParallel
-from nanoinfer.models import build_model, get_model_class
+from nanoinfer.models import get_model_class
+from nanoinfer.models.build import build_model
 from nanoinfer.utils.loader import load_model
 
 

@@ -270,7 +270,7 @@ def test_all_images_of_a_conversation_share_one_pixel_budget(llm, monkeypatch):
     body could hold 40 of them (7.7 GB in the HTTP process). The conversation's images together are
     bounded, each refused before it is decoded once the budget is spent."""
     from nanoinfer.multimodal import media
-    from nanoinfer.utils.chat import render_chat
+    from nanoinfer.chat import render_chat
     monkeypatch.setattr(media, "MAX_REQUEST_PIXELS", 4000)
     part = {"type": "image_url", "image_url": {"url": data_url(random_image(40, 40, seed=1))}}  # 1600 pixels
     loader, tok = MediaLoader(), llm.get_tokenizer()

@@ -293,7 +293,7 @@ def test_tp2_block_fp8_equals_hf_and_a_split_block_is_refused(make_checkpoint, t
     assert_matches(dst, ref, tensor_parallel_size=2)
     # block_n 24: rank 1's q rows start at 32, inside a block
     from nanoinfer.config import Config
-    from nanoinfer.models import build_model
+    from nanoinfer.models.build import build_model
     from nanoinfer.layers.attention_backend import TorchAttentionBackend
     bad, _ = quantize_checkpoint(base, str(tmp_path / "b"), str(tmp_path / "rb"), block_qc([24, 48]), "block",
                                  block=(24, 48))
@@ -787,7 +787,7 @@ def test_checkpoint_kv_cache_scales_reach_the_attention_layers(base, tmp_path):
     `self_attn.attn.k_scale` / `v_scale`."""
     from nanoinfer.config import Config
     from nanoinfer.layers.attention_backend import TorchAttentionBackend
-    from nanoinfer.models import build_model
+    from nanoinfer.models.build import build_model
     extra = {"model.layers.0.self_attn.k_proj.k_scale": torch.tensor([0.5]),
              "model.layers.1.self_attn.v_scale": torch.tensor(0.25)}
     dst, _ = quantize_checkpoint(base, str(tmp_path / "q"), str(tmp_path / "ref"), compressed_qc("channel"),

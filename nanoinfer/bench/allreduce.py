@@ -56,7 +56,7 @@ def worker(rank: int, world: int, port: int, hidden: int, batches: list[int], re
     site = AllReduce(hidden)
     fused = use_symmetric_memory(site, max(batches), torch.bfloat16, torch.device("cuda", rank))
     try:
-        import torch.distributed._symmetric_memory as symm_mem
+        import torch.distributed._symmetric_memory as symm_mem  # private PyTorch module: absent from some builds
         buf = symm_mem.empty(max(batches) * hidden, dtype=torch.bfloat16, device=f"cuda:{rank}")
         symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
         symm = (symm_mem, buf)

@@ -14,17 +14,17 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from nanoinfer.engine.tp_executor import free_port
+from nanoinfer.bench.random_model import make_random_model_dir
+from nanoinfer.config import Config
+from nanoinfer.engine.model_runner import ModelRunner
+from nanoinfer.engine.tp_executor import NO_MULTICAST, free_port
+from nanoinfer.sampling.sampler import vocab_shard_sample
+from nanoinfer.step.step_message import SampleInput, SamplingPlan, StepInput
 
 STEPS = 50
 
 
 def rank_main(rank: int, args, path: str, port: int):
-    from nanoinfer.config import Config
-    from nanoinfer.engine.model_runner import ModelRunner
-    from nanoinfer.step.step_message import SampleInput, SamplingPlan, StepInput
-    from nanoinfer.engine.tp_executor import NO_MULTICAST
-    from nanoinfer.sampling.sampler import vocab_shard_sample
     for name, value in NO_MULTICAST.items():
         os.environ.setdefault(name, value)
     config = Config(path, tensor_parallel_size=args.tp, load_format="dummy", max_num_seqs=args.batch,
@@ -66,7 +66,6 @@ def rank_main(rank: int, args, path: str, port: int):
 
 
 def main():
-    from nanoinfer.bench.random_model import make_random_model_dir
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="8b", help="a random model shape (nanoinfer.bench.random_model.SHAPES)")
     p.add_argument("--tp", type=int, default=1)

@@ -15,6 +15,7 @@ import torch
 
 from nanoinfer import LLM, PoolingParams
 from nanoinfer.bench.random_model import SHAPES, make_random_model_dir
+from nanoinfer.utils.ceilings import measure_ceilings
 
 
 def prefill_bound(steps, hf, weight_bytes: int, dtype_bytes: int, bandwidth: float, flops_rate: float) -> float:
@@ -83,7 +84,6 @@ def main(argv=None):
             f"({args.model or 'random Qwen3-' + args.config}, {llm.config.device}, {len(steps)} steps): "
             f"{args.num_prompts / best:.1f} prompts/s, {tokens / best:.0f} tok/s")
     if llm.config.device == "cuda":
-        from nanoinfer.utils.ceilings import measure_ceilings
         params = list(llm.model_runner.model.parameters())
         weight_bytes = sum(x.numel() * x.element_size() for x in params)
         dtype_bytes = torch.tensor([], dtype=llm.config.torch_dtype).element_size()

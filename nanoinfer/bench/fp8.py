@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from nanoinfer.bench.kernels import bench_graph
-from nanoinfer.kernels.fp8_gemm import fp8_gemm
+from nanoinfer.kernels.fp8_gemm import default_config, fp8_gemm
 from nanoinfer.kernels.fp8_gemv import fp8_gemv
 from nanoinfer.kernels.fp8_quant import quantize_fp8
 from nanoinfer.kernels.gemv import gemv
@@ -73,7 +73,6 @@ TUNE_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
 def tune(tokens):
     """The Triton GEMM (row-wise and 128x128-block scales) at every config of TUNE_CONFIGS: the
     default's time and the best three per shape."""
-    from nanoinfer.kernels.fp8_gemm import default_config
     for m in tokens:
         for name, n, k in SHAPES:
             ws = weights(n, k, min(8, max(2, -(-(256 << 20) // (n * k)))))

@@ -21,10 +21,12 @@ import time
 
 import torch
 
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.utils.tiny_model import build_tiny_checkpoint
+
 
 def tiny_checkpoint() -> str:
     """A one-layer, 32-wide Qwen3 with the built-in tokenizer, built once into a cache directory."""
-    from nanoinfer.utils.tiny_model import build_tiny_checkpoint
     cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
     path = os.path.join(cache, "nanoinfer", "host-step-qwen3-v1")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
@@ -56,7 +58,6 @@ class ComputeTimer:
 def run_batch(llm, timer: list[float], batch: int, output_len: int, rng: random.Random):
     """One run of `batch` requests; per decode-only step (the first two skipped): seconds of
     schedule, encode + launch less the compute, process less the wait, and the compute."""
-    from nanoinfer import SamplingParams
     prompts = [[rng.randrange(3, llm.vocab_size) for _ in range(16)] for _ in range(batch)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=output_len)] * batch
     rids = llm.add_requests(prompts, params, keep_output=True)
@@ -83,7 +84,6 @@ def main():
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: the device computes asynchronously, so no compute is subtracted (CUDA graphs on)")
     args = p.parse_args()
-    from nanoinfer import LLM
     batches = [int(b) for b in args.batches.split(",")]
     if args.profile:
         batches = [args.profile]

@@ -11,6 +11,12 @@ import time
 from random import Random
 
 import numpy as np
+import torch
+
+from nanoinfer import SamplingParams
+from nanoinfer.models.qwen2_5_vision import window_order
+from nanoinfer.multimodal.feature import ImageFeature
+from nanoinfer.multimodal.tiny_model import save_image_processor, vl_config, vl_tokenizer
 
 VL_SHAPES = {
     "7b": dict(text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -27,7 +33,6 @@ VL_SHAPES = {
 def make_random_vl_model_dir(shape: str) -> str:
     """A Qwen2.5-VL directory of `shape` (VL_SHAPES) with no weights (load it with load_format='dummy'):
     config.json, the PIL image processor with Qwen2.5-VL's pixel bounds, a small local tokenizer."""
-    from nanoinfer.multimodal.tiny_model import save_image_processor, vl_config, vl_tokenizer
     path = os.path.join(tempfile.gettempdir(), f"nanoinfer-bench-qwen2_5_vl-{shape}")
     os.makedirs(path, exist_ok=True)
     tokenizer = vl_tokenizer()
@@ -57,7 +62,6 @@ def make_random_vl_model_dir(shape: str) -> str:
 def vision_flops(vision, grids: list[tuple[int, int, int]]) -> float:
     """Matmul and attention FLOPs of the vision tower over these images (patch embedding, every block's
     projections, MLP and window / full attention, the merger)."""
-    from nanoinfer.models.qwen2_5_vision import window_order
     d, inner, merge = vision.hidden_size, vision.intermediate_size, vision.spatial_merge_size
     patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
     n = sum(t * h * w for t, h, w in grids)
@@ -83,7 +87,6 @@ class EncoderTimer:
         model.encode_images = self
 
     def __call__(self, pixels, grids):
-        import torch
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -107,7 +110,7 @@ class EncoderTimer:
 
 def image_requests(llm, num: int, size: int, text_len: int, seed: int = 0) -> list[dict]:
     """Token-id prompts: the image placeholder, then text_len random text tokens; one random image each."""
-    from PIL import Image
+    from PIL import Image  # optional dependency (nanoinfer[vision])
     rng = np.random.RandomState(seed)
     hf = llm.config.hf_config
     words = Random(seed)
@@ -124,9 +127,6 @@ def image_requests(llm, num: int, size: int, text_len: int, seed: int = 0) -> li
 def image_workload(llm, args, bound_of, flops_rate: float | None, run) -> None:
     """bench.py --images N. bound_of(steps): the language model's bound (None off CUDA); run: bench.py's
     run(llm, prompts, params) -> (steps, seconds)."""
-    import torch
-    from nanoinfer import SamplingParams
-    from nanoinfer.multimodal.feature import ImageFeature
     cuda = llm.config.device == "cuda"
     sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.image_output_len)
     # warm-up, as bench.py's for text: as many requests of the same shapes, other images (kernels

@@ -19,6 +19,7 @@ import math
 import sys
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 import triton
 from triton.testing import do_bench
 
@@ -172,7 +173,6 @@ def run_prefill(inputs, config=None, batch=8, seqlen=2048):
 
 
 def run_sdpa(batch=8, seqlen=2048):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     F = torch.nn.functional
     q = torch.randn(batch, H, seqlen, D, device="cuda", dtype=DTYPE)
     k = torch.randn(batch, KVH, seqlen, D, device="cuda", dtype=DTYPE)

@@ -16,17 +16,20 @@ import random
 import tempfile
 import time
 
+from safetensors.torch import save_file
 import torch
+from transformers import AutoConfig
 
 from nanoinfer import LLM, LoRARequest, SamplingParams
+from nanoinfer.bench.random_model import make_random_model_dir
+from nanoinfer.lora.linear import LoRALinearMethod
 from nanoinfer.lora.targets import TARGET_MODULES, target_shapes
+from nanoinfer.utils.context import reset_context, set_context
 
 
 def make_random_adapters(model: str, num: int, rank: int, seed: int = 0) -> list[str]:
     """`num` PEFT adapter directories for the model at `model` (its config.json), rank `rank`, every
     target module, random bf16 weights (small: the outputs stay finite)."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
     hf = AutoConfig.from_pretrained(model)
     shapes = target_shapes(hf)
     paths = []
@@ -79,8 +82,6 @@ def adapter_time(llm: LLM, batch: int, num_adapters: int, reps: int = 20) -> flo
     part of the layer's product: what is timed is the whole difference). On CUDA both run replayed
     from a CUDA graph, as in the engine (no launch cost in the figure). tp=1 only: the layers live in
     this process."""
-    from nanoinfer.lora.linear import LoRALinearMethod
-    from nanoinfer.utils.context import reset_context, set_context
     runner = llm.model_runner
     if not hasattr(runner, "model"):
         return None
@@ -172,7 +173,6 @@ def main():
 
 
 def run_from_args(args):
-    from nanoinfer.bench.random_model import make_random_model_dir
     model = args.model or make_random_model_dir(args.config)
     compare(model, args.adapters, args.rank, args.batches, args.input_len, args.output_len,
             dummy=args.model is None, enforce_eager=args.enforce_eager)

@@ -16,7 +16,11 @@ import argparse
 import itertools
 
 import torch
+from triton.testing import do_bench, do_bench_cudagraph
 
+from nanoinfer.kernels.fused_moe import default_config, fused_moe, moe_align
+from nanoinfer.kernels.moe_gemv import moe_gemv, route_topk
+from nanoinfer.layers.fused_moe import fused_moe_torch, select_experts
 from nanoinfer.utils.ceilings import measure_ceilings
 
 
@@ -43,7 +47,6 @@ def moe_step_costs(hf, dtype_bytes: int, tokens: int, tp_size: int = 1) -> tuple
 
 
 def time_ms(fn, graph: bool) -> float:
-    from triton.testing import do_bench, do_bench_cudagraph
     fn()  # compile outside the timing (and the capture)
     torch.cuda.synchronize()
     return do_bench_cudagraph(fn, return_mode="median") if graph else do_bench(fn, return_mode="median")
@@ -77,8 +80,6 @@ def parse_args(argv=None):
 
 
 def bench(args, device, dtype=torch.bfloat16, timer=time_ms, ceilings=measure_ceilings):
-    from nanoinfer.kernels.fused_moe import default_config, fused_moe, moe_align
-    from nanoinfer.layers.fused_moe import fused_moe_torch, select_experts
 
     h, inter, num_experts, top_k = args.hidden, args.inter, args.experts, args.top_k
     bandwidth, flops_rate = ceilings(device)
@@ -112,7 +113,6 @@ def bench(args, device, dtype=torch.bfloat16, timer=time_ms, ceilings=measure_ce
         align_ms = timer(lambda: moe_align(ids, num_experts, cfg["BLOCK_M"]), graph)
         print(f"    of which moe_align (3 kernels): {align_ms * 1e3:.1f} us")
         if m <= 16:
-            from nanoinfer.kernels.moe_gemv import moe_gemv, route_topk
             logits = torch.randn(m, num_experts, device=device, generator=gen).to(dtype)
             report("few-token kernels (moe_gemv)", timer(lambda: moe_gemv(x, w13, w2, weights, ids), graph))
             report("routing + grouped path (select_experts, fused_moe)",

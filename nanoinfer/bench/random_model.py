@@ -5,6 +5,8 @@ import json
 import os
 import tempfile
 
+from nanoinfer.utils.tiny_model import train_tokenizer
+
 SHAPES = {
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
@@ -23,7 +25,6 @@ SHAPES = {
 def make_random_model_dir(shape: str) -> str:
     """The directory of a Qwen3 model of `shape` (a key of SHAPES), in the system's temporary
     directory; load it with load_format='dummy'."""
-    from nanoinfer.utils.tiny_model import train_tokenizer
     path = os.path.join(tempfile.gettempdir(), f"nanoinfer-bench-qwen3-{shape}")
     os.makedirs(path, exist_ok=True)
     config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_act="silu",

@@ -17,6 +17,7 @@ The proposer's own host time a step is printed beside it (a greedy draft's forwa
 the device while the host launches the verification, so their device time is inside the step).
 Greedy sampling throughout (a draft equal to its target then accepts all).
 """
+import random
 import time
 
 import torch
@@ -100,7 +101,6 @@ def compare(target: str, draft: str, k: int, batches, prompt_len: int, output_le
     """The table (see the module's doc). `target` / `draft`: checkpoint directories (random-weight
     ones with dummy=True). `runs`: which of RUNS to run (each builds its engine: on a device with a
     time limit per command, run them in parts)."""
-    import random
     load = "dummy" if dummy else "auto"
     common = dict(enforce_eager=enforce_eager, max_model_len=max_model_len, load_format=load, **options)
     same = {"model": target, "num_speculative_tokens": k}

@@ -1,5 +1,5 @@
 """Structured outputs' per-step cost, for a CPU: the structured bench's workload (temperature 0.6,
-ignore_eos, any JSON object for the constrained rows; nanoinfer/structured/bench.py) on a toy body
+ignore_eos, any JSON object for the constrained rows; nanoinfer/bench/structured.py) on a toy body
 with the full 151,936-token vocabulary (random_model.py's "tiny"), with 0, 1/8 and all rows
 constrained. Per launched step it times, with perf_counter, the host's mask work (matchers advanced,
 masks filled) and the mask's application to the logits (the GRAMMAR stage); it counts the engine's
@@ -13,7 +13,10 @@ import time
 
 from nanoinfer import LLM
 from nanoinfer.bench.random_model import make_random_model_dir
-from nanoinfer.structured.bench import params_for, workload
+from nanoinfer.bench.structured import params_for, workload
+import nanoinfer.sampling.plan as plan
+import nanoinfer.sampling.stages as stages
+import nanoinfer.structured.step_masks as step_masks
 
 FRACTIONS = (0.0, 0.125, 1.0)
 
@@ -38,9 +41,6 @@ def main():
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
-    import nanoinfer.sampling.plan as plan
-    import nanoinfer.sampling.stages as stages
-    import nanoinfer.structured.step_masks as step_masks
 
     totals = {"fill": 0.0, "apply": 0.0}
     _timed(plan, "fill_bitmasks", totals, "fill")              # masks filled with the plan (tensor parallel)

@@ -2,6 +2,8 @@
 import os
 from numbers import Integral
 
+import torch
+
 
 def check_data_parallel_size(value) -> int:
     if not isinstance(value, Integral) or isinstance(value, bool):
@@ -25,7 +27,6 @@ def replica_envs(data_parallel_size: int, options: dict) -> list[dict[str, str]]
     if visible is not None:
         devices = [d.strip() for d in visible.split(",") if d.strip()]
     else:
-        import torch
         devices = [str(i) for i in range(torch.cuda.device_count())]
     if dp * tp > len(devices):
         raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} CUDA devices; "
@@ -38,5 +39,4 @@ def _uses_cuda(device) -> bool:
         return True
     if device != "auto":
         return False  # "cpu", or a bad value the engine names
-    import torch
     return torch.cuda.is_available()

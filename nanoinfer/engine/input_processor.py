@@ -25,7 +25,7 @@ from numbers import Integral
 
 from nanoinfer.config import Config
 from nanoinfer.engine.detokenizer import encode
-from nanoinfer.engine.feature import Intake
+from nanoinfer.step.feature import Intake
 from nanoinfer.step.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
 

@@ -11,12 +11,12 @@ ModelRunner in this process (one rank) or a TensorParallelExecutor driving worke
 take the step as encoded by engine/step_encoder.py. With disable_log_stats=False, processing also
 counts the engine's statistics (engine/stats.py), logged between steps.
 
-Features attach through hooks (engine/feature.py) that the engine calls at fixed points: intake,
+Features attach through hooks (step/feature.py) that the engine calls at fixed points: intake,
 a step encoded, a step launched once the step before it is processed, before the next forward, a
 step's results, a request's output, exit. A step a feature awaits (`Launched.awaits`: launched up
 to its logits, e.g. waiting for token masks) completes before the next step's forward or before
 its results are collected. How long each decoding row is, the row planner decides
-(engine/row_planner.py). Which features and planner an engine runs with, the composition place
+(step/row_planner.py). Which features and planner an engine runs with, the composition place
 above it decides (nanoinfer/features.py); the engine names none.
 
 Requests enter through the InputProcessor (engine/input_processor.py) and live in one registry,
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from nanoinfer.config import Config
 from nanoinfer.engine.engine_requests import EngineRequests
 from nanoinfer.engine.engine_threads import EngineThreads
-from nanoinfer.engine.feature import Composition, EngineParts
+from nanoinfer.step.feature import Composition, EngineParts
 from nanoinfer.engine.input_processor import InputProcessor
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.engine.output_processor import OutputProcessor, Request

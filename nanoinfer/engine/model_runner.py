@@ -22,7 +22,7 @@ from nanoinfer.engine.warm_up import warm_up
 from nanoinfer.layers.all_reduce import use_symmetric_memory
 from nanoinfer.layers.attention_backend import select_attention_backend
 from nanoinfer.layers.fused_moe import FusedMoE
-from nanoinfer.models import build_model
+from nanoinfer.models.build import build_model
 from nanoinfer.sampling.sampler import Sampled, Sampler
 from nanoinfer.utils.context import get_context, reset_context
 from nanoinfer.utils.threads import cpu_threads
@@ -43,7 +43,7 @@ class InFlight:
 
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, dist_init_method: str | None = None, rank_features=()):
-        """rank_features: factories of this rank's RankFeatures (engine/feature.py), each called with it."""
+        """rank_features: factories of this rank's RankFeatures (step/feature.py), each called with it."""
         self.config = config
         self.rank = rank
         self.world_size = config.tensor_parallel_size

@@ -22,7 +22,7 @@ words of several tokens: SamplingParams.needs_host_tokens_to_launch) is not sche
 a token in flight, so it runs every other step while the rest of the batch overlaps; with
 `late_masks` (the engine fills token masks after the launch) only those wait, else every request
 that needs_host_tokens does. How long a decoding row is comes from the row planner
-(engine/row_planner.py); which waiting sequence may join the running ones, from an optional
+(step/row_planner.py); which waiting sequence may join the running ones, from an optional
 `admission` rule (LoRA's: at most max_loras distinct adapters running, lora/admission.py).
 
 A sequence whose intake work is still running (`seq.intake`, a future: a grammar's compile, image
@@ -37,7 +37,7 @@ from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS
 from nanoinfer.engine.priority_preemption import preempt_for_waiting
-from nanoinfer.engine.row_planner import RowPlanner
+from nanoinfer.step.row_planner import RowPlanner
 from nanoinfer.engine.scheduled_batch import ScheduledBatch, StepUpdate, ending_of
 from nanoinfer.step.sequence import Sequence, SequenceStatus
 from nanoinfer.engine.wait_queue import PriorityWaitQueue, WaitQueue, priority_key

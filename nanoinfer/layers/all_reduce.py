@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from nanoinfer.kernels.all_reduce_norm import PROGRAMS, all_reduce_norm
 
 logger = logging.getLogger("nanoinfer")
 
@@ -66,7 +67,6 @@ class PartialSum:
     site: AllReduce
 
     def reduce_norm(self, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
-        from nanoinfer.kernels.all_reduce_norm import all_reduce_norm
         peers = self.site.peers
         n, features = self.value.shape
         return all_reduce_norm(peers.buffer_ptrs, peers.flag_ptrs, peers.counters, peers.rank, n, features,
@@ -79,14 +79,13 @@ def use_symmetric_memory(model: nn.Module, max_rows: int, dtype: torch.dtype, de
     to NCCL if any rank cannot: what can fail on one rank alone (PyTorch too old, no peer access,
     allocation) is tried before any collective and agreed on, so no rank skips a collective that
     a peer waits in. A rendezvous or check reduction that then raises fails the rank loudly."""
-    from nanoinfer.kernels.all_reduce_norm import PROGRAMS
     sites = [m for m in model.modules() if isinstance(m, AllReduce)]
     if not sites:
         return False
     world, rank = dist.get_world_size(), dist.get_rank()
     tensors = None
     try:
-        import torch.distributed._symmetric_memory as symm_mem
+        import torch.distributed._symmetric_memory as symm_mem  # private PyTorch module: absent from some builds
         if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce"):
             raise RuntimeError("this PyTorch has no one-shot all-reduce")
         if dtype not in (torch.bfloat16, torch.float32):  # what PyTorch's one-shot all-reduce takes

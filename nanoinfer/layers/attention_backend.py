@@ -116,7 +116,7 @@ class FlashAttnBackend(FusedEpilogueBackend):
         if kv_cache_dtype != "auto":
             raise ValueError(f"the flash_attn backend cannot read an FP8 KV cache (kv_cache_dtype={kv_cache_dtype!r}); "
                              "use the triton backend, or kv_cache_dtype='auto'")
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # optional dependency
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
     def attend(self, layer, q):
@@ -132,7 +132,7 @@ class FlashAttnBackend(FusedEpilogueBackend):
 
 def flash_attn_importable() -> bool:
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn  # noqa: F401  (optional dependency)
     except ImportError:
         return False
     return True

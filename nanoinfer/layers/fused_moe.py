@@ -13,9 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.kernels.fused_moe import fp8_tile_k, fused_moe
+from nanoinfer.kernels.moe_gemv import moe_gemv, route_topk
 from nanoinfer.layers.all_reduce import AllReduce
 from nanoinfer.layers.linear import ReplicatedLinear
 from nanoinfer.layers.model_build import ModelBuild, TensorParallel, join
+from nanoinfer.quant import fp8_linear
+from nanoinfer.quant.fp8_math import cdiv, check_block_cut, dequantize, group_k, quantize_rows, scale_rows
 from nanoinfer.utils.loader import check_shape
 
 
@@ -75,7 +79,6 @@ class _Experts(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, rows, cols, dtype=dtype), requires_grad=False)
         params = [self.weight]
         if fp8 is not None:
-            from nanoinfer.quant.fp8_math import cdiv, group_k
             self.group_k = group_k(fp8, cols)
             scale = nn.Parameter(torch.empty(num_experts, rows, cdiv(cols, self.group_k), dtype=torch.float32),
                                  requires_grad=False)
@@ -102,7 +105,6 @@ class _Experts(nn.Module):
                 self.target(param, shard_id).copy_(share)
                 return
             # online FP8: this rank's rows quantized, each row its own scale
-            from nanoinfer.quant.fp8_math import quantize_rows
             q, scale = quantize_rows(share.to(param.device))
             self.target(param, shard_id).copy_(q)
             self.target(self.scale, shard_id).copy_(scale)
@@ -123,9 +125,6 @@ class _Experts(nn.Module):
         elsewhere (CPU) they are dequantized to the model's dtype."""
         if self.fp8 is None:
             return
-        from nanoinfer.kernels.fused_moe import fp8_tile_k
-        from nanoinfer.quant import fp8_linear
-        from nanoinfer.quant.fp8_math import dequantize
         scale = self.scale
         if fp8_linear.keeps_fp8(self.weight.device) and fp8_tile_k(self.group_k, scale.shape[2], 128) is not None:
             if self.fp8.static_input:
@@ -158,7 +157,6 @@ class ExpertsGateUp(_Experts):
         return loaded.narrow(0, self.tp_rank * self.local, self.local)
 
     def scale_share(self, loaded: torch.Tensor) -> torch.Tensor:
-        from nanoinfer.quant.fp8_math import check_block_cut, scale_rows
         full = self.local * self.tp_size
         rows = scale_rows(self.fp8, loaded, full, self.weight.shape[2])
         check_block_cut(self.fp8, self.tp_rank * self.local, self.local, full, 0, "output")
@@ -180,7 +178,6 @@ class ExpertsDown(_Experts):
         return loaded.narrow(1, self.tp_rank * self.local, self.local)  # loaded [H, I]
 
     def scale_share(self, loaded: torch.Tensor) -> torch.Tensor:
-        from nanoinfer.quant.fp8_math import check_block_cut, scale_rows
         full, start = self.local * self.tp_size, self.tp_rank * self.local
         rows = scale_rows(self.fp8, loaded, self.weight.shape[1], full)
         check_block_cut(self.fp8, start, self.local, full, 1, "input")
@@ -224,19 +221,15 @@ class FusedMoE(nn.Module):
         w13, w2 = gate_up.weight, down.weight
         kernels = runs_kernels(x)
         if kernels:
-            from nanoinfer.kernels.moe_gemv import route_topk
             weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)
         else:
             weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         if kernels and gate_up.scale is None and x.shape[0] <= GEMV_MAX_TOKENS:
-            from nanoinfer.kernels.moe_gemv import moe_gemv
             out = moe_gemv(x, w13, w2, weights, ids)
         elif gate_up.scale is not None:  # FP8 experts, kept FP8 (CUDA)
-            from nanoinfer.kernels.fused_moe import fused_moe
             out = fused_moe(x, w13, w2, weights, ids, w13_scale=gate_up.scale, w2_scale=down.scale,
                             group_k13=gate_up.group_k, group_k2=down.group_k)
         elif kernels:
-            from nanoinfer.kernels.fused_moe import fused_moe
             out = fused_moe(x, w13, w2, weights, ids)
         else:
             out = fused_moe_torch(x, w13, w2, weights, ids)

@@ -1,7 +1,7 @@
-"""LoRA's engine hooks (engine/feature.py): at intake, the request's adapter is checked against the
+"""LoRA's engine hooks (step/feature.py): at intake, the request's adapter is checked against the
 model (intake.py) and rides on its sequences; each step's message places its adapters in device
 slots (slot_table.py). The scheduler's rule on distinct adapters is admission.py."""
-from nanoinfer.engine.feature import EngineFeature, Intake, RankFeature
+from nanoinfer.step.feature import EngineFeature, Intake, RankFeature
 from nanoinfer.lora.device_adapters import DeviceAdapters
 from nanoinfer.lora.intake import LoRAIntake
 from nanoinfer.lora.slot_table import AdapterSlotTable

@@ -33,6 +33,7 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
+from nanoinfer.kernels.lora_expand import lora_expand
 from nanoinfer.layers.linear_method import (Deferred, DenseLinearMethod, LinearMethod, fuses_prologue, linear,
                                              linear_parameter)
 from nanoinfer.lora.targets import layer_shards
@@ -101,7 +102,6 @@ class LoRALinearMethod(LinearMethod):
         if out is None:
             out = y if y.is_contiguous() else torch.empty(y.shape, dtype=y.dtype, device=y.device)
         if expand_kernel_for(y):
-            from nanoinfer.kernels.lora_expand import lora_expand
             return lora_expand(shrunk, layer.lora_b, ctx.lora_slots, y, self.num_slots, out=out)
         if ctx.lora_mask is None:  # the forward's first LoRA layer (inside a CUDA graph: captured too)
             ctx.lora_mask = slot_mask(ctx.lora_slots, self.num_slots, shrunk.dtype)

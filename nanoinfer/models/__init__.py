@@ -1,16 +1,12 @@
-"""HF `architectures` name -> our model class; the config checks made before any layer is built;
-`build_model`, which builds and loads one rank's model. The numeric limits (size caps, eps and
+"""HF `architectures` name -> our model class, and the config checks made before any layer is built
+(models/build.py builds and loads one rank's model). The numeric limits (size caps, eps and
 theta, the weights against the memory) are models/config_limits.py's."""
-from typing import TYPE_CHECKING
+import importlib
 
-import torch
-from torch import nn
 from transformers import PretrainedConfig
 
-from nanoinfer.models.config_limits import check_fits_memory, check_norm_and_rope, check_size_caps
-
-if TYPE_CHECKING:
-    from nanoinfer.layers.attention_backend import AttentionBackend
+from nanoinfer.models.config_limits import check_norm_and_rope, check_size_caps
+from nanoinfer.multimodal.config import check_vision_config
 
 MODELS = {
     "Qwen3ForCausalLM": ("nanoinfer.models.qwen3", "Qwen3ForCausalLM"),
@@ -34,7 +30,6 @@ def check_architecture(config: PretrainedConfig) -> str:
             _check_supported_options(config)
             _check_moe_and_window(config, arch)
             if getattr(config, "vision_config", None) is not None:
-                from nanoinfer.multimodal.config import check_vision_config
                 check_vision_config(config)
             return arch
     raise ValueError(f"unsupported architecture {archs or getattr(config, 'model_type', None)!r}; "
@@ -99,55 +94,5 @@ def _check_moe_and_window(config: PretrainedConfig, arch: str):
 
 
 def get_model_class(config: PretrainedConfig):
-    import importlib
     module, name = MODELS[check_architecture(config)]
     return getattr(importlib.import_module(module), name)
-
-
-def build_model(config, rank: int, world_size: int, device: torch.device,
-                attention_backend: "AttentionBackend") -> nn.Module:
-    """The model of `config` (a nanoinfer Config) for tensor-parallel rank `rank` of `world_size`: built on `device` in
-    config.torch_dtype (seeded: the same random values wherever nothing is loaded), each linear layer
-    with the weight method of the checkpoint's quantization_config or of config.quantization
-    (nanoinfer/quant; with enable_lora, wrapped by the LoRA method of nanoinfer/lora), then its
-    weights loaded, or drawn at random for load_format="dummy", then each weight method (and each
-    module that has one, as FP8 experts) told the weights are in."""
-    # (the layers are imported here: config.py runs this module's checks without them)
-    from nanoinfer.layers.linear import LinearBase
-    from nanoinfer.layers.model_build import ModelBuild, TensorParallel
-    from nanoinfer.quant import fp8_scheme, linear_method_chooser
-    from nanoinfer.utils.loader import init_dummy_weights, load_model
-    hf = config.hf_config
-    scheme = fp8_scheme(config.quantization, hf)
-    model_class = get_model_class(hf)
-    fp8 = scheme is not None and torch.device(device).type == "cuda"  # (CPU dequantizes at load)
-    check_fits_memory(hf, check_architecture(hf), config.torch_dtype, device, world_size, config.max_model_len,
-                      fp8=fp8, fp8_experts=fp8)
-    packed = getattr(model_class, "packed_modules_mapping", {})
-    choose = linear_method_chooser(scheme, packed)
-    if config.enable_lora:  # adapters wrap each projection's method (nanoinfer/lora)
-        from nanoinfer.lora.linear import lora_method_chooser
-        choose = lora_method_chooser(choose, packed, config.max_loras, config.max_lora_rank)
-    build = ModelBuild(TensorParallel(rank, world_size), attention_backend, linear_method=choose,
-                       max_model_len=config.max_model_len)  # sizes the RoPE cache
-    torch.manual_seed(config.seed)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(config.torch_dtype)
-    try:
-        with torch.device(device):
-            model = model_class(hf, build)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    if getattr(config, "runner", "generate") == "pooling" and not getattr(model, "tie_word_embeddings", True):
-        model.lm_head.weight.optional_in_checkpoint = True  # embeddings never use the LM head
-        model.lm_head.weight.data.zero_()  # (absent from a base-model checkpoint: defined, so finite)
-    if config.load_format == "dummy":
-        init_dummy_weights(model, config.seed)
-    else:
-        load_model(model, config.model, config.kv_cache_dtype)
-    for module in model.modules():
-        if isinstance(module, LinearBase):
-            module.method.process_weights_after_loading(module)
-        elif hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()
-    return model

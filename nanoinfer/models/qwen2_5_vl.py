@@ -12,7 +12,8 @@ from transformers import PretrainedConfig
 from nanoinfer.layers.model_build import ModelBuild, TensorParallel
 from nanoinfer.models.qwen2_5_vision import Qwen2_5_VisionTransformer, dummy_images
 from nanoinfer.models.qwen3 import Qwen2ForCausalLM
-from nanoinfer.multimodal.mrope import MRotaryEmbedding, mrope_for
+from nanoinfer.models.vl_rope import mrope_for
+from nanoinfer.multimodal.mrope import MRotaryEmbedding
 from nanoinfer.utils.context import get_context
 
 

@@ -12,7 +12,8 @@ from nanoinfer.layers.model_build import ModelBuild, TensorParallel
 from nanoinfer.models.qwen3 import Qwen3ForCausalLM
 from nanoinfer.models.qwen2_5_vision import dummy_images
 from nanoinfer.models.qwen3_vl_vision import Qwen3VLVisionTransformer
-from nanoinfer.multimodal.mrope import MRotaryEmbedding, mrope_for
+from nanoinfer.models.vl_rope import mrope_for
+from nanoinfer.multimodal.mrope import MRotaryEmbedding
 from nanoinfer.utils.context import get_context
 
 

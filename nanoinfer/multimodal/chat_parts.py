@@ -21,7 +21,7 @@ def image_of_part(part: Mapping, where: str, media: MediaLoader | None, max_pixe
     if media is None:
         raise ValueError(f"{where} has type {kind!r}: image parts need a vision-language model")
     if kind == "image_pil":
-        from PIL import Image
+        from PIL import Image  # optional dependency (nanoinfer[vision])
         image = part.get("image_pil")
         if not isinstance(image, Image.Image):
             raise TypeError(f"{where}['image_pil'] must be a PIL.Image.Image, got {type(image).__name__}")

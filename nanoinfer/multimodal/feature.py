@@ -1,8 +1,8 @@
-"""Images' engine hooks (engine/feature.py): at intake, a prompt's image placeholders expand before
+"""Images' engine hooks (step/feature.py): at intake, a prompt's image placeholders expand before
 its length is checked, and its images are preprocessed in an intake thread (processor.py); each
 step's message gets its rows' rotary positions and the images to encode (step_planner.py). A model
 that takes no images refuses a prompt that brings some."""
-from nanoinfer.engine.feature import EngineFeature, Intake, RankFeature
+from nanoinfer.step.feature import EngineFeature, Intake, RankFeature
 from nanoinfer.multimodal.encoder_cache import EncoderCache
 from nanoinfer.multimodal.inputs import PROMPT_KEYS, split_multi_modal
 from nanoinfer.multimodal.processor import MultiModalProcessor

@@ -15,6 +15,8 @@ import os
 import time
 from urllib.parse import unquote, urlparse
 
+import httpx
+
 MAX_IMAGE_BYTES = 20 << 20   # an encoded image, from any source
 FETCH_TIMEOUT_S = 10.0
 MAX_IMAGE_PIXELS = 1 << 26   # decoded size (8192 x 8192): a decompression bomb is refused before it is decoded
@@ -78,7 +80,6 @@ class MediaLoader:
         if host not in self.domains:
             raise ValueError(f"image URL host {host!r} is not in allowed_media_domains (--allowed-media-domains); "
                              "http(s) images are fetched only from the hosts listed there")
-        import httpx
         data = bytearray()
         deadline = time.monotonic() + FETCH_TIMEOUT_S  # the whole fetch (httpx's timeout is per read)
         try:
@@ -111,7 +112,7 @@ def _data_url_bytes(url: str) -> bytes:
 def decode_image(data: bytes, max_pixels: int | None = None):
     """Encoded bytes -> a loaded PIL image (RGB conversion is the image processor's); not an image,
     or an image of more than `max_pixels` (None: MAX_IMAGE_PIXELS), is a ValueError."""
-    from PIL import Image
+    from PIL import Image  # optional dependency (nanoinfer[vision])
     limit = MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
     try:
         with Image.open(io.BytesIO(data)) as image:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 import xxhash
+from transformers import AutoImageProcessor
 
 from nanoinfer.multimodal.inputs import ImageItem, MultiModalInputs
 from nanoinfer.multimodal.limits import check_item_count
@@ -29,7 +30,7 @@ PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
 def check_images(images, max_pixels: int = MAX_IMAGE_PIXELS) -> list:
     """multi_modal_data["image"]: one PIL image or a non-empty list of them, each of positive size
     and at most `max_pixels` pixels."""
-    from PIL import Image
+    from PIL import Image  # optional dependency (nanoinfer[vision])
     items = images if isinstance(images, (list, tuple)) else [images]
     if not items:
         raise ValueError("multi_modal_data['image'] is an empty list")
@@ -176,12 +177,11 @@ def load_image_processor(model_path: str):
     """The checkpoint's image processor (transformers' class named by preprocessor_config.json; the
     PIL one when torchvision is absent). Needs Pillow: `pip install nanoinfer[vision]`."""
     try:
-        import PIL  # noqa: F401
+        import PIL  # noqa: F401  (optional dependency: nanoinfer[vision])
     except ImportError:
         raise ValueError("images need Pillow: pip install 'nanoinfer[vision]'") from None
     if not os.path.isfile(os.path.join(model_path, "preprocessor_config.json")):
         raise ValueError(f"the checkpoint {model_path!r} has no preprocessor_config.json (its image processor)")
-    from transformers import AutoImageProcessor
     try:
         return AutoImageProcessor.from_pretrained(model_path, trust_remote_code=False)
     except Exception as e:

@@ -4,6 +4,10 @@ fixtures and bench.py's CPU check. Nothing is downloaded."""
 import json
 import os
 
+import torch
+from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
+                          Qwen3VLForConditionalGeneration)
+
 from nanoinfer.utils.tiny_model import train_tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -14,7 +18,6 @@ def vl_config(tokenizer, *, hidden_size=64, num_layers=2, num_heads=4, num_kv_he
               vision_hidden=32, vision_heads=2, vision_depth=2, fullatt_block_indexes=(1,), window_size=56,
               mrope_section=(2, 3, 3), max_position_embeddings=4096, vocab_size=None):
     """A Qwen2_5_VLConfig whose special token ids are the tokenizer's."""
-    from transformers import Qwen2_5_VLConfig
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     text = dict(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
                 num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
@@ -35,7 +38,6 @@ def qwen3_vl_config(tokenizer, *, hidden_size=64, num_layers=3, num_heads=4, num
                     intermediate_size=128, vision_hidden=32, vision_heads=2, vision_depth=3,
                     deepstack_visual_indexes=(0, 1), num_position_embeddings=64, mrope_section=(4, 2, 2)):
     """A Qwen3VLConfig (interleaved M-RoPE, DeepStack) whose special token ids are the tokenizer's."""
-    from transformers import Qwen3VLConfig
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     text = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
                 num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
@@ -62,7 +64,7 @@ def vl_tokenizer():
 def save_image_processor(path: str, min_pixels: int = 4 * 28 * 28, max_pixels: int = 64 * 28 * 28,
                          patch_size: int = 14):
     """The PIL Qwen2-VL image processor (no torchvision needed), its pixel bounds small for CPU tests."""
-    try:
+    try:  # (the class name depends on the transformers version)
         from transformers import Qwen2VLImageProcessorPil as processor_class
     except ImportError:  # transformers 4.x: the slow processor is the PIL one
         from transformers import Qwen2VLImageProcessor as processor_class
@@ -72,8 +74,6 @@ def save_image_processor(path: str, min_pixels: int = 4 * 28 * 28, max_pixels: i
 def build_tiny_vl_checkpoint(path: str, seed: int = 0, arch: str = "qwen2_5_vl", **sizes) -> str:
     """Write a random Qwen2.5-VL (arch "qwen2_5_vl") or Qwen3-VL ("qwen3_vl") checkpoint (float32)
     with its image processor and tokenizer to `path`. `sizes`: vl_config's / qwen3_vl_config's keywords."""
-    import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
     tokenizer = vl_tokenizer()
     if arch not in ("qwen2_5_vl", "qwen3_vl"):

@@ -1,10 +1,10 @@
-"""Embeddings' engine hooks (engine/feature.py), registered for an engine made with
+"""Embeddings' engine hooks (step/feature.py), registered for an engine made with
 runner="pooling": at intake a request's PoolingParams are checked against the model and its
 sequences get their PoolingState, the scheduler seeing a prompt of one step (intake.py); each
 step's message marks the rows whose hidden states the ranks sum instead of sampling (rows.py); the
 sums return to the requests before the scheduler finishes them; a request's output is its embedding
 (outputs.py). A generating engine registers PoolingRefused, which turns embedding requests away."""
-from nanoinfer.engine.feature import EngineFeature, Intake, RankFeature
+from nanoinfer.step.feature import EngineFeature, Intake, RankFeature
 from nanoinfer.pooling.intake import POOLING_SAMPLING, PoolingIntake, runner_mismatch
 from nanoinfer.pooling.outputs import pooling_output
 from nanoinfer.pooling.params import PoolingParams

@@ -7,6 +7,7 @@ load FP8 in layers/fused_moe.py and run weight-only FP8 in kernels/fused_moe.py.
 from collections.abc import Callable
 
 from nanoinfer.layers.linear_method import LinearMethod, dense_linear_method
+from nanoinfer.quant.fp8_linear import Fp8LinearMethod
 from nanoinfer.quant.fp8_scheme import Fp8Scheme, fp8_scheme
 
 __all__ = ["Fp8Scheme", "fp8_scheme", "linear_method_chooser", "is_router"]
@@ -30,7 +31,6 @@ def linear_method_chooser(scheme: Fp8Scheme | None, packed: dict) -> Callable[[s
     the checkpoint leaves dense; a fused layer whose shards disagree is refused."""
     if scheme is None:
         return dense_linear_method
-    from nanoinfer.quant.fp8_linear import Fp8LinearMethod
     method = Fp8LinearMethod(scheme)
 
     def choose(prefix: str) -> LinearMethod:

@@ -15,6 +15,9 @@ Every step is shape-only (no host sync, no data-dependent allocation): CUDA grap
 import torch
 from torch import nn
 
+from nanoinfer.kernels import fp8_prologue_quant, fp8_quant  # (looked up at call time: tests substitute them)
+from nanoinfer.kernels.fp8_gemm import block_k_for, fp8_gemm
+from nanoinfer.kernels.fp8_gemv import fp8_gemv, supports
 from nanoinfer.layers.linear_method import (Deferred, LinearMethod, ShardSlice, linear, linear_parameter,
                                            load_feature_slice, takes_gemv)
 from nanoinfer.quant import fp8_math
@@ -123,8 +126,6 @@ class Fp8LinearMethod(LinearMethod):
                 delattr(layer, "input_scale")
             layer.weight = linear_parameter(dense, 0, 1)
             return
-        from nanoinfer.kernels.fp8_gemm import block_k_for
-        from nanoinfer.kernels.fp8_gemv import supports
         # block sizes no kernel tiles (block_k without a power-of-two divisor >= 16): dequantize per call
         layer.fp8_kernels_ok = supports(scale, layer.fp8_group_k) and \
             block_k_for(layer.fp8_group_k, scale.shape[1]) is not None
@@ -135,7 +136,6 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer, x, bias=None, out=None):
         if layer.weight.dtype != FP8_DTYPE:  # dequantized (CPU)
             return linear(x, layer.weight, bias, out)
-        from nanoinfer.kernels.fp8_gemv import fp8_gemv
         scale = getattr(layer, self.scheme.scale_name)
         if not layer.fp8_kernels_ok:
             dense = fp8_math.dequantize(layer.weight, scale, layer.fp8_group_k, layer.compute_dtype)
@@ -167,17 +167,16 @@ class Fp8LinearMethod(LinearMethod):
         s, dtype = self.scheme, layer.compute_dtype
         gk = layer.fp8_group_k if scale.shape[1] > 1 else None
         if isinstance(x, Deferred):  # (_quantizes_after said yes)
-            from nanoinfer.kernels.fp8_prologue_quant import quantize_fp8_after
-            xq, x_scale = quantize_fp8_after(x.x, norm_weight=x.norm_weight, eps=x.eps, residual=x.residual,
-                                             residual_out=x.residual_out, silu_mul=x.silu_mul, group_k=gk)
+            xq, x_scale = fp8_prologue_quant.quantize_fp8_after(
+                x.x, norm_weight=x.norm_weight, eps=x.eps, residual=x.residual, residual_out=x.residual_out,
+                silu_mul=x.silu_mul, group_k=gk)
             return self._product(layer, xq, x_scale, scale, dtype)
         x = x.reshape(-1, x.shape[-1])
         if s.static_input:
             xq = fp8_math.quantize_static(x, layer.input_scale)
             x_scale = layer.input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
         else:
-            from nanoinfer.kernels.fp8_quant import quantize_fp8
-            xq, x_scale = quantize_fp8(x if x.stride(-1) == 1 else x.contiguous(), gk)
+            xq, x_scale = fp8_quant.quantize_fp8(x if x.stride(-1) == 1 else x.contiguous(), gk)
         return self._product(layer, xq, x_scale, scale, dtype)
 
     @staticmethod
@@ -188,5 +187,4 @@ class Fp8LinearMethod(LinearMethod):
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale_row,
                                  out_dtype=torch.bfloat16, use_fast_accum=True)
             return y if dtype == torch.bfloat16 else y.to(dtype)
-        from nanoinfer.kernels.fp8_gemm import fp8_gemm
         return fp8_gemm(xq, x_scale, layer.weight, scale, layer.fp8_group_k, dtype)

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from nanoinfer.serve import convert
 from nanoinfer.serve.chat_renderer import ChatRenderer, RenderRefused
 from nanoinfer.serve.chat_reply import ReplyFormat
+from nanoinfer.serve.embeddings import add_embedding_routes
 from nanoinfer.process.engine_client import EngineClient, EngineDeadError, ShutdownCut, Submission
 from nanoinfer.serve.errors import APIError, add_error_handlers, error_body, error_response
 from nanoinfer.serve.http_guards import ApiKeyCheck, BodyLimit, HostCheck
@@ -73,7 +74,6 @@ def build_app(engine: EngineClient, served_model_name: str, *, limits: ServerLim
     if allow_lora_updating:
         add_lora_updating_routes(app, model_names)
     if engine.summary.get("runner") == "pooling":
-        from nanoinfer.serve.embeddings import add_embedding_routes
         add_embedding_routes(app, engine, served_model_name, model_names, renderer, limits)
     app.add_middleware(BodyLimit, limit=limits.max_request_body_bytes)
     if api_key:

@@ -12,10 +12,10 @@ at the time limit, so that a template bomb costs its request alone.
 """
 import asyncio
 
+from nanoinfer.chat import render_chat
 from nanoinfer.engine.detokenizer import encode as encode_prompt  # the engine's own encoding of a text prompt
 from nanoinfer.serve.template_sandbox import TemplateSandbox
 from nanoinfer.serve.tokenizer_lanes import TokenizerLanes
-from nanoinfer.utils.chat import render_chat
 
 
 class RenderRefused(ValueError):

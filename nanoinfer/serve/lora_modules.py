@@ -6,6 +6,7 @@ import json
 import os
 
 from nanoinfer.lora import LoRARequest
+from nanoinfer.lora.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter_config
 
 
 def parse_lora_modules(entries: list[str]) -> list[LoRARequest]:
@@ -74,7 +75,6 @@ class ServedModels:
 def check_adapter_files(path: str):
     """The adapter directory holds a readable config and the weights file (file reads: the server
     calls this in a worker thread)."""
-    from nanoinfer.lora.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, read_adapter_config
     if not path:
         raise ValueError("lora_path must be non-empty")
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)):  # one answer: no probing of what exists where

@@ -61,7 +61,7 @@ class ReplicaSet:
         self._args = (model, options, log_level)
         if backend == "ray":
             try:
-                from nanoinfer.data_parallel.ray_replica import RayEngineClient
+                from nanoinfer.data_parallel.ray_replica import RayEngineClient  # optional dependency (ray)
             except ImportError as e:
                 raise ValueError(f"data_parallel_backend='ray' needs Ray: pip install 'nanoinfer[ray]' ({e})") from None
             self._client_type, envs = RayEngineClient, [{}] * check_data_parallel_size(data_parallel_size)

@@ -18,7 +18,7 @@ from collections import deque
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 
-from nanoinfer.utils.chat import render_chat
+from nanoinfer.chat import render_chat
 
 logger = logging.getLogger("nanoinfer.serve")
 
@@ -195,7 +195,7 @@ def _kill(pid: int):
 def _limit(timeout_s: float):
     """Cap this child's data segment at what it uses now + SANDBOX_MEMORY_BYTES, its CPU time past
     its time limit (a backstop: the zygote kills it at the limit), and end it with the zygote."""
-    try:
+    try:  # (Unix only: inside the try, so a platform without them runs the child unlimited)
         import ctypes
         import resource
         with open(f"/proc/{os.getpid()}/status") as f:

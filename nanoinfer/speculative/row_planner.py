@@ -1,10 +1,10 @@
-"""Speculative decoding's row planner (engine/row_planner.py): a decoding sequence's row also
+"""Speculative decoding's row planner (step/row_planner.py): a decoding sequence's row also
 scores up to k proposed tokens, placed after the decode rows, filled in before the launch
 (Speculator.propose) and verified when the step is processed. With a draft model on one rank and
 overlapped steps, a row may be chained onto its sequence's row still in flight (speculative/chaining.py);
 such rows run in a decode step of short rows (engine/forward_inputs.py), which caps how many
 proposals the step's rows may score in all (`room`)."""
-from nanoinfer.engine.row_planner import RowPlanner
+from nanoinfer.step.row_planner import RowPlanner
 from nanoinfer.engine.scheduler import ScheduledBatch, ending_of
 from nanoinfer.step.sequence import SequenceStatus
 from nanoinfer.speculative.speculator import Speculator

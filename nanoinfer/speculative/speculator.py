@@ -12,7 +12,9 @@ requests with logits processors, multi-token bad words or structured outputs get
 from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_QUERY
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.step.step_message import StepResult
+from nanoinfer.speculative.chaining import ChainedRows, chained_inputs
 from nanoinfer.speculative.config import SpeculativeConfig
+from nanoinfer.speculative.draft_model import DraftModelProposer
 from nanoinfer.speculative.ngram import NgramProposer
 from nanoinfer.speculative.policy import SpeculationPolicy
 from nanoinfer.speculative.rows import accepted_runs, attach_drafts
@@ -97,7 +99,6 @@ class Speculator:
         chained = [i for i, (r, seq) in enumerate(zip(rows, seqs)) if batch.starts[r] >= seq.num_tokens]
         links = None
         if chained:
-            from nanoinfer.speculative.chaining import ChainedRows, chained_inputs
             links = ChainedRows(chained, *chained_inputs(self.in_flight, prev_handle.tokens,
                                                          [seqs[i].seq_id for i in chained]))
             self.num_chained += len(chained)
@@ -144,7 +145,6 @@ def build_speculator(config, tokenizer, target_runner, num_blocks: int, eos_toke
     spec = config.speculative_config
     proposer = None
     if spec.method == "draft_model":
-        from nanoinfer.speculative.draft_model import DraftModelProposer
         proposer = DraftModelProposer(config, spec, tokenizer, target_runner, num_blocks, eos_token_ids)
         num_blocks = proposer.num_blocks
     speculator = Speculator(spec, config.max_model_len, proposer)

@@ -9,6 +9,8 @@ disallowed.
 """
 import torch
 
+from nanoinfer.kernels.token_bitmask import apply_token_bitmask_triton
+
 _ADD: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
@@ -24,7 +26,6 @@ def _byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """logits[rows[j], token] = -inf wherever bitmask row j disallows the token (in place)."""
     if logits.is_cuda:
-        from nanoinfer.kernels.token_bitmask import apply_token_bitmask_triton
 
         apply_token_bitmask_triton(logits, rows, bitmask)
         return

@@ -1,8 +1,8 @@
-"""Structured outputs' engine hooks (engine/feature.py): at intake a request's grammar is looked up,
+"""Structured outputs' engine hooks (step/feature.py): at intake a request's grammar is looked up,
 or compiled in an intake thread (intake.py); a step whose sampling plan leaves its grammar bitmask
 to the engine (one rank: `masks_later`) is launched up to its logits, its masks filled once the step
 before it is processed, and it samples before the next forward or its collect (step_masks.py)."""
-from nanoinfer.engine.feature import EngineFeature, Intake
+from nanoinfer.step.feature import EngineFeature, Intake
 from nanoinfer.structured.intake import GrammarIntake
 from nanoinfer.structured.step_masks import AwaitingMasks, StepMasks
 

@@ -15,6 +15,8 @@ import logging
 import numpy as np
 import torch
 
+from nanoinfer.structured.xgrammar_import import import_xgrammar
+
 logger = logging.getLogger("nanoinfer")
 
 
@@ -27,7 +29,6 @@ class GrammarState:
     __slots__ = ("matcher", "consumed", "stop_token_ids", "broken", "__weakref__")
 
     def __init__(self, compiled_grammar, stop_token_ids):
-        from nanoinfer.structured.xgrammar_import import import_xgrammar
 
         self.matcher = import_xgrammar().GrammarMatcher(compiled_grammar)
         self.consumed = 0              # completion tokens accepted so far
@@ -101,7 +102,6 @@ def _batch_fill():
     """xgrammar's multi-threaded BatchGrammarMatcher (None in versions without it)."""
     global _batch_matcher
     if _batch_matcher is None:
-        from nanoinfer.structured.xgrammar_import import import_xgrammar
 
         cls = getattr(import_xgrammar(), "BatchGrammarMatcher", None)
         _batch_matcher = False if cls is None else cls()

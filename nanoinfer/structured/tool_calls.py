@@ -21,6 +21,8 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
+from nanoinfer.structured.openai import named_tool_choice
+
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 _BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
@@ -124,7 +126,6 @@ def parse_constrained_tool_calls(text: str, tool_choice) -> list[dict]:
                 raise ValueError(f"a tool call must be {{'name', 'parameters'}}, got {item!r:.80}")
             calls.append(make_tool_call(item["name"], item.get("parameters", {})))
         return calls
-    from nanoinfer.structured.openai import named_tool_choice
 
     name = named_tool_choice(tool_choice)
     if not isinstance(obj, dict):

@@ -1,10 +1,10 @@
 """The device's measured ceilings, against which the benchmarks state their lower bounds."""
 import torch
+from triton.testing import do_bench
 
 
 def measure_ceilings(device) -> tuple[float, float]:
     """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s), measured now."""
-    from triton.testing import do_bench
     src = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)  # 2 GiB
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), return_mode="median")

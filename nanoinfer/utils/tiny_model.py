@@ -3,6 +3,11 @@ and the fixtures of the tests. Nothing is downloaded."""
 import json
 import os
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          PreTrainedTokenizerFast)
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -19,8 +24,6 @@ _CORPUS = (
 
 
 def train_tokenizer(vocab_size: int = 384):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -40,9 +43,6 @@ def build_tiny_checkpoint(path: str, arch: str = "qwen3", hidden_size: int = 64,
                           mlp_bias: bool = False, llama3_rope: bool = False) -> str:
     """Write an HF checkpoint (config, safetensors, tokenizer, generation_config) to `path`.
     vocab_size defaults to the tokenizer's size; a larger one pads the embedding like real models."""
-    import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
 
     tokenizer = train_tokenizer()
     vocab_size = vocab_size or len(tokenizer)

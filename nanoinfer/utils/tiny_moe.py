@@ -4,6 +4,10 @@ trained tokenizer. Nothing is downloaded."""
 import json
 import os
 
+import torch
+from transformers import (MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
+
 from nanoinfer.utils.tiny_model import train_tokenizer
 
 
@@ -16,9 +20,6 @@ def build_tiny_moe_checkpoint(path: str, arch: str = "qwen3_moe", hidden_size: i
                               seed: int = 0) -> str:
     """Write an HF checkpoint to `path`. arch: "qwen3_moe" (experts of moe_intermediate_size, dense
     layers of intermediate_size), "mixtral" (experts of intermediate_size) or "mistral" (dense)."""
-    import torch
-    from transformers import (MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
 
     tokenizer = train_tokenizer()
     common = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,

@@ -2,9 +2,9 @@
 eight, and all of them (`--fractions`), each after a warm-up; prints output tokens/s and the ratio
 to the unconstrained run.
 
-    python -m nanoinfer.structured.bench                       # Qwen3-0.6B shape, random weights
-    python -m nanoinfer.structured.bench --model Qwen/Qwen3-0.6B --num-seqs 256 --output-len 256
-    python -m nanoinfer.structured.bench --shape tiny --num-seqs 64 --output-len 64   # the host's side, on a CPU
+    python -m nanoinfer.bench.structured                       # Qwen3-0.6B shape, random weights
+    python -m nanoinfer.bench.structured --model Qwen/Qwen3-0.6B --num-seqs 256 --output-len 256
+    python -m nanoinfer.bench.structured --shape tiny --num-seqs 64 --output-len 64   # the host's side, on a CPU
 
 A constrained request asks for any JSON object (xgrammar's JSON grammar, the one that walks the
 most grammar states on random output) and, like the others, ignores EOS, so every run makes the
@@ -18,6 +18,7 @@ import random
 import time
 
 from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
+from nanoinfer.bench.random_model import make_random_model_dir
 
 
 def workload(num_seqs: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -47,7 +48,6 @@ def main():
     args = p.parse_args()
     options = dict(max_model_len=args.max_model_len, async_scheduling=not args.no_async_scheduling)
     if args.model is None:
-        from nanoinfer.bench.random_model import make_random_model_dir
         path, options["load_format"] = make_random_model_dir(args.shape), "dummy"
     else:
         path = args.model

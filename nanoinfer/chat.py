@@ -2,6 +2,9 @@
 `LLM.chat` and the OpenAI-compatible server)."""
 from collections.abc import Mapping
 
+from nanoinfer.multimodal import media as media_limits  # (read at call time: the limit is a module setting)
+from nanoinfer.multimodal.chat_parts import image_of_part, join_content, template_takes_parts
+
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # Arguments render_chat passes to apply_chat_template itself, or that would change what it returns,
@@ -42,7 +45,6 @@ def render_chat(tokenizer, messages, chat_template: str | None = None, add_gener
                          "continue the last message, or start a new assistant message")
     kwargs = _template_kwargs(chat_template_kwargs)
     if parts:
-        from nanoinfer.multimodal.chat_parts import template_takes_parts
         if template_takes_parts(tokenizer, chat_template):  # it writes the image placeholders itself
             for i, content in parts.items():
                 conversation[i]["content"] = content
@@ -76,22 +78,19 @@ def _message(message, i: int, media=None, images: list | None = None, parts: dic
         texts, found, ordered = [], [], []
         for j, part in enumerate(content):
             if isinstance(part, Mapping) and part.get("type") in ("image_url", "image_pil"):
-                from nanoinfer.multimodal.chat_parts import image_of_part
-                from nanoinfer.multimodal.media import MAX_REQUEST_PIXELS
                 pixels = [0] if pixels is None else pixels
-                left = MAX_REQUEST_PIXELS - pixels[0]
+                left = media_limits.MAX_REQUEST_PIXELS - pixels[0]
                 image = image_of_part(part, f"messages[{i}]['content'][{j}]", media, left)
                 pixels[0] += image.width * image.height
-                if pixels[0] > MAX_REQUEST_PIXELS:  # (an image_pil part, already decoded)
+                if pixels[0] > media_limits.MAX_REQUEST_PIXELS:  # (an image_pil part, already decoded)
                     raise ValueError(f"messages[{i}]['content'][{j}]: the conversation's images hold more than "
-                                     f"{MAX_REQUEST_PIXELS} pixels in all")
+                                     f"{media_limits.MAX_REQUEST_PIXELS} pixels in all")
                 found.append(image)
                 ordered.append({"type": "image"})
             else:
                 texts.append(_text_part(part, i, j))
                 ordered.append({"type": "text", "text": texts[-1]})
         if found:
-            from nanoinfer.multimodal.chat_parts import join_content
             images.extend(found)
             parts[i] = ordered
             out["content"] = join_content(texts, len(found))

@@ -14,7 +14,7 @@ and, on every rank (RankFeature): before_forward, read_hidden, exit.
 """
 from dataclasses import dataclass, field
 
-from nanoinfer.engine.row_planner import RowPlanner
+from nanoinfer.step.row_planner import RowPlanner
 
 
 @dataclass(slots=True)
