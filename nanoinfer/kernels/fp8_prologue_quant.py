@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoinfer.kernels.fp8_quant import FP8_MAX
+from nanoinfer.kernels.fp8_quant import FP8_MAX, quantized_outputs
 from nanoinfer.kernels.fp8_round import e4m3_rounded
 
 
@@ -89,10 +89,8 @@ def quantize_fp8_after(x: torch.Tensor, *, norm_weight: torch.Tensor | None = No
                                  or residual_out.data_ptr() in (x.data_ptr(), residual.data_ptr())):
         raise ValueError(f"quantize_fp8_after: residual and residual_out [{m}, {k}] (residual_out contiguous, "
                          "its own memory)")
-    gk = k if group_k is None or group_k >= k else group_k
-    groups = -(-k // gk)
-    q = torch.empty((m, k), dtype=out_dtype, device=x.device)
-    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    gk, q, scale = quantized_outputs(m, k, group_k, out_dtype, x.device)
+    groups = scale.shape[1]
     if m == 0:
         return q, scale
     block = min(1024, triton.next_power_of_2(gk))

@@ -37,6 +37,14 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, stride_xm, K, G, GROUP_K: tl.constexpr, B
         tl.store(q_row + rk, q.to(q_ptr.dtype.element_ty), mask=rk < end)
 
 
+def quantized_outputs(m: int, k: int, group_k: int | None, out_dtype: torch.dtype, device) -> tuple:
+    """(the scale group's width, empty codes [M, K], empty float32 scales [M, groups]) of quantizing an
+    [M, K] input in groups of group_k features (None: one group a row)."""
+    gk = k if group_k is None or group_k >= k else group_k
+    return (gk, torch.empty((m, k), dtype=out_dtype, device=device),
+            torch.empty((m, -(-k // gk)), dtype=torch.float32, device=device))
+
+
 def quantize_fp8(x: torch.Tensor, group_k: int | None = None, min_scale: float = 1.0 / (FP8_MAX * 512.0),
                  out_dtype: torch.dtype = torch.float8_e4m3fn):
     """x [M, K] (rows contiguous) -> (float8 [M, K], float32 scales [M, ceil(K / group_k)]); group_k
@@ -45,10 +53,8 @@ def quantize_fp8(x: torch.Tensor, group_k: int | None = None, min_scale: float =
     m, k = x.shape
     if x.stride(1) != 1:
         raise ValueError("quantize_fp8 needs contiguous rows")
-    gk = k if group_k is None or group_k >= k else group_k
-    groups = -(-k // gk)
-    q = torch.empty((m, k), dtype=out_dtype, device=x.device)
-    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    gk, q, scale = quantized_outputs(m, k, group_k, out_dtype, x.device)
+    groups = scale.shape[1]
     if m == 0:
         return q, scale
     block = min(1024, triton.next_power_of_2(gk))
