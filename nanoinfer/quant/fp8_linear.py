@@ -34,8 +34,11 @@ def keeps_fp8(device: torch.device) -> bool:
 # row-wise FP8 GEMM, which picks tiles made for large M (`python -m nanoinfer.bench.fp8`).
 SCALED_MM_MIN_ROWS = 64
 # From 2 rows up to this many, W8A8 with per-token (or per-group) dynamic activation scales takes the
-# RMSNorm / SiLU * mul before it into its quantization kernel (kernels/fp8_prologue_quant.py)
-FUSED_QUANT_MAX_ROWS = 256
+# RMSNorm / SiLU * mul before it into its quantization kernel (kernels/fp8_prologue_quant.py). Off (0):
+# that kernel walks a row in one program, which leaves most SMs idle at these row counts, and
+# `bench.py --sweep --config 8b --quantization fp8` ran slower with it than with the separate norm
+# and quantization kernels; raise it once the kernel splits a row across programs.
+FUSED_QUANT_MAX_ROWS = 0
 
 
 def scaled_mm_ok(device: torch.device, n: int, k: int) -> bool:
