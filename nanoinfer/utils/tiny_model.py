@@ -2,6 +2,8 @@
 and the fixtures of the tests. Nothing is downloaded."""
 import json
 import os
+import shutil
+import tempfile
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -87,6 +89,16 @@ def default_tiny_model_dir() -> str:
     """The built-in tiny Qwen3 checkpoint, built once into the user's cache directory."""
     cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
     path = os.path.join(cache, "nanoinfer", "tiny-qwen3-v1")
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        build_tiny_checkpoint(path)
+    weights = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(weights):
+        # built beside and renamed into place: a process starting at the same time (two test workers,
+        # two example runs) never reads a half-written checkpoint
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        built = build_tiny_checkpoint(tempfile.mkdtemp(prefix="tiny-qwen3-v1.", dir=os.path.dirname(path)))
+        if os.path.isdir(path) and not os.path.isfile(weights):  # left half-written by an older version
+            shutil.rmtree(path, ignore_errors=True)
+        try:
+            os.rename(built, path)
+        except OSError:  # another process put its copy there first
+            shutil.rmtree(built, ignore_errors=True)
     return path
