@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -27,7 +28,9 @@ from nanoinfer.layers.model_build import ModelBuild, TensorParallel
 from nanoinfer.models.build import build_model
 from nanoinfer.quant import linear_method_chooser
 from nanoinfer.quant.fp8_scheme import Fp8Scheme
+from nanoinfer.process.messages import EngineStats
 from nanoinfer.serve.cli import build_parser
+from nanoinfer.serve.metrics import ServerMetrics
 from nanoinfer.utils import loader
 from nanoinfer.utils.tiny_moe import build_tiny_moe_checkpoint
 
@@ -244,3 +247,13 @@ def test_server_flags():
     args = build_parser().parse_args(["serve", "m", "--tensor-parallel-size", "2", "--enable-expert-parallel",
                                       "--expert-parallel-size", "2"])
     assert (args.enable_expert_parallel, args.expert_parallel_size) == (True, 2)
+
+
+def test_server_metrics_count_the_load_per_rank():
+    """/metrics: the engine's totals per rank (read about once a second) become counters by ep_rank."""
+    metrics = ServerMetrics("m")
+    for counters in ({LOAD_COUNTER: [5, 7]}, None, {LOAD_COUNTER: [9, 7]}):  # (None: a message without a read)
+        metrics.engine_stats(EngineStats(counters=counters))
+    samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples
+               if s.name == f"nanoinfer:{LOAD_COUNTER}_total"]
+    assert {s.labels["ep_rank"]: s.value for s in samples} == {"0": 9, "1": 7}
