@@ -200,6 +200,41 @@ def test_the_ranks_partial_outputs_sum_to_one_rank(fp8):
     torch.testing.assert_close(parts[0] + parts[1], expected, atol=1e-6, rtol=1e-5)
 
 
+def test_block_fp8_experts_load_whole_where_the_split_would_cut_a_scale_block():
+    """16x16 scale blocks, intermediate size 24: two ranks' halves of 12 would cut a block (refused);
+    expert parallel loads whole experts with their scales, as one rank holds them."""
+    scheme = Fp8Scheme("block", block=(16, 16), scale_name="weight_scale_inv")
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(4, 48, 32, generator=g).to(torch.float8_e4m3fn)
+    w2 = torch.randn(4, 32, 24, generator=g).to(torch.float8_e4m3fn)
+    s13, s2 = torch.rand(4, 2, 2, 2, generator=g) + 0.5, torch.rand(4, 2, 2, generator=g) + 0.5
+
+    def load(moe_block):
+        gate_up, down = moe_block.experts.gate_up_proj, moe_block.experts.down_proj
+        for e in range(4):
+            for part in (0, 1):
+                if not gate_up.weight.held_elsewhere((e, part)):
+                    gate_up.weight_loader(gate_up.weight, w13[e, part * 24:(part + 1) * 24], (e, part))
+                    gate_up.weight_loader(gate_up.scale, s13[e, part], (e, part))
+            if not down.weight.held_elsewhere(e):
+                down.weight_loader(down.weight, w2[e], e)
+                down.weight_loader(down.scale, s2[e], e)
+        for module in moe_block.modules():
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+        return moe_block
+
+    whole = load(block(4, 32, 24, fp8=scheme))
+    with pytest.raises(ValueError, match="splits a 16x16 FP8 scale block"):
+        load(block(4, 32, 24, TensorParallel(0, 2), fp8=scheme))
+    for rank in (0, 1):
+        ours = load(block(4, 32, 24, TensorParallel(rank, 2), ep=True, fp8=scheme))
+        for proj in ("gate_up_proj", "down_proj"):
+            held = getattr(ours.experts, proj).weight
+            assert held.dtype == torch.float32 and held.shape[0] == 2  # (CPU: dequantized once loaded)
+            assert torch.equal(held, getattr(whole.experts, proj).weight[2 * rank:2 * rank + 2])
+
+
 @pytest.mark.parametrize("m", [3, 24])
 def test_expert_kernels_skip_another_ranks_pairs(m):
     """Expert id -1 (another rank's expert): the grouped kernel and the few-token kernels add nothing
