@@ -82,8 +82,8 @@ class Metric:
 
 @dataclass(frozen=True, slots=True)
 class Vector:
-    """An entry of LLM.get_metrics() with one value per index (vLLM's Vector), e.g. the tokens
-    routed to each expert-parallel rank."""
+    """An entry of LLM.get_metrics() with one value per index (vLLM's Vector): a model's counter
+    of one value per rank, say (utils/counters.py)."""
     name: str
     values: list[int]
 
