@@ -8,6 +8,7 @@ refused before any spawn.
 Each EP engine spawns two workers (seconds each on CI): one engine per architecture does every
 engine-level check."""
 import multiprocessing as mp
+import pickle
 import random
 
 import pytest
@@ -28,7 +29,8 @@ from nanoinfer.layers.model_build import ModelBuild, TensorParallel
 from nanoinfer.models.build import build_model
 from nanoinfer.quant import linear_method_chooser
 from nanoinfer.quant.fp8_scheme import Fp8Scheme
-from nanoinfer.process.messages import EngineStats
+from nanoinfer.process import engine_process
+from nanoinfer.process.messages import EngineStats, Submit, pack_command
 from nanoinfer.serve.cli import build_parser
 from nanoinfer.serve.metrics import ServerMetrics
 from nanoinfer.utils import loader
@@ -82,7 +84,7 @@ def hf_rank_loads(path, token_ids, ranks) -> list[int]:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_ep2_matches_tp1_and_hf_with_preemption_prefix_hits_and_counts_the_load(moe, arch):
+def test_ep2_matches_tp1_and_hf_with_preemption_prefix_hits_and_counts_the_load(moe, arch, monkeypatch):
     path = moe(arch)
     ref = LLM(path, kvcache_block_size=16, max_model_len=SMALL_POOL["max_model_len"])
     vocab = ref.vocab_size
@@ -111,9 +113,43 @@ def test_ep2_matches_tp1_and_hf_with_preemption_prefix_hits_and_counts_the_load(
         print(f"{arch}: tokens routed to each rank's experts {loads}, HF's routers {hf_rank_loads(path, computed, 2)}")
         assert loads == hf_rank_loads(path, computed, 2)
         assert sum(loads) == len(computed) * 2 * 2  # top_k = 2, two MoE layers (qwen3_moe: one dense)
+        if arch == "qwen3_moe":  # the server's engine process sends the counters with its stats
+            assert_engine_process_sends_the_load(llm, monkeypatch, fresh)
     finally:
         llm.exit()
     assert not mp.active_children()
+
+
+class Pipe:
+    """An in-memory Connection end for driving EngineCore in this process (pickled, as by a pipe)."""
+
+    def __init__(self):
+        self.items = []
+
+    def send(self, obj):
+        self.items.append(pickle.loads(pickle.dumps(obj)))
+
+    def poll(self, timeout: float = 0.0):
+        return bool(self.items)
+
+    def recv(self):
+        return self.items.pop(0)
+
+
+def assert_engine_process_sends_the_load(llm, monkeypatch, prompt):
+    monkeypatch.setattr(engine_process, "COUNTERS_READ_S", 0.0)
+    commands, events = Pipe(), Pipe()
+    core = engine_process.EngineCore(llm, commands, events)
+    commands.send([pack_command(Submit(1, [prompt], SamplingParams(max_tokens=3), False))])
+    steps = 0
+    while not steps or core.requests:
+        core._apply_commands()
+        if not llm.is_finished():
+            core._step()
+            steps += 1
+        core._flush()
+    loads = [news.stats.counters for news in events.items if news.stats is not None and news.stats.counters]
+    assert loads and loads[-1] == {LOAD_COUNTER: rank_loads(llm)}
 
 
 def test_each_rank_reads_only_its_experts(moe, monkeypatch):
