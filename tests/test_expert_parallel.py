@@ -328,3 +328,28 @@ def test_server_metrics_count_the_load_per_rank():
     samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples
                if s.name == f"nanoinfer:{LOAD_COUNTER}_total"]
     assert {s.labels["ep_rank"]: s.value for s in samples} == {"0": 9, "1": 7}
+
+
+# ---- on two GPUs --------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cuda_ep2_float32_matches_hf_and_counts_no_padding(moe, monkeypatch, enforce_eager):
+    """float32 EP on two GPUs (decode in CUDA graphs, whose padded rows route too; the grouped and the
+    few-token expert kernels) against HF teacher-forced; the load counts real tokens only."""
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    path = moe("qwen3_moe")
+    llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, dtype="float32", device="cuda",
+              enforce_eager=enforce_eager, kvcache_block_size=16, max_model_len=512, max_num_seqs=7)
+    try:
+        assert llm.model_runner.info()["cuda_graphs"] == (not enforce_eager)
+        prompts = random_prompts(7, llm.vocab_size, seed=6, lo=1, hi=200)  # 7 rows: a padded graph bucket
+        outs = generate(llm, prompts)
+        for p, o in zip(prompts, outs):
+            assert_greedy_matches_hf(path, p, o, tol=1e-3)
+        computed = sum(len(p) + len(o) - 1 for p, o in zip(prompts, outs))
+        assert sum(rank_loads(llm)) == computed * 2 * 2
+    finally:
+        llm.exit()
