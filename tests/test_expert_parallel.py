@@ -2,8 +2,8 @@
 ranks it gives tp=1's greedy tokens and HF's teacher-forced argmax, for Qwen3-MoE (with a dense layer)
 and Mixtral, under forced preemption and prefix-cache hits; the per-rank load counter equals the
 (token, top-k) pairs HF's routers send to each rank's experts; each rank reads only its own experts'
-tensors; FP8 experts split whole; the expert kernels skip another rank's pairs; bad combinations are
-refused before any spawn.
+tensors; FP8 experts split whole; bad combinations are refused before any spawn. (The expert kernels'
+skipping of another rank's pairs is tested in test_fused_moe.py.)
 
 Each EP engine spawns two workers (seconds each on CI): one engine per architecture does every
 engine-level check."""
@@ -21,8 +21,6 @@ from hf_reference import assert_greedy_matches_hf
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.expert_parallel.placement import LOAD_COUNTER
-from nanoinfer.kernels.fused_moe import fused_moe
-from nanoinfer.kernels.moe_gemv import moe_gemv
 from nanoinfer.layers.attention_backend import TorchAttentionBackend
 from nanoinfer.layers.fused_moe import FusedMoE, fused_moe_torch, select_experts
 from nanoinfer.layers.model_build import ModelBuild, TensorParallel
@@ -271,24 +269,6 @@ def test_block_fp8_experts_load_whole_where_the_split_would_cut_a_scale_block():
             assert torch.equal(held, getattr(whole.experts, proj).weight[2 * rank:2 * rank + 2])
 
 
-@pytest.mark.parametrize("m", [3, 24])
-def test_expert_kernels_skip_another_ranks_pairs(m):
-    """Expert id -1 (another rank's expert): the grouped kernel and the few-token kernels add nothing
-    for that pair, as the torch path (Triton's interpreter on CPU)."""
-    g = torch.Generator().manual_seed(m)
-    w13, w2 = torch.randn(4, 2 * 16, 32, generator=g) * 0.2, torch.randn(4, 32, 16, generator=g) * 0.2
-    x = torch.randn(m, 32, generator=g)
-    weights, ids = select_experts(torch.randn(m, 8, generator=g), 3, True)
-    local = torch.where(ids < 4, ids, -1)  # this rank holds experts 0-3 of 8
-    assert (local == -1).any() and (local >= 0).any()
-    masked = weights * (local >= 0)
-    expected = fused_moe_torch(x, w13, w2, masked, local.clamp(min=0))
-    torch.testing.assert_close(fused_moe_torch(x, w13, w2, weights, local), expected, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(fused_moe(x, w13, w2, weights, local, skipped_pairs=True), expected,
-                               atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(moe_gemv(x, w13, w2, weights, local.to(torch.int32)), expected, atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("options, arch, error, match", [
     (dict(tensor_parallel_size=2, enable_expert_parallel=True), "dense", ValueError, "dense model"),
     (dict(tensor_parallel_size=2, expert_parallel_size=2), "e3", ValueError,
@@ -307,14 +287,11 @@ def test_bad_combinations_fail_before_any_spawn(moe, make_checkpoint, options, a
     assert not mp.active_children()
 
 
-def test_ep_off_or_one_rank_is_the_plain_layout(moe):
+def test_options_resolve_and_the_server_flags(moe):
     path = moe("qwen3_moe")
     assert Config(path, device="cpu").expert_parallel_size == 1
     assert Config(path, device="cpu", enable_expert_parallel=True).expert_parallel_size == 1  # (vLLM: a no-op)
     assert Config(path, device="cpu", tensor_parallel_size=2, expert_parallel_size=2).enable_expert_parallel
-
-
-def test_server_flags():
     args = build_parser().parse_args(["serve", "m", "--tensor-parallel-size", "2", "--enable-expert-parallel",
                                       "--expert-parallel-size", "2"])
     assert (args.enable_expert_parallel, args.expert_parallel_size) == (True, 2)
