@@ -9,7 +9,12 @@ both ceilings measured in this process, and the per-step CPU time against the st
 On CPU, a run that ends in seconds: --config builtin-tiny (the built-in tiny checkpoint of example.py,
 a 384-token vocabulary; `--config tiny` keeps Qwen3's full vocabulary), e.g.
     python bench.py --config builtin-tiny --num-seqs 16 --min-input-len 32 --max-input-len 128 \\
-        --min-output-len 32 --max-output-len 64"""
+        --min-output-len 32 --max-output-len 64
+
+Expert parallelism (MoE shapes: --config 30b-a3b, or builtin-tiny-moe on a CPU) adds the tokens
+routed to each rank and the dispatch/combine share of a step (nanoinfer/bench/expert_parallel.py):
+    python bench.py --config builtin-tiny-moe -tp 2 --enable-expert-parallel --num-seqs 8 \\
+        --min-input-len 16 --max-input-len 64 --min-output-len 8 --max-output-len 16"""
 import argparse
 import random
 import time
@@ -21,8 +26,10 @@ from nanoinfer import LLM, SamplingParams
 from nanoinfer.bench.random_model import SHAPES, make_random_model_dir
 from nanoinfer.utils.ceilings import measure_ceilings
 from nanoinfer.utils.tiny_model import default_tiny_model_dir
+from nanoinfer.utils.tiny_moe import default_tiny_moe_dir
 
 BUILTIN_TINY = "builtin-tiny"  # --config: the built-in tiny checkpoint (its own weights), not a SHAPES entry
+BUILTIN_TINY_MOE = "builtin-tiny-moe"  # the same for the built-in tiny Qwen3-MoE (utils/tiny_moe.py)
 
 
 class Profiler:
@@ -166,7 +173,7 @@ def long_prompt_arrivals(llm: LLM, args):
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", help="a real checkpoint (directory or repo id) instead of random weights")
-    p.add_argument("--config", choices=[*sorted(SHAPES), BUILTIN_TINY], default="0.6b",
+    p.add_argument("--config", choices=[*sorted(SHAPES), BUILTIN_TINY, BUILTIN_TINY_MOE], default="0.6b",
                    help=f"shape of the random model; {BUILTIN_TINY}: the built-in tiny checkpoint (CPU-sized: "
                         "tiny shapes and a 384-token vocabulary; 'tiny' has Qwen3's full vocabulary)")
     p.add_argument("--num-seqs", type=int, default=256)
@@ -177,6 +184,9 @@ def main():
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE shapes: each rank holds whole experts; prints the load per rank and the "
+                        "dispatch/combine share of a step (the default workload)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantization", choices=["fp8"], default=None,
@@ -219,8 +229,8 @@ def main():
                         "and other-sync")
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # (the description's example command)
     args = p.parse_args()
-    if args.config == BUILTIN_TINY and not args.model:
-        args.model = default_tiny_model_dir()
+    if args.config in (BUILTIN_TINY, BUILTIN_TINY_MOE) and not args.model:
+        args.model = default_tiny_model_dir() if args.config == BUILTIN_TINY else default_tiny_moe_dir()
     if args.speculative:
         from nanoinfer.bench.speculative import main_args
         if "--config" not in " ".join(__import__("sys").argv):
@@ -244,7 +254,8 @@ def main():
     llm = LLM(model, enforce_eager=args.enforce_eager, max_model_len=max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, load_format="auto" if args.model else "dummy",
-              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+              enable_expert_parallel=args.enable_expert_parallel)
     print(f"start-up (LLM(...), random weights included): {time.perf_counter() - started:.1f} s")
     if not args.images and (args.sweep or args.long_prompts):  # (the plain workload's first run is timed as the engine starts)
         warm_up(llm, args)
@@ -271,7 +282,8 @@ def main():
     name = f"random Qwen2.5-VL-{args.vl_config}" if args.images else f"random Qwen3-{args.config}"
     print(f"model: {args.model or name}, device: {llm.config.device}, "
           f"weights: {args.quantization or 'model dtype'}, "
-          f"tp={args.tensor_parallel_size}, backend: {info['backend']}, "
+          f"tp={args.tensor_parallel_size}{' (expert parallel)' if args.enable_expert_parallel else ''}, "
+          f"backend: {info['backend']}, "
           f"cuda graphs: {info['cuda_graphs']}, one-shot all-reduce: {info['one_shot_all_reduce']}, kv blocks: {llm.scheduler.block_manager.num_blocks} ({args.kv_cache_dtype})")
     if args.images:
         from nanoinfer.bench.images import image_workload
@@ -282,6 +294,12 @@ def main():
         steps = first_and_second_run(llm, args, bound_of)
         if args.plot:
             plot(steps, args.plot)
+        if llm.config.expert_parallel_size > 1:
+            from nanoinfer.bench import expert_parallel
+            loads, config = expert_parallel.rank_loads(llm), llm.config
+            llm.exit()  # (the timing ranks take the devices)
+            expert_parallel.report(config.hf_config, config.expert_parallel_size, loads, steps, step_walls(steps),
+                                   config.torch_dtype, config.device == "cuda")
     llm.exit()
 
 

@@ -30,6 +30,12 @@ class Config:
     max_model_len: int | None = None  # None: DEFAULT_MAX_MODEL_LEN, or the model's limit if lower
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    # MoE models: each tensor-parallel rank holds E / tp whole experts instead of a slice of every
+    # expert (nanoinfer/expert_parallel; vLLM's enable_expert_parallel). expert_parallel_size
+    # (DeepInfer's name) turns it on too and must equal tensor_parallel_size; after init it holds
+    # the number of ranks the experts are spread over (1: off)
+    enable_expert_parallel: bool = False
+    expert_parallel_size: int | None = None
     enforce_eager: bool = False
     kvcache_block_size: int | None = None  # 256 unless given (here or as block_size)
     block_size: int | None = None  # vLLM's name for kvcache_block_size; both hold the same value after init
@@ -182,6 +188,9 @@ class Config:
             raise ValueError(f"tensor_parallel_size={tp} must divide vocab_size={hf.vocab_size}")
         if getattr(hf, "intermediate_size", 0) % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={hf.intermediate_size}")
+
+        from nanoinfer.expert_parallel.options import resolve_expert_parallel
+        resolve_expert_parallel(self)
 
         if self.enable_lora:
             from nanoinfer.lora.targets import check_lora_model

@@ -1,9 +1,11 @@
 """The fused MoE Triton kernel (interpreter on CPU, real on GPU) against the torch path it replaces,
-layers/fused_moe.py fused_moe_torch; and moe_align's sorted, padded layout against its definition."""
+layers/fused_moe.py fused_moe_torch; and moe_align's sorted, padded layout against its definition;
+pairs of expert id -1 (expert parallel: another rank's) skipped by both expert kernels."""
 import pytest
 import torch
 
 from nanoinfer.kernels.fused_moe import fused_moe, max_padded_rows, moe_align
+from nanoinfer.kernels.moe_gemv import moe_gemv
 from nanoinfer.layers.fused_moe import fused_moe_torch, select_experts
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,6 +51,24 @@ def test_uneven_loads_and_idle_experts():
 def test_weights_not_renormalised_and_float16():
     check(11, 8, 2, hidden=32, inter=32, renormalize=False)
     check(11, 8, 2, hidden=32, inter=32, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("m", [3, 24])
+def test_expert_kernels_skip_another_ranks_pairs(m):
+    """Expert id -1 (another rank's expert): the grouped kernel and the few-token kernels add nothing
+    for that pair, as the torch path (Triton's interpreter on CPU)."""
+    g = torch.Generator().manual_seed(m)
+    w13, w2 = weights_for(4, 32, 16, torch.float32, seed=m)
+    x = torch.randn(m, 32, generator=g).to(DEV)
+    weights, ids = select_experts(torch.randn(m, 8, generator=g).to(DEV), 3, True)
+    local = torch.where(ids < 4, ids, -1)  # this rank holds experts 0-3 of 8
+    assert (local == -1).any() and (local >= 0).any()
+    masked = weights * (local >= 0)
+    expected = fused_moe_torch(x, w13, w2, masked, local.clamp(min=0))
+    torch.testing.assert_close(fused_moe_torch(x, w13, w2, weights, local), expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, local, skipped_pairs=True), expected,
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(moe_gemv(x, w13, w2, weights, local.to(torch.int32)), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_tile_sizes_do_not_change_results():

@@ -25,6 +25,7 @@ from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.models.build import build_model
 from nanoinfer.sampling.sampler import Sampled, Sampler
 from nanoinfer.utils.context import get_context, reset_context
+from nanoinfer.utils.counters import model_counters
 from nanoinfer.utils.threads import cpu_threads
 
 
@@ -171,12 +172,13 @@ class ModelRunner:
         """For benchmarks and tests: the attention backend, whether decode replays CUDA graphs, the
         token buckets of the graphs for steps with prompt chunks and how often they replayed,
         whether all-reduces of up to max_num_seqs rows go through symmetric memory, this rank's KV
-        heads and parameter count (its shard)."""
+        heads and parameter count (its shard), and the counters its model keeps (utils/counters.py)."""
         graphs = self.graph_runner
         return dict(backend=self.attention.name, cuda_graphs=bool(graphs.graphs),
                     mixed_graph_sizes=list(graphs.mixed_graphs), mixed_graph_replays=graphs.mixed_replays,
                     num_kv_heads=self.kv_cache.num_kv_heads, one_shot_all_reduce=self.one_shot_all_reduce,
-                    num_parameters=sum(p.numel() for p in self.model.parameters()))
+                    num_parameters=sum(p.numel() for p in self.model.parameters()),
+                    counters=model_counters(self.model))
 
     def check_alive(self):
         """One rank in this process: alive while this process runs (TensorParallelExecutor checks

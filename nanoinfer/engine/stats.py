@@ -80,11 +80,22 @@ class Metric:
     value: float
 
 
-def engine_metrics(engine) -> list[Metric]:
-    """The engine's totals (when it keeps statistics) and speculative decoding's counters."""
+@dataclass(frozen=True, slots=True)
+class Vector:
+    """An entry of LLM.get_metrics() with one value per index (vLLM's Vector): a model's counter
+    of one value per rank, say (utils/counters.py)."""
+    name: str
+    values: list[int]
+
+
+def engine_metrics(engine) -> list[Metric | Vector]:
+    """The engine's totals (when it keeps statistics), speculative decoding's counters, and the
+    counters the model keeps on its device (read now: a round trip to the ranks)."""
     out = []
     if engine.stats is not None:
         out += [Metric(f"nanoinfer:{k}", v) for k, v in engine.stats.totals(engine.scheduler).items()]
     if engine.spec_stats is not None:
         out += [Metric(k, v) for k, v in engine.spec_stats.metrics().items()]
+    if not engine._exited:
+        out += [Vector(f"nanoinfer:{k}", v) for k, v in engine.model_runner.info().get("counters", {}).items()]
     return out

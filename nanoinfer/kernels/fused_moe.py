@@ -4,7 +4,8 @@ vLLM's fused_moe: tokens grouped by expert, then each projection is one grouped 
 1. moe_align (three small kernels): the M*top_k (token, slot) pairs, numbered t * top_k + k, are
    sorted by expert into `sorted_ids`, each expert's segment padded to a multiple of BLOCK_M with a
    sentinel (M * top_k), so a BLOCK_M row block belongs to one expert (`block_expert`). The order
-   inside an expert is the pairs' order (stable, deterministic).
+   inside an expert is the pairs' order (stable, deterministic). Pairs of expert id -1 (expert
+   parallel: another rank's expert) are in no segment.
 2. gate_up: for each row block and BLOCK_N intermediate columns, x[token] @ W13[e]^T for the gate and
    the up half at once, silu(gate) * up in registers, written to row t * top_k + k of `act`.
 3. down: act rows @ W2[e]^T, times the routing weight, written to row t * top_k + k of `out_k`.
@@ -89,7 +90,7 @@ def _scatter_kernel(ids_ptr, chunk_offsets_ptr, sorted_ptr, num_pairs, E_PAD: tl
     hits = (ids[:, None] == experts[None, :]).to(tl.int32)
     rank = tl.sum(hits * (tl.cumsum(hits, 0) - hits), 1)
     base = tl.sum(hits * tl.load(chunk_offsets_ptr + chunk * E_PAD + experts)[None, :], 1)
-    tl.store(sorted_ptr + base + rank, offs, mask=valid)
+    tl.store(sorted_ptr + base + rank, offs, mask=valid & (ids >= 0))  # (id -1: a skipped pair, in no segment)
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -268,12 +269,14 @@ def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, group_k13: int = 0, group_k2: int = 0) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, group_k13: int = 0, group_k2: int = 0,
+              skipped_pairs: bool = False) -> torch.Tensor:
     """x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [M, top_k]
     (float32), topk_ids [M, top_k] (int, in [0, E)). Returns sum_k w[m, k] * expert_k(x[m]), [M, H].
     FP8 experts (weight-only: activations stay in x's dtype): w13 / w2 float8_e4m3fn with float32
     scales w13_scale [E, 2I, ceil(H / group_k13)] and w2_scale [E, H, ceil(I / group_k2)], one row
-    per output feature (quant/fp8_scheme.py)."""
+    per output feature (quant/fp8_scheme.py). skipped_pairs: topk_ids may hold -1 (an expert another
+    rank holds: expert parallel); those pairs are in no segment and add nothing."""
     _check(x, w13, w2, topk_weights, topk_ids)
     fp8 = w13_scale is not None
     if fp8 and (w2_scale is None or w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn
@@ -301,7 +304,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     sorted_ids, block_expert, num_padded = moe_align(topk_ids, num_experts, bm)
     num_pairs, fp32 = m * top_k, x.dtype == torch.float32
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    out_k = torch.empty((num_pairs, h), dtype=x.dtype, device=x.device)
+    # (rows of skipped pairs are never written: zeros, for the slots' sum)
+    out_k = (torch.zeros if skipped_pairs else torch.empty)((num_pairs, h), dtype=x.dtype, device=x.device)
     max_blocks = block_expert.shape[0]
     _gate_up_kernel[(max_blocks, triton.cdiv(inter, bn))](
         x, w13, act, sorted_ids, block_expert, num_padded, num_pairs, inter, h,

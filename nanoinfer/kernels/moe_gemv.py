@@ -74,6 +74,9 @@ def _pair_gate_up_kernel(x_ptr, stride_xm, w_ptr, ids_ptr, act_ptr, stride_am, N
     pid_n, pair = tl.program_id(0), tl.program_id(1)
     token = pair // TOP_K
     expert = tl.load(ids_ptr + pair).to(tl.int64)
+    # (-1: another rank's expert, expert parallel: no weight read, act 0)
+    live_n = tl.where(expert >= 0, N, 0)
+    expert = tl.maximum(expert, 0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     g_rows = w_ptr + expert * (2 * N * K) + rn.to(tl.int64)[:, None] * K
@@ -84,7 +87,7 @@ def _pair_gate_up_kernel(x_ptr, stride_xm, w_ptr, ids_ptr, act_ptr, stride_am, N
         rk = k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < K
         x = tl.load(x_ptr + token * stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
-        w_mask = n_mask[:, None] & k_mask[None, :]
+        w_mask = (rn < live_n)[:, None] & k_mask[None, :]
         gate += tl.sum(tl.load(g_rows + rk[None, :], mask=w_mask, other=0.0).to(tl.float32) * x[None, :], 1)
         up += tl.sum(tl.load(u_rows + rk[None, :], mask=w_mask, other=0.0).to(tl.float32) * x[None, :], 1)
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -102,13 +105,14 @@ def _token_down_kernel(act_ptr, stride_am, w_ptr, ids_ptr, weights_ptr, out_ptr,
     for j in range(TOP_K):
         pair = token * TOP_K + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        rows = w_ptr + expert * (N * K) + rn.to(tl.int64)[:, None] * K
+        live_n = tl.where(expert >= 0, N, 0)  # (as in _pair_gate_up_kernel: a skipped pair adds 0)
+        rows = w_ptr + tl.maximum(expert, 0) * (N * K) + rn.to(tl.int64)[:, None] * K
         acc = tl.zeros((BLOCK_N,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_mask = rk < K
             a = tl.load(act_ptr + pair * stride_am + rk, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(rows + rk[None, :], mask=(rn < live_n)[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(w * a[None, :], 1)
         total += (acc * tl.load(weights_ptr + pair)).to(DTYPE).to(tl.float32)
     tl.store(out_ptr + token * stride_om + rn, total.to(DTYPE), mask=n_mask)
@@ -128,7 +132,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
              topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """sum_k topk_weights[m, k] * expert_{topk_ids[m, k]}(x[m]), [M, H], as kernels/fused_moe.py
     fused_moe computes it (same shapes and roundings): x [M, H] with contiguous rows, w13 [E, 2I, H],
-    w2 [E, H, I] contiguous, topk_weights float32 [M, top_k], topk_ids int [M, top_k] in [0, E)."""
+    w2 [E, H, I] contiguous, topk_weights float32 [M, top_k], topk_ids int [M, top_k] in [0, E), or
+    -1 for a pair another rank computes (expert parallel): it adds nothing."""
     m, h = x.shape
     num_experts, two_i, h13 = w13.shape
     inter, top_k = two_i // 2, topk_ids.shape[1]

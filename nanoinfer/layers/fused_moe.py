@@ -5,7 +5,10 @@ filled one checkpoint tensor at a time by the loader (shard ids (expert, 0 | 1) 
 checkpoints' experts load as float8 with their scales: the CUDA kernel reads them so (weight-only),
 CPU dequantizes them once loaded. Tensor
 parallel: each rank holds a slice of every expert's intermediate dimension (gate/up column-split,
-down row-split); the combined output is all-reduced once. The router is replicated.
+down row-split); the combined output is all-reduced once. The router is replicated. Expert parallel
+(ModelBuild.expert_parallel, nanoinfer/expert_parallel/): each rank holds E / N whole experts
+instead, loads only their tensors, runs only the pairs routed to them, and the same all-reduce
+combines the ranks' partial outputs.
 
 CUDA runs our Triton kernel (kernels/fused_moe.py); elsewhere `fused_moe_torch`, the reference.
 """
@@ -13,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoinfer.expert_parallel.placement import ExpertLoad, ExpertPlacement
 from nanoinfer.kernels.fused_moe import fp8_tile_k, fused_moe
 from nanoinfer.kernels.moe_gemv import moe_gemv, route_topk
 from nanoinfer.layers.all_reduce import AllReduce
@@ -45,14 +49,15 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor) -> torch.Tensor:
     """Reference: for each expert, its (token, slot) pairs through silu(gate) * up and down, scaled by
-    the routing weight and added to the token's output. Same operation order as HF's eager experts."""
+    the routing weight and added to the token's output. Same operation order as HF's eager experts.
+    A pair of expert id -1 (held by another rank: expert parallel) adds nothing."""
     out = torch.zeros_like(x)
     inter = w2.shape[2]
     flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync: CPU/reference only
-    start = 0
-    for expert, count in enumerate(counts):
+    order = torch.argsort(flat_ids, stable=True)  # (the -1 pairs first)
+    counts = torch.bincount(flat_ids + 1, minlength=w13.shape[0] + 1).tolist()  # host sync: CPU/reference only
+    start = counts[0]
+    for expert, count in enumerate(counts[1:]):
         if count == 0:
             continue
         pairs = order[start:start + count]
@@ -71,9 +76,12 @@ class _Experts(nn.Module):
     linear layers hold them). On CUDA the fused-MoE kernel reads them as they are (weight-only FP8);
     on CPU they are dequantized to the model's dtype once loaded (the dequantized model, exactly)."""
 
-    def __init__(self, num_experts: int, rows: int, cols: int, shard_ids: list, fp8, tp: TensorParallel):
+    def __init__(self, experts: range, rows: int, cols: int, shard_ids: list, fp8, tp: TensorParallel):
+        """experts: the (global) ids of the experts this rank holds, contiguous; shard_ids: theirs."""
         super().__init__()
         self.tp_rank, self.tp_size, self.fp8 = tp.rank, tp.size, fp8
+        self.held = experts
+        num_experts = len(experts)
         self.compute_dtype = torch.get_default_dtype()
         dtype = torch.float8_e4m3fn if fp8 is not None else None
         self.weight = nn.Parameter(torch.empty(num_experts, rows, cols, dtype=dtype), requires_grad=False)
@@ -93,6 +101,12 @@ class _Experts(nn.Module):
         for param in params:
             param.weight_loader = self.weight_loader
             param.shard_ids = shard_ids  # the loader checks that all came
+            param.held_elsewhere = self.held_elsewhere  # the loader skips those tensors unread
+
+    def held_elsewhere(self, shard_id) -> bool:
+        """Whether the shard's expert is another rank's (expert parallel)."""
+        expert = shard_id[0] if isinstance(shard_id, tuple) else shard_id
+        return isinstance(expert, int) and expert not in self.held
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id):
         if param is self.weight:
@@ -141,16 +155,16 @@ class _Experts(nn.Module):
 
 
 class ExpertsGateUp(_Experts):
-    """Every expert's gate and up projections, stacked: weight [E, 2 * I / tp, H]."""
+    """Every expert's gate and up projections, stacked: weight [E, 2 * I / tp, H] (expert parallel:
+    this rank's experts, whole: [E / N, 2 * I, H])."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, tp: TensorParallel, fp8=None):
+    def __init__(self, experts: range, hidden_size: int, intermediate_size: int, *, tp: TensorParallel, fp8=None):
         self.local = intermediate_size // tp.size
-        super().__init__(num_experts, 2 * self.local, hidden_size, [(e, j) for e in range(num_experts) for j in (0, 1)],
-                         fp8, tp)
+        super().__init__(experts, 2 * self.local, hidden_size, [(e, j) for e in experts for j in (0, 1)], fp8, tp)
 
     def target(self, param: nn.Parameter, shard_id: tuple[int, int]) -> torch.Tensor:
         expert, part = shard_id  # part 0: gate, 1: up
-        return param.data[expert].narrow(0, part * self.local, self.local)
+        return param.data[expert - self.held.start].narrow(0, part * self.local, self.local)
 
     def weight_share(self, loaded: torch.Tensor) -> torch.Tensor:
         check_shape(loaded, (self.local * self.tp_size, self.weight.shape[2]))
@@ -164,14 +178,14 @@ class ExpertsGateUp(_Experts):
 
 
 class ExpertsDown(_Experts):
-    """Every expert's down projection, stacked: weight [E, H, I / tp]."""
+    """Every expert's down projection, stacked: weight [E, H, I / tp] (expert parallel: [E / N, H, I])."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, tp: TensorParallel, fp8=None):
+    def __init__(self, experts: range, hidden_size: int, intermediate_size: int, *, tp: TensorParallel, fp8=None):
         self.local = intermediate_size // tp.size
-        super().__init__(num_experts, hidden_size, self.local, list(range(num_experts)), fp8, tp)
+        super().__init__(experts, hidden_size, self.local, list(experts), fp8, tp)
 
     def target(self, param: nn.Parameter, expert: int) -> torch.Tensor:
-        return param.data[expert]
+        return param.data[expert - self.held.start]
 
     def weight_share(self, loaded: torch.Tensor) -> torch.Tensor:
         check_shape(loaded, (self.weight.shape[1], self.local * self.tp_size))
@@ -189,7 +203,8 @@ class ExpertsDown(_Experts):
 class FusedMoE(nn.Module):
     """The sparse MLP block: `gate` (the router, [E, H]) and `experts` (stacked weights). Submodule
     names follow the checkpoints' (mlp.gate, mlp.experts.N.*). Its input is used twice (router and
-    experts), so it takes no Deferred input; it all-reduces its own output."""
+    experts), so it takes no Deferred input; it all-reduces its own output. Expert parallel: the
+    experts are this rank's block (`placement`), and `load` counts the tokens routed to each rank."""
 
     def takes_deferred(self, x: torch.Tensor) -> bool:
         return False
@@ -200,7 +215,14 @@ class FusedMoE(nn.Module):
         tp_size = build.tp.size
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
-        if intermediate_size % tp_size:
+        self.placement = ExpertPlacement(build.tp.rank, tp_size, num_experts) \
+            if build.expert_parallel and tp_size > 1 else None
+        held, experts_tp = range(num_experts), build.tp
+        if self.placement is not None:  # whole experts: no cut of the intermediate dimension
+            self.load = ExpertLoad(self.placement)
+            first = self.placement.first
+            held, experts_tp = range(first, first + self.placement.per_rank), TensorParallel(0, 1)
+        elif intermediate_size % tp_size:
             raise ValueError(f"tensor_parallel_size={tp_size} must divide the experts' intermediate size "
                              f"{intermediate_size}")
         self.num_experts, self.top_k, self.renormalize, self.tp_size = num_experts, top_k, renormalize, tp_size
@@ -208,8 +230,8 @@ class FusedMoE(nn.Module):
         # FP8 experts when the build's weight method for them is FP8 (a checkpoint format, or online)
         fp8 = getattr(build.linear_method(join(prefix, "experts")), "scheme", None)
         self.experts = nn.Module()
-        self.experts.gate_up_proj = ExpertsGateUp(num_experts, hidden_size, intermediate_size, tp=build.tp, fp8=fp8)
-        self.experts.down_proj = ExpertsDown(num_experts, hidden_size, intermediate_size, tp=build.tp, fp8=fp8)
+        self.experts.gate_up_proj = ExpertsGateUp(held, hidden_size, intermediate_size, tp=experts_tp, fp8=fp8)
+        self.experts.down_proj = ExpertsDown(held, hidden_size, intermediate_size, tp=experts_tp, fp8=fp8)
         if tp_size > 1:
             self.all_reduce = AllReduce(hidden_size)
 
@@ -224,13 +246,17 @@ class FusedMoE(nn.Module):
             weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)
         else:
             weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        skips = self.placement is not None
+        if skips:  # this rank's pairs only: the others' expert ids become -1
+            self.load.count(ids)
+            ids = self.placement.local_ids(ids)
         if kernels and gate_up.scale is None and x.shape[0] <= GEMV_MAX_TOKENS:
             out = moe_gemv(x, w13, w2, weights, ids)
         elif gate_up.scale is not None:  # FP8 experts, kept FP8 (CUDA)
             out = fused_moe(x, w13, w2, weights, ids, w13_scale=gate_up.scale, w2_scale=down.scale,
-                            group_k13=gate_up.group_k, group_k2=down.group_k)
+                            group_k13=gate_up.group_k, group_k2=down.group_k, skipped_pairs=skips)
         elif kernels:
-            out = fused_moe(x, w13, w2, weights, ids)
+            out = fused_moe(x, w13, w2, weights, ids, skipped_pairs=skips)
         else:
             out = fused_moe_torch(x, w13, w2, weights, ids)
         if self.tp_size > 1:

@@ -32,6 +32,7 @@ class ModelBuild:
     attention_backend: AttentionBackend = field(default_factory=TorchAttentionBackend)
     linear_method: Callable[[str], LinearMethod] = dense_linear_method
     max_model_len: int | None = None
+    expert_parallel: bool = False  # MoE layers: whole experts spread over the tp ranks (nanoinfer/expert_parallel)
 
     def __post_init__(self):
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -31,7 +31,8 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
     if config.enable_lora:  # adapters wrap each projection's method (nanoinfer/lora)
         choose = lora_method_chooser(choose, packed, config.max_loras, config.max_lora_rank)
     build = ModelBuild(TensorParallel(rank, world_size), attention_backend, linear_method=choose,
-                       max_model_len=config.max_model_len)  # sizes the RoPE cache
+                       max_model_len=config.max_model_len,  # sizes the RoPE cache
+                       expert_parallel=getattr(config, "expert_parallel_size", 1) > 1)
     torch.manual_seed(config.seed)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(config.torch_dtype)

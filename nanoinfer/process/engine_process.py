@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection, wait
 
 from nanoinfer.llm import LLM
@@ -27,6 +28,7 @@ logger = logging.getLogger("nanoinfer.serve")
 
 EXIT_SIGNAL = signal.SIGUSR1  # the server's "exit now" (SIGTERM is ignored: see above)
 HEALTH_CHECK_S = 1.0  # how often an idle engine checks its tensor-parallel ranks (for /health)
+COUNTERS_READ_S = 1.0  # how often the model's device counters (expert-parallel load) are read for /metrics
 
 
 def engine_main(model: str, options: dict, commands: Connection, events: Connection, log_level: str):
@@ -84,6 +86,8 @@ class EngineCore:
         self.submissions: dict[int, dict[int, None]] = {}  # sub_id -> its unfinished request ids (in order)
         self.streaming: dict[int, None] = {}               # ordered set of stream=True request ids
         self.news = StepNews([], [], [])                   # the next message
+        # (reading a model's counters waits for the device: at most once every COUNTERS_READ_S)
+        self.counters_read = time.monotonic() if llm.model_runner.info()["counters"] else None
 
     def run(self):
         try:
@@ -195,6 +199,9 @@ class EngineCore:
             spec = self.llm.spec_stats
             if spec is not None:
                 news.stats.spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+            if self.counters_read is not None and time.monotonic() - self.counters_read >= COUNTERS_READ_S:
+                self.counters_read = time.monotonic()
+                news.stats.counters = self.llm.model_runner.info()["counters"]
             self.events.send(news)
             self.news = StepNews([], [], [])
 

@@ -99,6 +99,7 @@ class EngineStats:
     kv_blocks: int = 1
     preemptions: int = 0
     spec: tuple[int, int, int] | None = None  # speculative decoding: drafts, draft tokens, accepted tokens
+    counters: dict[str, list[int]] | None = None  # the model's device counters (utils/counters.py), when read
 
 
 @dataclass(slots=True)

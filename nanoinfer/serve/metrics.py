@@ -48,6 +48,10 @@ class ServerMetrics:
             ("num_drafts", "Speculative rows verified"), ("num_draft_tokens", "Tokens proposed"),
             ("num_accepted_tokens", "Proposed tokens accepted"))]
         self._spec_seen = (0, 0, 0)  # the engine's totals at its last message
+        self.expert_load = Counter("nanoinfer:expert_parallel_rank_tokens", "Tokens routed to each expert-parallel "
+                                   "rank's experts, summed over MoE layers (read about once a second)",
+                                   labels + ["ep_rank"], registry=r)
+        self._load_seen: list[int] = []
         self.model_name = model_name
         self.engine = "0"
         self._last_delta: dict[tuple[int, int], float] = {}  # (request, completion) -> its last delta's time
@@ -66,7 +70,7 @@ class ServerMetrics:
     def for_engine(self, index: int) -> "ServerMetrics":
         """The same series, fed by data-parallel replica `index` (its request ids are its own)."""
         view = copy.copy(self)
-        view.engine, view._last_delta = str(index), {}
+        view.engine, view._last_delta, view._load_seen = str(index), {}, []
         view._export_zeros()
         return view
 
@@ -83,6 +87,12 @@ class ServerMetrics:
                 if now > seen:
                     self._m(counter).inc(now - seen)
             self._spec_seen = stats.spec
+        load = (stats.counters or {}).get("expert_parallel_rank_tokens")
+        if load is not None:  # (expert parallel: a value per rank; totals since start)
+            seen = self._load_seen or [0] * len(load)
+            for rank, (now, before) in enumerate(zip(load, seen)):
+                self._m(self.expert_load, ep_rank=str(rank)).inc(max(now - before, 0))
+            self._load_seen = load
 
     def stream_delta(self, request_id: int, completion: int, num_tokens: int, finished: bool):
         now = time.monotonic()

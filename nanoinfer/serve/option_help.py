@@ -10,6 +10,10 @@ OPTION_HELP = {
                      "model's limit if lower)",
     "gpu_memory_utilization": "share of GPU memory for weights, activations and the KV cache (default: 0.9)",
     "tensor_parallel_size": "GPUs (or CPU processes) the model is sharded over (default: 1)",
+    "enable_expert_parallel": "MoE models: each tensor-parallel rank holds E / tp whole experts instead of a slice "
+                              "of every expert (default: off)",
+    "expert_parallel_size": "ranks the experts are spread over; must equal --tensor-parallel-size (giving it turns "
+                            "--enable-expert-parallel on) (default: off)",
     "enforce_eager": "no CUDA graphs (default: off)",
     "kvcache_block_size": "tokens per KV-cache block, a power of two >= 16 (default: 256)",
     "block_size": "vLLM's name for --kvcache-block-size (default: 256)",

@@ -9,7 +9,8 @@ example `"q_proj": ("qkv_proj", "q")` or, for experts stacked into one parameter
 Nothing loads silently wrong:
 - A fused parameter declares the shards it expects as `param.shard_ids` (QKV: ("q", "k", "v"),
   gate_up: (0, 1), stacked experts: every (expert, shard) tuple); a plain parameter expects one
-  unnamed load. Every declared shard of every parameter must be loaded exactly once, else a
+  unnamed load. A parameter's `held_elsewhere(shard_id)` (expert parallel: another rank's
+  experts) makes the loader skip that tensor without reading it. Every declared shard of every parameter must be loaded exactly once, else a
   ValueError names the missing (or repeated) checkpoint tensor.
 - Weight loaders compare the full, unsharded checkpoint tensor's shape with the one the config
   implies (`check_shape`) before cutting their tensor-parallel shard out of it, and raise a
@@ -110,6 +111,9 @@ def load_model(model: nn.Module, path: str, kv_cache_dtype: str = "auto"):
                     if "rotary_emb.inv_freq" in name:
                         continue
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+                held_elsewhere = getattr(param, "held_elsewhere", None)
+                if held_elsewhere is not None and held_elsewhere(shard):
+                    continue  # another rank's part (expert parallel: its experts): never read here
                 if shard not in getattr(param, "shard_ids", (None,)):
                     raise ValueError(f"checkpoint tensor {name!r} maps to shard {shard!r} of {target!r}, which "
                                      f"expects shards {getattr(param, 'shard_ids', None)!r}")

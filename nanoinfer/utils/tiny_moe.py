@@ -51,3 +51,13 @@ def build_tiny_moe_checkpoint(path: str, arch: str = "qwen3_moe", hidden_size: i
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [tokenizer.eos_token_id]}, f)
     return path
+
+
+def default_tiny_moe_dir() -> str:
+    """The built-in tiny Qwen3-MoE checkpoint (8 experts, top-2), built once into the user's cache
+    directory (bench.py --config builtin-tiny-moe: expert parallelism on a CPU)."""
+    cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+    path = os.path.join(cache, "nanoinfer", "tiny-qwen3-moe-v1")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        build_tiny_moe_checkpoint(path)
+    return path
