@@ -11,12 +11,15 @@ chosen here which waiting sequence may run.
     embeddings     pooling/feature.py      runner="pooling", on the ranks too (else embedding
                                            requests are refused)
     speculative    speculative/row_planner.py     with speculative_config
+    priority       priority/order.py       the scheduler's order: by priority with
+                                           scheduling_policy="priority" (else fcfs, refusing a priority)
 """
 from nanoinfer.step.feature import Composition, EngineFeature, EngineParts
 from nanoinfer.step.row_planner import RowPlanner
 from nanoinfer.lora.admission import AdapterAdmission
 from nanoinfer.lora.feature import LoRAFeature, LoRARankFeature
 from nanoinfer.multimodal.feature import ImageFeature, ImageRankFeature
+from nanoinfer.priority.order import order_for
 from nanoinfer.pooling.feature import PoolingFeature, PoolingRankFeature, PoolingRefused
 from nanoinfer.speculative.row_planner import SpeculativeRows
 from nanoinfer.speculative.speculator import build_speculator
@@ -41,6 +44,9 @@ class FeatureComposition(Composition):
 
     def admission(self, config):
         return AdapterAdmission(config.max_loras) if config.enable_lora else None
+
+    def order(self, config):
+        return order_for(config)
 
     def rank_features(self, config) -> list:
         makers = []

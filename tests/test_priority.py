@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from hf_reference import assert_greedy_matches_hf
 from nanoinfer import SamplingParams
 from nanoinfer.engine.scheduler import Scheduler
+from nanoinfer.priority.order import order_for
 from nanoinfer.step.sequence import Sequence, SequenceStatus
 from test_scheduler import BS, EOS, FakeDevice, check_invariants, fake_next_token, process_step
 
@@ -17,7 +18,7 @@ from test_scheduler import BS, EOS, FakeDevice, check_invariants, fake_next_toke
 def priority_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens=512):
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=512, kvcache_block_size=BS, scheduling_policy="priority")
-    return Scheduler(config, num_blocks, frozenset({EOS}))
+    return Scheduler(config, num_blocks, frozenset({EOS}), order=order_for(config))
 
 
 def seq_with(prompt, priority, max_tokens):

@@ -94,7 +94,7 @@ class LLMEngine(EngineRequests, EngineThreads):
         self.rows.allocate(num_blocks)
         self.features = composition.features(parts)  # their hooks are called in this order
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids, config.enable_prefix_caching, self.rows,
-                                   composition.admission(config), masks_later)
+                                   composition.admission(config), masks_later, composition.order(config))
         self.step_encoder = StepEncoder(self.vocab_size, eos_token_ids, self._seeds,
                                         config.tensor_parallel_size > 1 and config.device == "cuda",
                                         self.features, masks_later)

@@ -102,6 +102,11 @@ class Composition:
         """The scheduler's rule on which waiting sequence may run (None: any)."""
         return None
 
+    def order(self, config):
+        """The order the scheduler serves sequences in (engine/wait_queue.py's FifoOrder interface;
+        None: first come, first served)."""
+        return None
+
     def rank_features(self, config) -> list:
         """Factories of the RankFeatures every rank builds (each called with its ModelRunner)."""
         return []
