@@ -11,9 +11,10 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEEDS = ["nanoinfer/llm.py", "nanoinfer/models/qwen3.py"]  # qwen3 is imported by name (models.MODELS)
-FEATURE_DIRS = ("nanoinfer/lora/", "nanoinfer/priority/", "nanoinfer/speculative/", "nanoinfer/structured/",
-                "nanoinfer/pooling/", "nanoinfer/multimodal/", "nanoinfer/quant/", "nanoinfer/data_parallel/", "nanoinfer/serve/",
-                "nanoinfer/process/", "nanoinfer/kernels/", "nanoinfer/bench/")
+FEATURE_DIRS = ("nanoinfer/lora/", "nanoinfer/speculative/", "nanoinfer/structured/", "nanoinfer/pooling/",
+                "nanoinfer/multimodal/", "nanoinfer/quant/", "nanoinfer/priority/", "nanoinfer/metrics/",
+                "nanoinfer/data_parallel/", "nanoinfer/serve/", "nanoinfer/process/", "nanoinfer/kernels/",
+                "nanoinfer/bench/")
 OTHER_FILES = {"nanoinfer/features.py", "nanoinfer/models/llama.py", "nanoinfer/models/mixtral.py",
                "nanoinfer/models/qwen3_moe.py", "nanoinfer/models/qwen2_5_vl.py", "nanoinfer/models/qwen3_vl.py",
                "nanoinfer/models/qwen2_5_vision.py", "nanoinfer/models/qwen3_vl_vision.py",

@@ -8,12 +8,11 @@ ids and length; the output processor records logprobs, detokenizes and returns t
 new text completed; the engine finishes those sequences through the scheduler. Without overlap
 (`async_scheduling=False`) the same path processes the step it just launched. The runner is a
 ModelRunner in this process (one rank) or a TensorParallelExecutor driving worker processes; both
-take the step as encoded by engine/step_encoder.py. With disable_log_stats=False, processing also
-counts the engine's statistics (engine/stats.py), logged between steps.
+take the step as encoded by engine/step_encoder.py.
 
 Features attach through hooks (step/feature.py) that the engine calls at fixed points: intake,
 a step encoded, a step launched once the step before it is processed, before the next forward, a
-step's results, a request's output, exit. A step a feature awaits (`Launched.awaits`: launched up
+step's results and once they are applied, the end of a step, a request's output, exit. A step a feature awaits (`Launched.awaits`: launched up
 to its logits, e.g. waiting for token masks) completes before the next step's forward or before
 its results are collected. How long each decoding row is, the row planner decides
 (step/row_planner.py). Which features and planner an engine runs with, the composition place
@@ -45,7 +44,6 @@ from nanoinfer.engine.output_processor import OutputProcessor, Request
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sigint import sigint_deferred
 from nanoinfer.engine.step_encoder import StepEncoder, sampled_rows
-from nanoinfer.engine.stats import StatLogger, engine_metrics
 from nanoinfer.engine.step_record import StepRecord
 from nanoinfer.engine.tp_executor import TensorParallelExecutor
 from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
@@ -105,7 +103,6 @@ class LLMEngine(EngineRequests, EngineThreads):
         self.overlap = config.async_scheduling
         self.inflight: Launched | None = None
         self.step_log: list | None = None   # set to a list to record each step's StepRecord (bench.py)
-        self.stats = None if config.disable_log_stats else StatLogger()  # logged every few seconds
         self._init_threads()
         self._aborts: deque[int] = deque()  # abort_request ids not applied yet
         self._finished_ids: list[int] = []  # requests finished outside a step, for the next advance()
@@ -156,8 +153,8 @@ class LLMEngine(EngineRequests, EngineThreads):
         self._drop_wasted_step()
         if self.step_log is not None and batch is not None:
             self.step_log.append(StepRecord.of(batch, t0, t1, t2, time.perf_counter(), self._waited))
-        if self.stats is not None:
-            self.stats.maybe_log(self.scheduler)
+        for feature in self.features:
+            feature.stepped(self.scheduler)
         finished, self._finished_ids = self._finished_ids, []
         return finished, batch.num_tokens if batch is not None else 0
 
@@ -263,8 +260,8 @@ class LLMEngine(EngineRequests, EngineThreads):
                                                     self.requests, now, update.counts)
         finished = self.scheduler.finish_rows(launched.batch, update, stops)
         self._finished(finished, now)
-        if self.stats is not None:
-            self.stats.record(launched.batch, update.appended, finished, update.counts)
+        for feature in self.features:
+            feature.processed(launched.batch, update, finished)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -279,11 +276,6 @@ class LLMEngine(EngineRequests, EngineThreads):
     def spec_stats(self):
         """The row planner's counters (a draft's acceptance), None if it keeps none."""
         return self.rows.stats
-
-    def get_metrics(self) -> list:
-        """vLLM's LLM.get_metrics(): a list of metrics, each with `name` and `value` (the engine's
-        totals since start, and the row planner's counters)."""
-        return engine_metrics(self)
 
     def check_health(self):
         """Raises RuntimeError if the engine cannot serve: it has exited, or a tensor-parallel rank
