@@ -1,7 +1,8 @@
 """The core reading set of one plain request: the files a newcomer reads following the imports from
 `LLM` (nanoinfer/llm.py) and the one model it loads by name (Qwen3), not entering the features'
 folders, kernels/, the other models or the test checkpoints; --tp1 also leaves out the modules only
-tensor parallelism runs (the executor, its worker group and rank calls) and the MoE layer.
+tensor parallelism runs (the executor, its worker group and rank calls, the all-reduce layer: at
+tp=1 none of their functions is called) and the MoE layer.
 
     python -m nanoinfer.bench.reading_set [--tp1] [--files]
 """
@@ -20,7 +21,7 @@ OTHER_FILES = {"nanoinfer/features.py", "nanoinfer/models/llama.py", "nanoinfer/
                "nanoinfer/models/qwen2_5_vision.py", "nanoinfer/models/qwen3_vl_vision.py",
                "nanoinfer/models/vl_rope.py", "nanoinfer/utils/tiny_model.py", "nanoinfer/utils/tiny_moe.py"}
 TP_ONLY = {"nanoinfer/engine/tp_executor.py", "nanoinfer/engine/worker_group.py", "nanoinfer/engine/rank_calls.py",
-           "nanoinfer/layers/fused_moe.py"}
+           "nanoinfer/layers/all_reduce.py", "nanoinfer/layers/fused_moe.py"}
 
 
 def module_file(module: str) -> str | None:
