@@ -68,7 +68,9 @@ class FifoOrder:
         """A step is about to be scheduled."""
 
     def priorities(self, priority, num_prompts: int) -> list[int]:
-        """Each prompt's `priority` (the requests' option) as this order reads it: here none."""
-        if priority is not None:
+        """Each prompt's `priority` (the requests' option: an int for all, or one per prompt) as this
+        order reads it: none, so only None or 0 is taken."""
+        values = priority if isinstance(priority, (list, tuple)) else [priority]
+        if any(p is not None and p != 0 for p in values):
             raise ValueError("priority is set but this engine serves requests first come, first served")
         return [0] * num_prompts
