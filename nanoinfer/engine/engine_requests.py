@@ -23,8 +23,9 @@ class EngineRequests:
         keep_output: the request stays in the engine until pop_output(); step() does not report it.
         max_tokens_must_fit: see InputProcessor.process (for the server). lora_requests: each
         prompt's LoRARequest or None (None: none for any). priority: an int for all or one per
-        prompt, as the scheduler's order reads it (scheduling_policy="priority": the lower runs first). A feature may take other
-        params in place of SamplingParams (an embedding engine's PoolingParams)."""
+        prompt, as the scheduler's order reads it (scheduling_policy="priority": the lower runs
+        first). A feature may take other params in place of SamplingParams (an embedding engine's
+        PoolingParams)."""
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
         priorities = self.scheduler.order.priorities(priority, len(prompts))

@@ -12,9 +12,9 @@ take the step as encoded by engine/step_encoder.py.
 
 Features attach through hooks (step/feature.py) that the engine calls at fixed points: intake,
 a step encoded, a step launched once the step before it is processed, before the next forward, a
-step's results and once they are applied, the end of a step, a request's output, exit. A step a feature awaits (`Launched.awaits`: launched up
-to its logits, e.g. waiting for token masks) completes before the next step's forward or before
-its results are collected. How long each decoding row is, the row planner decides
+step's results and once they are applied, the end of a step, a request's output, exit. A step a
+feature awaits (`Launched.awaits`: launched up to its logits, e.g. waiting for token masks)
+completes before the next step's forward or before its results are collected. How long each decoding row is, the row planner decides
 (step/row_planner.py). Which features and planner an engine runs with, the composition place
 above it decides (nanoinfer/features.py); the engine names none.
 
