@@ -14,9 +14,10 @@ Features attach through hooks (step/feature.py) that the engine calls at fixed p
 a step encoded, a step launched once the step before it is processed, before the next forward, a
 step's results and once they are applied, the end of a step, a request's output, exit. A step a
 feature awaits (`Launched.awaits`: launched up to its logits, e.g. waiting for token masks)
-completes before the next step's forward or before its results are collected. How long each decoding row is, the row planner decides
-(step/row_planner.py). Which features and planner an engine runs with, the composition place
-above it decides (nanoinfer/features.py); the engine names none.
+completes before the next step's forward or before its results are collected. How long each
+decoding row is, the row planner decides (step/row_planner.py); which waiting sequence is served
+first, the scheduler's order (engine/wait_queue.py). Which features, planner and order an engine
+runs with, the composition place above it decides (nanoinfer/features.py); the engine names none.
 
 Requests enter through the InputProcessor (engine/input_processor.py) and live in one registry,
 `requests` (request id -> Request; engine/engine_requests.py). One thread drives the engine (advance, step, generate,
