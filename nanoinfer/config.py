@@ -54,7 +54,7 @@ class Config:
     scheduling_policy: str = "fcfs"  # or "priority": the lower `priority` first, ties by arrival (vLLM)
     runner: str = "auto"  # "generate", or "pooling" (embeddings: LLM.embed / encode / score); auto: generate
     task: str | None = None  # vLLM's older name: "embed" is runner="pooling", "generate" runner="generate"
-    disable_log_stats: bool = True  # False: log the engine's statistics every few seconds (engine/stats.py)
+    disable_log_stats: bool = True  # False: log the engine's statistics every few seconds (metrics/stats.py)
     # LoRA adapters per request (nanoinfer/lora; vLLM's names): max_loras device slots, adapters of
     # rank <= max_lora_rank, max_cpu_loras adapters cached on the host (None: max_loras)
     enable_lora: bool = False

@@ -11,12 +11,17 @@ chosen here which waiting sequence may run.
     embeddings     pooling/feature.py      runner="pooling", on the ranks too (else embedding
                                            requests are refused)
     speculative    speculative/row_planner.py     with speculative_config
+    statistics     metrics/stats.py        disable_log_stats=False (logged, LLM.stats, get_metrics)
+    priority       priority/order.py       the scheduler's order: by priority with
+                                           scheduling_policy="priority" (else fcfs, refusing a priority)
 """
 from nanoinfer.step.feature import Composition, EngineFeature, EngineParts
 from nanoinfer.step.row_planner import RowPlanner
 from nanoinfer.lora.admission import AdapterAdmission
 from nanoinfer.lora.feature import LoRAFeature, LoRARankFeature
+from nanoinfer.metrics.stats import StatLogger
 from nanoinfer.multimodal.feature import ImageFeature, ImageRankFeature
+from nanoinfer.priority.order import order_for
 from nanoinfer.pooling.feature import PoolingFeature, PoolingRankFeature, PoolingRefused
 from nanoinfer.speculative.row_planner import SpeculativeRows
 from nanoinfer.speculative.speculator import build_speculator
@@ -34,13 +39,19 @@ class FeatureComposition(Composition):
     def features(self, parts: EngineParts) -> list[EngineFeature]:
         config = parts.config
         pooling = PoolingFeature(config) if config.runner == "pooling" else PoolingRefused(config.runner)
-        return [pooling, LoRAFeature(config),
-                StructuredFeature(config, parts.tokenizer, parts.vocab_size, parts.eos_token_ids, parts.runner,
-                                  parts.masks_later),
-                ImageFeature(config, parts.vocab_size)]
+        features = [pooling, LoRAFeature(config),
+                    StructuredFeature(config, parts.tokenizer, parts.vocab_size, parts.eos_token_ids, parts.runner,
+                                      parts.masks_later),
+                    ImageFeature(config, parts.vocab_size)]
+        if not config.disable_log_stats:
+            features.append(StatLogger())  # logged every few seconds
+        return features
 
     def admission(self, config):
         return AdapterAdmission(config.max_loras) if config.enable_lora else None
+
+    def order(self, config):
+        return order_for(config)
 
     def rank_features(self, config) -> list:
         makers = []

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 from nanoinfer.chat import render_chat
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.features import FeatureComposition
+from nanoinfer.metrics.stats import StatLogger, engine_metrics
 from nanoinfer.multimodal.media import MediaLoader
 from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.pooling.api import PoolingAPI
@@ -49,7 +50,17 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
             "generate(), chat(), get_tokenizer() and exit(); stream(), embeddings and the step-by-step API "
             f"need data_parallel_size=1 (asked for: {name})")
 
+    @property
+    def stats(self) -> StatLogger | None:
+        """The engine's statistics (None with disable_log_stats=True)."""
+        return self.feature(StatLogger)
+
     # ---- public API -----------------------------------------------------------------------------
+    def get_metrics(self) -> list:
+        """vLLM's LLM.get_metrics(): a list of metrics, each with `name` and `value` (the engine's
+        totals since start, and the row planner's counters)."""
+        return engine_metrics(self)
+
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None,
                  priority=None) -> list[RequestOutput]:
         """prompts: a str, a list of token ids, a {"prompt": str} / {"prompt_token_ids": [...]} dict,

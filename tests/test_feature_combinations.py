@@ -25,6 +25,7 @@ from nanoinfer.multimodal.feature import ImageFeature
 from nanoinfer.speculative.row_planner import SpeculativeRows
 from nanoinfer import LLM, LoRARequest, PoolingParams, SamplingParams
 from nanoinfer.engine.scheduler import Scheduler
+from nanoinfer.priority.order import order_for
 from nanoinfer.step.sequence import Sequence, SequenceStatus
 from nanoinfer.step.step_message import StepResult
 from nanoinfer.speculative.config import SpeculativeConfig
@@ -105,7 +106,7 @@ def oracle(prompt, sp) -> list[int]:
 def make_scheduler(num_blocks, max_num_seqs, budget, policy="fcfs", max_model_len=512, prefix_caching=True):
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
                              kvcache_block_size=BS, scheduling_policy=policy)
-    return Scheduler(config, num_blocks, frozenset({EOS}), prefix_caching)
+    return Scheduler(config, num_blocks, frozenset({EOS}), prefix_caching, order=order_for(config))
 
 
 class Loop:

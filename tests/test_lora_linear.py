@@ -6,7 +6,8 @@ mixed step gets its row's slot."""
 import torch
 
 from nanoinfer.engine.forward_inputs import prepare_inputs
-from nanoinfer.step.step_message import LoRAStep, StepInput
+from nanoinfer.lora.slot_table import LoRAStep
+from nanoinfer.step.step_message import StepInput
 from nanoinfer.layers.linear import QKVParallelLinear, RowParallelLinear
 from nanoinfer.layers.linear_method import dense_linear_method
 from nanoinfer.layers.model_build import ModelBuild

@@ -9,7 +9,9 @@ from hypothesis import given, settings, strategies as st
 
 from hf_reference import assert_greedy_matches_hf
 from nanoinfer import SamplingParams
+from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.engine.scheduler import Scheduler
+from nanoinfer.priority.order import order_for
 from nanoinfer.step.sequence import Sequence, SequenceStatus
 from test_scheduler import BS, EOS, FakeDevice, check_invariants, fake_next_token, process_step
 
@@ -17,7 +19,7 @@ from test_scheduler import BS, EOS, FakeDevice, check_invariants, fake_next_toke
 def priority_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens=512):
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=512, kvcache_block_size=BS, scheduling_policy="priority")
-    return Scheduler(config, num_blocks, frozenset({EOS}))
+    return Scheduler(config, num_blocks, frozenset({EOS}), order=order_for(config))
 
 
 def seq_with(prompt, priority, max_tokens):
@@ -111,6 +113,24 @@ def test_requests_finish_in_priority_order(tiny_qwen3, make_llm):
         assert outs[1].metrics.finished_time <= outs[0].metrics.first_token_time
     finally:
         llm.exit()
+
+
+def test_an_engine_without_the_priority_feature_serves_fifo(tiny_qwen3):
+    """An LLMEngine built with no composition (no priority/ order) serves first come, first served:
+    add_request's default priority 0 is taken, a non-zero one is refused."""
+    engine = LLMEngine(tiny_qwen3, kvcache_block_size=16, max_model_len=64, max_num_seqs=1)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        rids = [engine.add_request([10 + i, 20, 30], sp) for i in range(3)]
+        order = []
+        while not engine.is_finished():
+            order += [rid for rid, _ in engine.step()[0]]
+        assert order == rids
+        with pytest.raises(ValueError, match="first come, first served"):
+            engine.add_request([1, 2], sp, priority=1)
+        assert engine.is_finished() and not engine.requests  # nothing was queued
+    finally:
+        engine.exit()
 
 
 def test_priority_preemption_keeps_results_exact(tiny_qwen3, make_llm):

@@ -3,7 +3,7 @@ rows), sampling rows per position, and accepted runs from the sampled tokens."""
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.step.sequence import Sequence
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.engine.draft_rows import sampling_rows
+from nanoinfer.speculative.draft_rows import sampling_rows
 from nanoinfer.speculative.rows import accepted_runs, attach_drafts
 
 SP = SamplingParams(temperature=0, max_tokens=50)

@@ -11,7 +11,7 @@ from nanoinfer.step.step_message import StepResult
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.step.sequence import Sequence
 from nanoinfer.speculative.config import SpeculativeConfig
-from nanoinfer.engine.draft_rows import sampling_rows
+from nanoinfer.speculative.draft_rows import sampling_rows
 from nanoinfer.speculative.speculator import Speculator
 from test_scheduler import BS, EOS, make_scheduler
 

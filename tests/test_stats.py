@@ -1,4 +1,4 @@
-"""disable_log_stats=False: the engine logs its statistics as it runs (engine/stats.py), and the
+"""disable_log_stats=False: the engine logs its statistics as it runs (metrics/stats.py), and the
 counters match the requests run."""
 import logging
 import re

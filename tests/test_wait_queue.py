@@ -2,7 +2,8 @@
 lower value first, ties by arrival) with O(1) removal."""
 from hypothesis import given, settings, strategies as st
 
-from nanoinfer.engine.wait_queue import PriorityWaitQueue, WaitQueue, priority_key
+from nanoinfer.engine.wait_queue import WaitQueue
+from nanoinfer.priority.wait_queue import PriorityWaitQueue, priority_key
 
 
 class Seq:

@@ -1,7 +1,8 @@
 """The core reading set of one plain request: the files a newcomer reads following the imports from
 `LLM` (nanoinfer/llm.py) and the one model it loads by name (Qwen3), not entering the features'
 folders, kernels/, the other models or the test checkpoints; --tp1 also leaves out the modules only
-tensor parallelism runs (the executor, its worker group and rank calls) and the MoE layer.
+tensor parallelism runs (the executor, its worker group and rank calls, the all-reduce layer: at
+tp=1 none of their functions is called) and the MoE layer.
 
     python -m nanoinfer.bench.reading_set [--tp1] [--files]
 """
@@ -12,14 +13,15 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEEDS = ["nanoinfer/llm.py", "nanoinfer/models/qwen3.py"]  # qwen3 is imported by name (models.MODELS)
 FEATURE_DIRS = ("nanoinfer/lora/", "nanoinfer/speculative/", "nanoinfer/structured/", "nanoinfer/pooling/",
-                "nanoinfer/multimodal/", "nanoinfer/quant/", "nanoinfer/data_parallel/", "nanoinfer/serve/",
-                "nanoinfer/process/", "nanoinfer/kernels/", "nanoinfer/bench/")
+                "nanoinfer/multimodal/", "nanoinfer/quant/", "nanoinfer/priority/", "nanoinfer/metrics/",
+                "nanoinfer/data_parallel/", "nanoinfer/serve/", "nanoinfer/process/", "nanoinfer/kernels/",
+                "nanoinfer/bench/")
 OTHER_FILES = {"nanoinfer/features.py", "nanoinfer/models/llama.py", "nanoinfer/models/mixtral.py",
                "nanoinfer/models/qwen3_moe.py", "nanoinfer/models/qwen2_5_vl.py", "nanoinfer/models/qwen3_vl.py",
                "nanoinfer/models/qwen2_5_vision.py", "nanoinfer/models/qwen3_vl_vision.py",
                "nanoinfer/models/vl_rope.py", "nanoinfer/utils/tiny_model.py", "nanoinfer/utils/tiny_moe.py"}
 TP_ONLY = {"nanoinfer/engine/tp_executor.py", "nanoinfer/engine/worker_group.py", "nanoinfer/engine/rank_calls.py",
-           "nanoinfer/layers/fused_moe.py"}
+           "nanoinfer/layers/all_reduce.py", "nanoinfer/layers/fused_moe.py"}
 
 
 def module_file(module: str) -> str | None:

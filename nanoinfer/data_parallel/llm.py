@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from nanoinfer.config import Config
 from nanoinfer.data_parallel.devices import check_data_parallel_size, replica_envs
-from nanoinfer.engine.input_processor import check_priorities
+from nanoinfer.priority.order import check_priorities
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.process.engine_client import EngineClient
 from nanoinfer.utils.main_guard import check_main_guard

@@ -53,7 +53,7 @@ class BlockManager:
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self.num_hits = 0  # blocks served by the prefix cache so far
-        self.num_queried_tokens = 0  # prompt tokens looked up in it so far (engine/stats.py)
+        self.num_queried_tokens = 0  # prompt tokens looked up in it so far (metrics/stats.py)
 
     @property
     def num_blocks(self) -> int:

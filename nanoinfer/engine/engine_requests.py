@@ -4,7 +4,6 @@ their output is taken; aborts from any thread are queued and applied between ste
 import logging
 import time
 
-from nanoinfer.engine.input_processor import check_priorities
 from nanoinfer.engine.output_processor import Request
 from nanoinfer.step.sequence import Sequence
 from nanoinfer.outputs import RequestOutput, StreamDelta
@@ -24,11 +23,12 @@ class EngineRequests:
         keep_output: the request stays in the engine until pop_output(); step() does not report it.
         max_tokens_must_fit: see InputProcessor.process (for the server). lora_requests: each
         prompt's LoRARequest or None (None: none for any). priority: an int for all or one per
-        prompt (scheduling_policy="priority"; the lower runs first). A feature may take other
-        params in place of SamplingParams (an embedding engine's PoolingParams)."""
+        prompt, as the scheduler's order reads it (scheduling_policy="priority": the lower runs
+        first). A feature may take other params in place of SamplingParams (an embedding engine's
+        PoolingParams)."""
         if self._exited:
             raise RuntimeError("this engine has exited; create a new LLM")
-        priorities = check_priorities(priority, len(prompts), self.config.scheduling_policy)
+        priorities = self.scheduler.order.priorities(priority, len(prompts))
         prepared = self.input_processor.process_all(prompts, sampling_params, max_tokens_must_fit, lora_requests)
         rids = []
         with self._locked():  # an abort from another thread reads the registry meanwhile

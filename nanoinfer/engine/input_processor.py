@@ -40,26 +40,6 @@ class PreparedRequest:
     prompt: str | None
 
 
-def check_priorities(priority, num_prompts: int, policy: str) -> list[int]:
-    """One int per prompt (vLLM's `priority`: None is 0 for all, an int is that for all); with
-    scheduling_policy="fcfs" only 0 is allowed, as vLLM."""
-    if priority is None:
-        return [0] * num_prompts
-    one = isinstance(priority, Integral) and not isinstance(priority, bool)
-    if not one and not isinstance(priority, (list, tuple)):
-        raise ValueError(f"priority must be an int or a list of ints (one per prompt), got {type(priority).__name__}")
-    values = [priority] * num_prompts if one else list(priority)
-    if len(values) != num_prompts:
-        raise ValueError(f"got {len(values)} priority values for {num_prompts} prompts; give one per prompt")
-    for i, p in enumerate(values):
-        if not isinstance(p, Integral) or isinstance(p, bool):
-            raise ValueError(f"priority[{i}] must be an int, got {type(p).__name__}")
-    if policy != "priority" and any(values):
-        raise ValueError("priority is set but scheduling_policy is 'fcfs'; make the LLM with "
-                         "scheduling_policy='priority'")
-    return [int(p) for p in values]
-
-
 class InputProcessor:
     def __init__(self, config: Config, tokenizer, vocab_size: int, kv_capacity_tokens: int, features=()):
         self.tokenizer = tokenizer

@@ -8,16 +8,16 @@ ids and length; the output processor records logprobs, detokenizes and returns t
 new text completed; the engine finishes those sequences through the scheduler. Without overlap
 (`async_scheduling=False`) the same path processes the step it just launched. The runner is a
 ModelRunner in this process (one rank) or a TensorParallelExecutor driving worker processes; both
-take the step as encoded by engine/step_encoder.py. With disable_log_stats=False, processing also
-counts the engine's statistics (engine/stats.py), logged between steps.
+take the step as encoded by engine/step_encoder.py.
 
 Features attach through hooks (step/feature.py) that the engine calls at fixed points: intake,
 a step encoded, a step launched once the step before it is processed, before the next forward, a
-step's results, a request's output, exit. A step a feature awaits (`Launched.awaits`: launched up
-to its logits, e.g. waiting for token masks) completes before the next step's forward or before
-its results are collected. How long each decoding row is, the row planner decides
-(step/row_planner.py). Which features and planner an engine runs with, the composition place
-above it decides (nanoinfer/features.py); the engine names none.
+step's results and once they are applied, the end of a step, a request's output, exit. A step a
+feature awaits (`Launched.awaits`: launched up to its logits, e.g. waiting for token masks)
+completes before the next step's forward or before its results are collected. How long each
+decoding row is, the row planner decides (step/row_planner.py); which waiting sequence is served
+first, the scheduler's order (engine/wait_queue.py). Which features, planner and order an engine
+runs with, the composition place above it decides (nanoinfer/features.py); the engine names none.
 
 Requests enter through the InputProcessor (engine/input_processor.py) and live in one registry,
 `requests` (request id -> Request; engine/engine_requests.py). One thread drives the engine (advance, step, generate,
@@ -45,7 +45,6 @@ from nanoinfer.engine.output_processor import OutputProcessor, Request
 from nanoinfer.engine.scheduler import ScheduledBatch, Scheduler
 from nanoinfer.engine.sigint import sigint_deferred
 from nanoinfer.engine.step_encoder import StepEncoder, sampled_rows
-from nanoinfer.engine.stats import StatLogger, engine_metrics
 from nanoinfer.engine.step_record import StepRecord
 from nanoinfer.engine.tp_executor import TensorParallelExecutor
 from nanoinfer.utils.hf_files import load_eos_token_ids, load_tokenizer
@@ -94,10 +93,10 @@ class LLMEngine(EngineRequests, EngineThreads):
         self.rows.allocate(num_blocks)
         self.features = composition.features(parts)  # their hooks are called in this order
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids, config.enable_prefix_caching, self.rows,
-                                   composition.admission(config), masks_later)
+                                   composition.admission(config), masks_later, composition.order(config))
         self.step_encoder = StepEncoder(self.vocab_size, eos_token_ids, self._seeds,
                                         config.tensor_parallel_size > 1 and config.device == "cuda",
-                                        self.features, masks_later)
+                                        self.features, masks_later, self.rows)
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size,
                                               num_blocks * config.kvcache_block_size, self.features)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -105,7 +104,6 @@ class LLMEngine(EngineRequests, EngineThreads):
         self.overlap = config.async_scheduling
         self.inflight: Launched | None = None
         self.step_log: list | None = None   # set to a list to record each step's StepRecord (bench.py)
-        self.stats = None if config.disable_log_stats else StatLogger()  # logged every few seconds
         self._init_threads()
         self._aborts: deque[int] = deque()  # abort_request ids not applied yet
         self._finished_ids: list[int] = []  # requests finished outside a step, for the next advance()
@@ -156,8 +154,8 @@ class LLMEngine(EngineRequests, EngineThreads):
         self._drop_wasted_step()
         if self.step_log is not None and batch is not None:
             self.step_log.append(StepRecord.of(batch, t0, t1, t2, time.perf_counter(), self._waited))
-        if self.stats is not None:
-            self.stats.maybe_log(self.scheduler)
+        for feature in self.features:
+            feature.stepped(self.scheduler)
         finished, self._finished_ids = self._finished_ids, []
         return finished, batch.num_tokens if batch is not None else 0
 
@@ -263,8 +261,8 @@ class LLMEngine(EngineRequests, EngineThreads):
                                                     self.requests, now, update.counts)
         finished = self.scheduler.finish_rows(launched.batch, update, stops)
         self._finished(finished, now)
-        if self.stats is not None:
-            self.stats.record(launched.batch, update.appended, finished, update.counts)
+        for feature in self.features:
+            feature.processed(launched.batch, update, finished)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -279,11 +277,6 @@ class LLMEngine(EngineRequests, EngineThreads):
     def spec_stats(self):
         """The row planner's counters (a draft's acceptance), None if it keeps none."""
         return self.rows.stats
-
-    def get_metrics(self) -> list:
-        """vLLM's LLM.get_metrics(): a list of metrics, each with `name` and `value` (the engine's
-        totals since start, and the row planner's counters)."""
-        return engine_metrics(self)
 
     def check_health(self):
         """Raises RuntimeError if the engine cannot serve: it has exited, or a tensor-parallel rank

@@ -3,10 +3,9 @@ token first, then prefill chunks (of partly prefilled sequences, then of new one
 `max_num_batched_tokens`. When a decode token finds no free block, the newest running sequences are
 preempted (their KV freed; they recompute later).
 
-With scheduling_policy="priority" (vLLM's rule: the lower value first, ties by arrival) the waiting
-queue is ordered by (priority, arrival) and `running` is kept in that order too, so the sequence
-preempted for memory, `running[-1]`, is the lowest-priority one; a waiting sequence of a strictly
-higher priority that cannot be admitted preempts running ones of lower priority to take their place.
+The order sequences are served in comes from an `order` (engine/wait_queue.py): first come, first
+served by default; the composition place may give another (scheduling_policy="priority"). It makes
+the waiting queue and places each admitted sequence in `running`, whose last is preempted first.
 
 The scheduler also owns the finish decision: `update` appends a finished step's sampled tokens and
 stops sequences on EOS, stop token ids and length limits; the engine then applies the stop strings
@@ -30,17 +29,15 @@ preprocessing) waits in `preparing`, out of the queue, as vLLM's WAITING_FOR_FSM
 `admit_prepared` before each step, which queues those whose work is done and finishes, with
 finish_reason "error", those whose work failed. The batch keeps stepping meanwhile.
 """
-from bisect import insort
 from concurrent.futures import FIRST_COMPLETED, wait
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
 from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS
-from nanoinfer.engine.priority_preemption import preempt_for_waiting
 from nanoinfer.step.row_planner import RowPlanner
 from nanoinfer.engine.scheduled_batch import ScheduledBatch, StepUpdate, ending_of
 from nanoinfer.step.sequence import Sequence, SequenceStatus
-from nanoinfer.engine.wait_queue import PriorityWaitQueue, WaitQueue, priority_key
+from nanoinfer.engine.wait_queue import FifoOrder
 from nanoinfer.outputs import NON_FINITE_REASON
 
 __all__ = ["Scheduler", "ScheduledBatch", "StepUpdate", "ending_of"]
@@ -49,7 +46,7 @@ __all__ = ["Scheduler", "ScheduledBatch", "StepUpdate", "ending_of"]
 class Scheduler:
     def __init__(self, config: Config, num_blocks: int, eos_token_ids: frozenset[int],
                  prefix_caching: bool = True, rows: RowPlanner | None = None, admission=None,
-                 late_masks: bool = False):
+                 late_masks: bool = False, order: FifoOrder | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -57,9 +54,9 @@ class Scheduler:
         self.short_rows_tokens = min(SHORT_ROWS_MAX_TOKENS, config.max_num_seqs)
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, prefix_caching)
-        self.by_priority = getattr(config, "scheduling_policy", "fcfs") == "priority"
-        self.waiting = PriorityWaitQueue() if self.by_priority else WaitQueue()
-        # admitted (holding blocks), oldest (by priority: highest) first; some may be mid-prefill
+        self.order = order or FifoOrder()  # which waiting sequence is served first
+        self.waiting = self.order.queue()
+        # admitted (holding blocks), in the order's order (oldest first); some may be mid-prefill
         self.running: list[Sequence] = []
         # n > 1: a prompt's other samples wait here (keyed by the first sample's seq_id; each group an
         # ordered set) until its prompt K/V are computed, then join waiting and hit the prefix cache
@@ -130,8 +127,7 @@ class Scheduler:
         batch = ScheduledBatch([], [], [], [])
         preempted = False
         longer = []  # (seq, extra tokens): the planner's rows of several tokens, after the decode rows
-        if self.by_priority and self.waiting and self.running:
-            preempt_for_waiting(self)
+        self.order.start_step(self)
         # 1. one decode token for every running sequence that generates (oldest first)
         i, decode = 0, []
         self.rows.start_step(self)
@@ -182,10 +178,7 @@ class Scheduler:
                 admission.admitted(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            if self.by_priority:
-                insort(self.running, seq, key=priority_key)
-            else:
-                self.running.append(seq)
+            self.order.place(self.running, seq)
             budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
         return batch if batch.seqs else None
 

@@ -4,8 +4,8 @@ where the registered features add their parts (EngineFeature.encode)."""
 import random
 
 from nanoinfer.engine.scheduler import ScheduledBatch
+from nanoinfer.step.row_planner import RowPlanner
 from nanoinfer.step.step_message import PromptLogprobsRequest, PromptSegment, SampleInput, StepInput
-from nanoinfer.engine.draft_rows import sampling_rows
 from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling.sampler import vocab_shard_sample
@@ -29,16 +29,19 @@ class StepEncoder:
     plain steps draw their noise seed from (seeded from the config). sample_on_shards: the ranks
     can sample their vocabulary shards (tensor parallelism on CUDA). features: the registered
     EngineFeatures, which add their parts to each step. masks_later: a plan leaves its token masks
-    to the engine, which fills them after the forward's launch."""
+    to the engine, which fills them after the forward's launch. rows: the step's row planner, which
+expands its rows of several tokens into sampling rows."""
 
     def __init__(self, vocab_size: int, eos_token_ids, seeds: random.Random | None = None,
-                 sample_on_shards: bool = False, features=(), masks_later: bool = False):
+                 sample_on_shards: bool = False, features=(), masks_later: bool = False,
+                 rows: RowPlanner | None = None):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.seeds = seeds
         self.sample_on_shards = sample_on_shards
         self.features = features
         self.masks_later = masks_later
+        self.rows = rows or RowPlanner()
         self.awaits: dict = {}  # the last step's: feature -> its state to complete before the step samples
         self.encoded: list = []  # the features that added their parts to the last step
         self.constraints = TokenConstraintRegistry()  # the token constraints the sampling rank holds
@@ -56,7 +59,7 @@ class StepEncoder:
         step = encode_rows(batch, prev_rows)
         seqs, samples = batch.seqs, batch.samples
         if batch.drafts:  # rows of several tokens: one sampling row per query position
-            seqs, samples, step.sample_rows = sampling_rows(batch)
+            seqs, samples, step.sample_rows = self.rows.sampling_rows(batch)
         plan = build_sampling_plan(seqs, self.vocab_size, self.eos_token_ids, samples, prev_rows, self.seeds,
                                    self.masks_later, self.constraints)
         sample = SampleInput(plan, prompt_logprobs_request(batch))

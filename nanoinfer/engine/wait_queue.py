@@ -1,8 +1,7 @@
-"""The scheduler's queue of waiting sequences: first in, first out, with preempted sequences put
-back at the front (WaitQueue), or by priority then arrival (PriorityWaitQueue, for
-scheduling_policy="priority"). Any member is removable in O(1) (an aborted request with n samples
-leaves the queue in O(n), not O(n^2))."""
-import heapq
+"""The scheduler's queue of waiting sequences and the order it serves them in: first in, first out,
+with preempted sequences put back at the front (FifoOrder). The composition place may give the
+scheduler another order (scheduling_policy="priority": nanoinfer/priority/). Any member of a queue is
+removable in O(1) (an aborted request with n samples leaves the queue in O(n), not O(n^2))."""
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
@@ -54,71 +53,24 @@ class WaitQueue:
         return bool(self._items)
 
 
-def priority_key(seq) -> tuple[int, int, int]:
-    """vLLM's priority order: the lower value first, ties by arrival (the request id grows with
-    arrival), a request's samples in index order."""
-    return seq.priority, seq.request_id, seq.index
+class FifoOrder:
+    """The order the scheduler serves sequences in: first come, first served. An order makes the
+    waiting queue, places an admitted sequence among the running ones (the last of them is the
+    first preempted for memory), and may act before each step is scheduled."""
 
+    def queue(self):
+        return WaitQueue()
 
-class PriorityWaitQueue:
-    """WaitQueue's interface, ordered by `priority_key` (a heap). A sequence put back (preempted, or
-    a held sample released) takes its place by key, which already ranks it before the later
-    arrivals of its priority. Removal is lazy: `discard` forgets the entry in O(1) and the heap
-    skips it when it reaches the top; stale entries are compacted away when they outnumber the
-    live ones, so the heap stays O(live)."""
-    __slots__ = ("_heap", "_live", "_pushes")
+    def place(self, running: list, seq) -> None:
+        running.append(seq)
 
-    def __init__(self, items: Iterable = ()):
-        self._heap: list = []
-        self._live: dict = {}  # seq -> its current entry's push number
-        self._pushes = 0
-        for seq in items:
-            self.append(seq)
+    def start_step(self, scheduler) -> None:
+        """A step is about to be scheduled."""
 
-    def append(self, seq):
-        self._pushes += 1
-        self._live[seq] = self._pushes
-        heapq.heappush(self._heap, (priority_key(seq), self._pushes, seq))
-        if len(self._heap) > 2 * len(self._live) + 64:
-            self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
-            heapq.heapify(self._heap)
-
-    appendleft = append  # the key decides its place
-
-    def extendleft_in_order(self, seqs: list):
-        for seq in seqs:
-            self.append(seq)
-
-    def _top(self):
-        heap = self._heap
-        while heap and self._live.get(heap[0][2]) != heap[0][1]:
-            heapq.heappop(heap)  # discarded (or superseded by a later push)
-        return heap[0][2]
-
-    def popleft(self):
-        seq = self._top()
-        heapq.heappop(self._heap)
-        del self._live[seq]
-        return seq
-
-    def discard(self, seq) -> bool:
-        return self._live.pop(seq, None) is not None
-
-    def __getitem__(self, i: int):
-        if i != 0:
-            raise IndexError("a PriorityWaitQueue gives its first item only")
-        if not self._live:
-            raise IndexError("the queue is empty")
-        return self._top()
-
-    def __contains__(self, seq) -> bool:
-        return seq in self._live
-
-    def __iter__(self) -> Iterator:
-        return iter(sorted(self._live, key=priority_key))
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __bool__(self) -> bool:
-        return bool(self._live)
+    def priorities(self, priority, num_prompts: int) -> list[int]:
+        """Each prompt's `priority` (the requests' option: an int for all, or one per prompt) as this
+        order reads it: none, so only None or 0 is taken."""
+        values = priority if isinstance(priority, (list, tuple)) else [priority]
+        if any(p is not None and p != 0 for p in values):
+            raise ValueError("priority is set but this engine serves requests first come, first served")
+        return [0] * num_prompts

@@ -4,8 +4,15 @@ need. The step message lists every adapter the step uses with its slot and path;
 its slot does not hold yet (device_adapters.py), so a failed or skipped launch never leaves the
 engine and the ranks disagreeing about a slot."""
 from collections import OrderedDict
+from dataclasses import dataclass
 
-from nanoinfer.step.step_message import LoRAStep
+
+@dataclass(slots=True)
+class LoRAStep:
+    """A step's adapters (nanoinfer/lora): each row's device slot (-1: the base model), and every
+    adapter the step uses as (slot, lora_int_id, path), which a rank loads if its slot holds another."""
+    row_slots: list[int]
+    adapters: list[tuple[int, int, str]]
 
 
 class AdapterSlotTable:

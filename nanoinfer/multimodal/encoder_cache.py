@@ -5,7 +5,7 @@ when it is dropped (step_planner.py); every rank holds the same entries."""
 import numpy as np
 import torch
 
-from nanoinfer.step.step_message import MultiModalStep
+from nanoinfer.multimodal.step_planner import MultiModalStep
 from nanoinfer.utils.device_copy import to_device
 
 

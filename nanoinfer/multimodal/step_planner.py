@@ -7,10 +7,29 @@ image. A sequence stops holding an image once its computed tokens pass the image
 no longer running (finished, aborted, preempted: a preempted one encodes again when it recomputes).
 An image no sequence holds is dropped, in the next step's message. Identical images (the same key)
 are encoded once and shared."""
+from dataclasses import dataclass
+
 import numpy as np
 
 from nanoinfer.step.sequence import SequenceStatus
-from nanoinfer.step.step_message import ImageToEncode, MultiModalStep
+
+
+@dataclass(slots=True)
+class ImageToEncode:
+    """An image the runner encodes this step (its embeddings are then kept under `key`)."""
+    key: int
+    pixel_values: object             # numpy float32 [patches, C * T * P * P], as the image processor made them
+    grid_thw: tuple[int, int, int]
+
+
+@dataclass(slots=True)
+class MultiModalStep:
+    """A step's images (multimodal/step_planner.py): those to encode first; `placements`, per image
+    slice the step's rows cover, (key, first embedding row, count, first flat token row); and the
+    keys whose embeddings no running prefill needs any more (dropped once the step's are taken)."""
+    encode: list[ImageToEncode]
+    placements: list[tuple[int, int, int, int]]
+    free: list[int]
 
 
 class MultiModalStepPlanner:

@@ -4,11 +4,21 @@ Host: `pooling_rows` reads a batch of embedding requests into PoolingRows (which
 each segment sums); `record_pooled` hands the step's sums back to the requests' PoolingStates.
 Both walk the batch the same way, so segment i is the same row in both.
 Device: `pool_hidden` sums the final hidden states of each segment's rows, in float32."""
+from dataclasses import dataclass
+
 import torch
 
-from nanoinfer.step.step_message import PoolingRows
 from nanoinfer.step.sequence import SequenceStatus
 from nanoinfer.utils.device_copy import to_device
+
+
+@dataclass(slots=True)
+class PoolingRows:
+    """An embedding step (runner="pooling", nanoinfer/pooling): instead of sampling, the rank sums
+    the final hidden states of flat token rows starts[i] .. starts[i] + counts[i] - 1 for each
+    segment i (a prompt's last token, its first, or a chunk's every token)."""
+    starts: list[int]
+    counts: list[int]
 
 
 def _segments(batch):

@@ -26,7 +26,7 @@ from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling_params import SAMPLING_EPS
 from nanoinfer.speculative.draft_chain import GreedyDraftChain
 from nanoinfer.speculative.proposer import DeviceProposals, Proposer
-from nanoinfer.engine.draft_rows import DraftView
+from nanoinfer.speculative.draft_rows import DraftView
 from nanoinfer.utils.hf_files import load_tokenizer
 from nanoinfer.utils.staging import Staging
 

@@ -5,7 +5,7 @@ The scheduler places each speculative row after the decode rows with room for k 
 shortened, and one with none becomes a plain decode row (moved into the decode section, so a step
 without proposals stays decode-only). For sampling, a row with m proposals is m + 1 sampling rows,
 one per position, each seeing the proposals before it as if they were accepted (`DraftView`,
-engine/draft_rows.py): that is what makes penalties, seeds, min_tokens, bad words and logprobs
+speculative/draft_rows.py): that is what makes penalties, seeds, min_tokens, bad words and logprobs
 exact at every position.
 """
 from nanoinfer.engine.scheduler import ScheduledBatch

@@ -7,6 +7,7 @@ calls the registered ones in order at fixed points and never names one.
     a step     encode (its message built)   unschedule (it was not launched)
                launched (it is launched and the step before it processed)   complete (before the
                next forward, or before its results are collected)   process (its results)
+               processed (its tokens appended, its finishes applied)   stepped (the step is over)
     outputs    request_output
     the end    exit
 
@@ -78,6 +79,13 @@ class EngineFeature:
     def process(self, batch, result) -> None:
         """A step's results, before the scheduler appends its tokens."""
 
+    def processed(self, batch, update, finished: list) -> None:
+        """A step's tokens are appended (`update`: the scheduler's StepUpdate) and `finished`, the
+        sequences it ended, are finished."""
+
+    def stepped(self, scheduler) -> None:
+        """An engine step (advance) is over."""
+
     def request_output(self, request):
         """The request's output, if this feature builds it (else None: the engine's)."""
         return None
@@ -100,6 +108,11 @@ class Composition:
 
     def admission(self, config):
         """The scheduler's rule on which waiting sequence may run (None: any)."""
+        return None
+
+    def order(self, config):
+        """The order the scheduler serves sequences in (engine/wait_queue.py's FifoOrder interface;
+        None: first come, first served)."""
         return None
 
     def rank_features(self, config) -> list:

@@ -42,6 +42,11 @@ class RowPlanner:
         """The runner's extra launch arguments for the batch (tokens left on the device)."""
         return ()
 
+    def sampling_rows(self, batch) -> tuple[list, list[bool], list[int]]:
+        """For a batch with rows of several tokens (`batch.drafts`): (the sequences, as the sampling
+        plan sees each, their `samples` flags, their flat token rows), one per sampling row."""
+        raise NotImplementedError
+
     def launched(self, batch) -> None:
         """The batch was launched."""
 

@@ -3,7 +3,8 @@
 A leaf: plain, typed dataclasses that import nothing from the engine, the layers or torch, so the
 message depends on no part of the engine, and it pickles cheaply. Rows are held
 column by column (lists of ints), not as an object per row, because the step is rebuilt, and with
-tensor parallelism pickled, every step. engine/step_encoder.py builds them from scheduled sequences.
+tensor parallelism pickled, every step. engine/step_encoder.py builds them from scheduled sequences;
+a feature's part of a step (adapters, images, an embedding's rows) is a dataclass of its own folder.
 
 Every rank gets the StepInput; the rank that samples (rank 0) also gets the SampleInput, and it
 answers with a StepResult.
@@ -18,41 +19,6 @@ class PlainSample:
     temperature alone): the rows' temperatures and the step's noise seed."""
     temperatures: list[float]
     seed: int
-
-
-@dataclass(slots=True)
-class PoolingRows:
-    """An embedding step (runner="pooling", nanoinfer/pooling): instead of sampling, the rank sums
-    the final hidden states of flat token rows starts[i] .. starts[i] + counts[i] - 1 for each
-    segment i (a prompt's last token, its first, or a chunk's every token)."""
-    starts: list[int]
-    counts: list[int]
-
-
-@dataclass(slots=True)
-class LoRAStep:
-    """A step's adapters (nanoinfer/lora): each row's device slot (-1: the base model), and every
-    adapter the step uses as (slot, lora_int_id, path), which a rank loads if its slot holds another."""
-    row_slots: list[int]
-    adapters: list[tuple[int, int, str]]
-
-
-@dataclass(slots=True)
-class ImageToEncode:
-    """An image the runner encodes this step (its embeddings are then kept under `key`)."""
-    key: int
-    pixel_values: object             # numpy float32 [patches, C * T * P * P], as the image processor made them
-    grid_thw: tuple[int, int, int]
-
-
-@dataclass(slots=True)
-class MultiModalStep:
-    """A step's images (multimodal/step_planner.py): those to encode first; `placements`, per image
-    slice the step's rows cover, (key, first embedding row, count, first flat token row); and the
-    keys whose embeddings no running prefill needs any more (dropped once the step's are taken)."""
-    encode: list[ImageToEncode]
-    placements: list[tuple[int, int, int, int]]
-    free: list[int]
 
 
 @dataclass(slots=True)
@@ -77,12 +43,12 @@ class StepInput:
     prompt_logit_rows: list[int] | None = None  # flat token rows whose logits are also computed (prompt_logprobs)
     sample_rows: list[int] | None = None  # flat token rows that sample (None: each row's last; speculative rows: all)
     plain_sample: PlainSample | None = None
-    pooling: PoolingRows | None = None  # an embedding step: no LM head, no sampling
-    lora: LoRAStep | None = None  # None: no row uses an adapter
+    pooling: object = None  # an embedding step (pooling/rows.py, PoolingRows): no LM head, no sampling
+    lora: object = None  # the step's adapters (lora/slot_table.py, LoRAStep); None: no row uses one
     # rotary positions when they are not each row's starts..: [positions] (one per token, flat), or
     # [t, h, w] positions (M-RoPE, a step whose rows cover image tokens)
     rope_positions: list[list[int]] | None = None
-    multi_modal: MultiModalStep | None = None
+    multi_modal: object = None  # the step's images (multimodal/step_planner.py, MultiModalStep)
 
     @property
     def num_rows(self) -> int:

@@ -1,5 +1,5 @@
-"""A step's rows of several tokens (a decoding row with tokens filled in after its last one, by the
-row planner: step/row_planner.py) expand into one sampling row per position. Each sees the
+"""A step's rows of several tokens (a decoding row with proposals filled in after its last one, by
+speculative decoding's row planner) expand into one sampling row per position. Each sees the
 tokens before it as if they were accepted (`DraftView`): that is what makes penalties, seeds,
 min_tokens, bad words and logprobs exact at every position."""
 from nanoinfer.engine.scheduler import ScheduledBatch

@@ -7,11 +7,14 @@ few seconds as one line, vLLM's:
 Prompt tokens count once per request, when its prompt is done (its first token, or its embedding);
 generation tokens are the tokens appended to completions; the hit rate is prompt tokens served by
 the prefix cache over prompt tokens looked up in it, since start. Totals since start are kept
-(`totals()`) for tests and /metrics."""
+(`totals()`) for tests and /metrics. The engine reports to it through the feature hooks
+(EngineFeature.processed, .stepped: step/feature.py)."""
 import logging
 import os
 import time
 from dataclasses import dataclass
+
+from nanoinfer.step.feature import EngineFeature
 
 logger = logging.getLogger("nanoinfer.stats")
 
@@ -21,7 +24,7 @@ def log_interval_s() -> float:
     return float(os.environ.get("NANOINFER_LOG_STATS_INTERVAL", "5"))
 
 
-class StatLogger:
+class StatLogger(EngineFeature):
     def __init__(self, interval_s: float | None = None):
         self.interval_s = log_interval_s() if interval_s is None else interval_s
         self.prompt_tokens = self.generation_tokens = self.requests_finished = 0  # totals since start
@@ -32,6 +35,12 @@ class StatLogger:
             handler.setFormatter(logging.Formatter("INFO %(name)s: %(message)s"))
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
+
+    def processed(self, batch, update, finished: list) -> None:
+        self.record(batch, update.appended, finished, update.counts)
+
+    def stepped(self, scheduler) -> None:
+        self.maybe_log(scheduler)
 
     def record(self, batch, appended: list[int], finished: list, counts: dict | None = None):
         """A processed step: the rows whose token was appended (counts: rows that appended several,
@@ -92,8 +101,9 @@ def engine_metrics(engine) -> list[Metric | Vector]:
     """The engine's totals (when it keeps statistics), speculative decoding's counters, and the
     counters the model keeps on its device (read now: a round trip to the ranks)."""
     out = []
-    if engine.stats is not None:
-        out += [Metric(f"nanoinfer:{k}", v) for k, v in engine.stats.totals(engine.scheduler).items()]
+    stats = engine.feature(StatLogger)
+    if stats is not None:
+        out += [Metric(f"nanoinfer:{k}", v) for k, v in stats.totals(engine.scheduler).items()]
     if engine.spec_stats is not None:
         out += [Metric(k, v) for k, v in engine.spec_stats.metrics().items()]
     if not engine._exited:
