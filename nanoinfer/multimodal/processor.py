@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import numpy as np
 import xxhash
-from transformers import AutoImageProcessor
 
 from nanoinfer.multimodal.inputs import ImageItem, MultiModalInputs
 from nanoinfer.multimodal.limits import check_item_count
@@ -182,6 +181,9 @@ def load_image_processor(model_path: str):
         raise ValueError("images need Pillow: pip install 'nanoinfer[vision]'") from None
     if not os.path.isfile(os.path.join(model_path, "preprocessor_config.json")):
         raise ValueError(f"the checkpoint {model_path!r} has no preprocessor_config.json (its image processor)")
+    # (imported here, on the vision path only: transformers' image-processing modules are slow to
+    # import, and every engine, server and worker start would pay for them)
+    from transformers import AutoImageProcessor
     try:
         return AutoImageProcessor.from_pretrained(model_path, trust_remote_code=False)
     except Exception as e:
