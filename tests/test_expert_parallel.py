@@ -8,7 +8,6 @@ skipping of another rank's pairs is tested in test_fused_moe.py.)
 Each EP engine spawns two workers (seconds each on CI): one engine per architecture does every
 engine-level check."""
 import multiprocessing as mp
-import pickle
 import random
 
 import pytest
@@ -18,6 +17,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from hf_reference import assert_greedy_matches_hf
+from memory_pipe import MemoryPipe, drive_until_done
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.config import Config
 from nanoinfer.expert_parallel.placement import LOAD_COUNTER
@@ -118,34 +118,12 @@ def test_ep2_matches_tp1_and_hf_with_preemption_prefix_hits_and_counts_the_load(
     assert not mp.active_children()
 
 
-class Pipe:
-    """An in-memory Connection end for driving EngineCore in this process (pickled, as by a pipe)."""
-
-    def __init__(self):
-        self.items = []
-
-    def send(self, obj):
-        self.items.append(pickle.loads(pickle.dumps(obj)))
-
-    def poll(self, timeout: float = 0.0):
-        return bool(self.items)
-
-    def recv(self):
-        return self.items.pop(0)
-
-
 def assert_engine_process_sends_the_load(llm, monkeypatch, prompt):
     monkeypatch.setattr(engine_process, "COUNTERS_READ_S", 0.0)
-    commands, events = Pipe(), Pipe()
+    commands, events = MemoryPipe(), MemoryPipe()
     core = engine_process.EngineCore(llm, commands, events)
     commands.send([pack_command(Submit(1, [prompt], SamplingParams(max_tokens=3), False))])
-    steps = 0
-    while not steps or core.requests:
-        core._apply_commands()
-        if not llm.is_finished():
-            core._step()
-            steps += 1
-        core._flush()
+    drive_until_done(core, llm)
     loads = [news.stats.counters for news in events.items if news.stats is not None and news.stats.counters]
     assert loads and loads[-1] == {LOAD_COUNTER: rank_loads(llm)}
 

@@ -3,7 +3,6 @@ driven by the official openai client (and httpx for raw HTTP), checked against t
 import asyncio
 import json
 import os
-import pickle
 import re
 import signal
 import socket
@@ -15,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
+from memory_pipe import MemoryPipe, drive_until_done
 
 openai = pytest.importorskip("openai")
 
@@ -576,30 +576,13 @@ def test_bad_engine_option_exits_with_the_error(tiny_qwen3, tmp_path):
     assert code == 2 and "max_num_seqs must be" in text, text
 
 
-class _Pipe:
-    """An in-memory Connection end for driving EngineCore in this process; what it carries is
-    pickled, as by a real pipe."""
-
-    def __init__(self):
-        self.items = []
-
-    def send(self, obj):
-        self.items.append(pickle.loads(pickle.dumps(obj)))
-
-    def poll(self, timeout: float = 0.0):
-        return bool(self.items)
-
-    def recv(self):
-        return self.items.pop(0)
-
-
 def test_engine_core_takes_each_steps_deltas_in_one_call(llm, monkeypatch):
     """The engine process asks the engine for a step's deltas once (not once per request), and
     each delta reaches its submission and prompt: the deltas concatenate to the final outputs."""
     from nanoinfer.process.engine_process import EngineCore
     from nanoinfer.process.messages import Submit, pack_command
 
-    commands, events = _Pipe(), _Pipe()
+    commands, events = MemoryPipe(), MemoryPipe()
     core = EngineCore(llm, commands, events)
     calls = []
     take = llm.take_stream_deltas
@@ -608,13 +591,7 @@ def test_engine_core_takes_each_steps_deltas_in_one_call(llm, monkeypatch):
     sp = SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=12, ignore_eos=True, logprobs=1, stop=["e"])
     commands.send([pack_command(Submit(7, PROMPTS[:3], sp, True)),
                    pack_command(Submit(8, PROMPTS[3:], SamplingParams(max_tokens=5), True))])
-    steps = 0
-    while not steps or core.requests:
-        core._apply_commands()
-        if not llm.is_finished():
-            core._step()
-            steps += 1
-        core._flush()
+    steps = drive_until_done(core, llm)
     assert len(calls) == steps
     prompt_of, texts, ids, finals = {}, {}, {}, {}  # prompt_of: request id -> (sub_id, prompt index)
     for news in events.items:
