@@ -10,8 +10,9 @@ Nothing loads silently wrong:
 - A fused parameter declares the shards it expects as `param.shard_ids` (QKV: ("q", "k", "v"),
   gate_up: (0, 1), stacked experts: every (expert, shard) tuple); a plain parameter expects one
   unnamed load. A parameter's `held_elsewhere(shard_id)` (expert parallel: another rank's
-  experts) makes the loader skip that tensor without reading it. Every declared shard of every parameter must be loaded exactly once, else a
-  ValueError names the missing (or repeated) checkpoint tensor.
+  experts) makes the loader skip that tensor without reading it. Every declared shard of every
+  parameter must be loaded exactly once, else a ValueError names the missing (or repeated)
+  checkpoint tensor.
 - Weight loaders compare the full, unsharded checkpoint tensor's shape with the one the config
   implies (`check_shape`) before cutting their tensor-parallel shard out of it, and raise a
   ValueError, which `load_model` prefixes with the checkpoint tensor's name.
