@@ -429,7 +429,7 @@ def test_tensor_parallel_structured(tiny_qwen3):
 def test_bitmask_matches_xgrammar(vocab, width):
     """Our torch unpack (any device) against xgrammar's own apply on CPU; logits wider than the
     bitmask's vocabulary (padded) lose the extra columns."""
-    from nanoinfer.structured.bitmask import apply_token_bitmask
+    from nanoinfer.sampling.token_mask import apply_token_bitmask
     from nanoinfer.structured.grammar_state import bitmask_width
 
     g = torch.Generator().manual_seed(0)
@@ -452,7 +452,7 @@ def test_bitmask_kernel_matches_the_torch_path(vocab, width, dtype):
     """The Triton kernel (the interpreter on CPU) equals the torch path: rows in any order, a row
     stride wider than the row, logits narrower or wider than the bitmask's vocabulary."""
     from nanoinfer.kernels.token_bitmask import apply_token_bitmask_triton
-    from nanoinfer.structured.bitmask import apply_token_bitmask
+    from nanoinfer.sampling.token_mask import apply_token_bitmask
     from nanoinfer.structured.grammar_state import bitmask_width
 
     g = torch.Generator().manual_seed(1)
@@ -474,7 +474,7 @@ def test_bitmask_kernel_matches_the_torch_path(vocab, width, dtype):
 def test_structured_outputs_on_cuda(make_checkpoint, make_llm):
     """On the GPU (the bitmask copied and unpacked on the device, every sampling path): every kind
     matches in a batch mixed with unconstrained rows, sampled and greedy."""
-    from nanoinfer.structured.bitmask import apply_token_bitmask
+    from nanoinfer.sampling.token_mask import apply_token_bitmask
 
     words = torch.randint(-2**31, 2**31 - 1, (3, 13), dtype=torch.int32)
     logits = torch.randn(4, 400)

@@ -4,7 +4,7 @@ Bitmask row j (int32 words, bit t % 32 of word t // 32 allowing token t: xgramma
 logits row rows[j]: every disallowed column -> -inf, columns past the bitmask's vocabulary too
 (padded embeddings). Grid (G, column tiles): a program reads its tile's words and stores -inf where
 a bit is clear. The logits are never read, and nothing vocabulary-sized is allocated, so the cost is
-the bitmask's bytes and the stores; the torch path (structured/bitmask.py) unpacks [G, V] booleans
+the bitmask's bytes and the stores; the torch path (sampling/token_mask.py) unpacks [G, V] booleans
 and gathers and scatters the rows.
 """
 import torch

@@ -11,7 +11,7 @@ import torch
 
 from nanoinfer.sampling.stage import Stage
 from nanoinfer.sampling.tensors import SamplingTensors
-from nanoinfer.structured.bitmask import apply_token_bitmask
+from nanoinfer.sampling.token_mask import apply_token_bitmask
 
 logger = logging.getLogger("nanoinfer")
 

@@ -6,7 +6,6 @@ of strings or a grammar, and the OpenAI-server helpers around them (response_for
     compiler.py       one GrammarCompiler per engine, compiled grammars cached by spec digest (bounded in bytes)
     intake.py         a request's grammar: a cache hit at once, else compiled in an intake thread
     grammar_state.py  one GrammarMatcher per sequence, advanced when a step's sampling plan is built
-    bitmask.py        the packed bitmask applied to the logits on the device (the GRAMMAR stage)
     step_masks.py     a step's masks filled while its forward runs
     feature.py        the engine hooks: intake, and a step's masks between its launch and its sampling
     openai.py         response_format / vLLM extra fields / tools + tool_choice -> StructuredOutputsParams
