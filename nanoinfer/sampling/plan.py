@@ -8,7 +8,8 @@ row; options no row uses stay None, so the plan stays small to pickle and the ra
 are sent to that rank once and then named by key (sampling/constraint_registry.py): a row costs the
 same whatever their sizes. Here too, since they read the host's token history: which tokens
 multi-token bad words ban, and the grammar bitmasks of structured outputs (each row's
-matcher advances over its new tokens, then fills its next-token mask: structured/grammar_state.py),
+matcher advances over its new tokens, then fills its next-token mask: the grammar state
+the feature attached to the sequence, structured/grammar_state.py),
 unless the engine fills those after launching the forward (`masks_later`: structured/step_masks.py).
 """
 import random
@@ -18,7 +19,6 @@ from nanoinfer.step.step_message import SamplingPlan
 from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.noise import seed_keys
 from nanoinfer.sampling_params import SAMPLING_EPS
-from nanoinfer.structured.grammar_state import fill_bitmasks
 
 TOP_K_OFF = 1 << 62  # larger than any vocabulary (logits may be wider than the tokenizer's vocab)
 
@@ -109,7 +109,8 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
     if grammar_rows:
         p.grammar_rows = grammar_rows
         if not masks_later:
-            p.grammar_bitmask = fill_bitmasks(grammar_seqs, vocab_size)
+            # (the grammar state structured outputs attached at intake fills the rows' masks, batched)
+            p.grammar_bitmask = grammar_seqs[0].grammar.fill_bitmasks(grammar_seqs, vocab_size)
     if p.fused:
         p.seed = (seeds or random).randrange(2**31 - 1)
     return p

@@ -54,6 +54,11 @@ class GrammarState:
                 logger.warning("structured outputs: the grammar refused token %d; only stop tokens are "
                                "allowed from here", tok)
 
+    @staticmethod
+    def fill_bitmasks(seqs: list, vocab_size: int) -> bytes:
+        """The sampling plan's call: the module's fill_bitmasks, for these sequences' states."""
+        return fill_bitmasks(seqs, vocab_size)
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """The next token's allowed set into `bitmask[row]` (a CPU int32 tensor of words)."""
         if self.finished:
