@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 from nanoinfer.chat import render_chat
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.features import FeatureComposition
-from nanoinfer.metrics.stats import StatLogger, engine_metrics
+from nanoinfer.metrics.api import MetricsAPI
 from nanoinfer.multimodal.media import MediaLoader
 from nanoinfer.outputs import RequestOutput, StreamDelta
 from nanoinfer.pooling.api import PoolingAPI
@@ -19,7 +19,16 @@ def _is_token_ids(x) -> bool:
         all(isinstance(t, Integral) and not isinstance(t, bool) for t in x)
 
 
-class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/api.py
+def _per_prompt(value, num_prompts: int, name: str, kind: str) -> list:
+    """One `value` for every prompt, or a list of one per prompt."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"got {len(value)} {name} for {num_prompts} prompts; pass one {kind} or a list of the same length")
+    return list(value)
+
+
+class LLM(LLMEngine, PoolingAPI, MetricsAPI):  # embed / encode / score: pooling/api.py; stats: metrics/api.py
     # LLM(model, data_parallel_size=N > 1): generate() and chat() over N engine processes, run by
     # the backend that nanoinfer/__init__.py registers here (data_parallel/llm.py); no engine of
     # its own then
@@ -50,17 +59,7 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
             "generate(), chat(), get_tokenizer() and exit(); stream(), embeddings and the step-by-step API "
             f"need data_parallel_size=1 (asked for: {name})")
 
-    @property
-    def stats(self) -> StatLogger | None:
-        """The engine's statistics (None with disable_log_stats=True)."""
-        return self.feature(StatLogger)
-
     # ---- public API -----------------------------------------------------------------------------
-    def get_metrics(self) -> list:
-        """vLLM's LLM.get_metrics(): a list of metrics, each with `name` and `value` (the engine's
-        totals since start, and the row planner's counters)."""
-        return engine_metrics(self)
-
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None,
                  priority=None) -> list[RequestOutput]:
         """prompts: a str, a list of token ids, a {"prompt": str} / {"prompt_token_ids": [...]} dict,
@@ -169,26 +168,14 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a list of token ids, a dict, or a list of those, "
                             f"got {type(prompts).__name__}")
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
-                                 "pass one SamplingParams or a list of the same length")
-            params = list(sampling_params)
-        else:
-            params = [sampling_params] * len(prompts)
-        return list(prompts), params
+        return list(prompts), _per_prompt(sampling_params, len(prompts), "sampling_params", "SamplingParams")
 
     @staticmethod
     def _lora_requests(lora_request, num_prompts: int) -> list | None:
         """One adapter (or None) per prompt; each is checked at intake."""
         if lora_request is None:
             return None
-        if isinstance(lora_request, (list, tuple)):
-            if len(lora_request) != num_prompts:
-                raise ValueError(f"got {len(lora_request)} lora_request entries for {num_prompts} prompts; "
-                                 "pass one LoRARequest or a list of the same length")
-            return list(lora_request)
-        return [lora_request] * num_prompts
+        return _per_prompt(lora_request, num_prompts, "lora_request entries", "LoRARequest")
 
     def _run_to_completion(self, request_ids: list[int], use_tqdm, convert=None) -> list:
         """Each request's output, in order, once all have finished; `convert` (if given) is applied

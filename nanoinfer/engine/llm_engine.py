@@ -273,11 +273,6 @@ class LLMEngine(EngineRequests, EngineThreads):
     def is_finished(self) -> bool:
         return self.inflight is None and self.scheduler.is_finished()
 
-    @property
-    def spec_stats(self):
-        """The row planner's counters (a draft's acceptance), None if it keeps none."""
-        return self.rows.stats
-
     def check_health(self):
         """Raises RuntimeError if the engine cannot serve: it has exited, or a tensor-parallel rank
         died (noticed here without running a step)."""
