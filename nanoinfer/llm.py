@@ -1,5 +1,5 @@
-"""User conveniences over the engine loop: generate, chat, stream (vLLM's offline `LLM` API)."""
-from collections.abc import Iterator
+"""User conveniences over the engine loop: generate, chat (vLLM's offline `LLM` API); stream, embed /
+encode / score and the statistics come from mixins (stream.py, pooling/api.py, metrics/api.py)."""
 from contextlib import suppress
 from numbers import Integral
 
@@ -10,8 +10,9 @@ from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.features import FeatureComposition
 from nanoinfer.metrics.api import MetricsAPI
 from nanoinfer.multimodal.media import MediaLoader
-from nanoinfer.outputs import RequestOutput, StreamDelta
+from nanoinfer.outputs import RequestOutput
 from nanoinfer.pooling.api import PoolingAPI
+from nanoinfer.stream import StreamAPI
 
 
 def _is_token_ids(x) -> bool:
@@ -28,7 +29,7 @@ def _per_prompt(value, num_prompts: int, name: str, kind: str) -> list:
     return list(value)
 
 
-class LLM(LLMEngine, PoolingAPI, MetricsAPI):  # embed / encode / score: pooling/api.py; stats: metrics/api.py
+class LLM(LLMEngine, StreamAPI, PoolingAPI, MetricsAPI):
     # LLM(model, data_parallel_size=N > 1): generate() and chat() over N engine processes, run by
     # the backend that nanoinfer/__init__.py registers here (data_parallel/llm.py); no engine of
     # its own then
@@ -110,56 +111,6 @@ class LLM(LLMEngine, PoolingAPI, MetricsAPI):  # embed / encode / score: pooling
             self._replicas.exit()
         else:
             super().exit()
-
-    def stream(self, prompts, sampling_params=None, lora_request=None, priority=None) -> Iterator[StreamDelta]:
-        """Generate like `generate` (same prompts, sampling_params, lora_request and priority), yielding increments as the
-        engine loop produces them: each `StreamDelta` holds, for one completion of one prompt,
-        `index` (the prompt's position in `prompts`), `completion_index` (which of its n samples),
-        `request_id`, the new `text` and `token_ids` since its previous delta, their `logprobs`
-        (when asked), and `finished` / `finish_reason` / `stop_reason`. Text is released on
-        character boundaries, and text that may be the start of a stop string is held back until
-        it is known not to be one, so the concatenated deltas of a completion equal its final
-        text (and its token-id deltas its token ids). When all of a prompt's completions are done,
-        the last delta carries the full RequestOutput in `output`. Closing the generator early
-        aborts the requests still running. Runs on the calling thread, one engine step per
-        iteration; other requests queued on the engine progress too."""
-        if self._replicas is not None:
-            raise NotImplementedError("stream() runs on one engine: make the LLM with data_parallel_size=1, or "
-                                      "stream from `nanoinfer serve --data-parallel-size N`")
-        prompts, params = self._normalize(prompts, sampling_params)
-        loras = self._lora_requests(lora_request, len(prompts))
-        with self.driving():  # before queuing, as generate(): another thread driving queues nothing
-            request_ids = self.add_requests(prompts, params, stream=True, keep_output=True,
-                                            lora_requests=loras, priority=priority)  # raises now
-        return self._stream(request_ids, [sp.n if sp is not None else 1 for sp in params])
-
-    def _stream(self, request_ids, ns) -> Iterator[StreamDelta]:
-        left = dict(zip(request_ids, ns))  # completions of each request not finished yet
-        try:
-            while left:
-                with self.driving():  # while it runs, not while it waits between yields
-                    deltas = self._next_deltas(left)
-                yield from deltas
-        finally:
-            for rid in left:
-                self.pop_output(rid)  # aborts what still runs
-
-    def _next_deltas(self, left: dict) -> list[StreamDelta]:
-        """The next deltas of the requests in `left` (advancing the engine if none are pending);
-        a request's last one carries its output, and the request leaves `left`."""
-        deltas = self.take_stream_deltas(left)  # news made while another caller drove the engine
-        if not deltas:
-            if self.is_finished():
-                raise RuntimeError("the engine has no work left but requests are unfinished")
-            self.advance()
-            deltas = self.take_stream_deltas(left)  # index: the position in request_ids
-        for d in deltas:  # (a request's deltas are together, its completions in order)
-            if d.finished:
-                left[d.request_id] -= 1
-                if not left[d.request_id]:
-                    d.output = self.pop_output(d.request_id)
-                    del left[d.request_id]
-        return deltas
 
     # ---- helpers --------------------------------------------------------------------------------
     def _normalize(self, prompts, sampling_params):
