@@ -1,20 +1,17 @@
 """Request intake: the one place a prompt becomes sequences.
 
 A prompt (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict) is tokenized and
-checked against the model's vocabulary, its sampling params against the vocabulary and the engine's
-limits; the prompt is truncated as asked, must leave room for one output token within max_model_len,
-and prompt + max_tokens must fit the whole KV cache (else it could never run). Bad words are
-encoded here, once. The registered features check the request too (EngineFeature.check_request,
-before the length checks; .prepare, once its sequences are built: an adapter, images, a grammar,
-an embedding's params). The request's n samples become n sequences. Every error found here is a
+checked against the model's vocabulary, its sampling params against the vocabulary
+(SamplingParams.for_vocabulary); the prompt is truncated as asked, must leave room for one output
+token within max_model_len, and prompt + max_tokens must fit the whole KV cache (else it could never
+run). The registered features check and prepare the request too (EngineFeature.check_request,
+before the length checks; .prepare, once its n sequences are built). Every error found here is a
 ValueError or TypeError raised before anything is queued.
 
-Heavy intake work the features hand over (compiling a grammar that is not cached, decoding and
-preprocessing images) runs in a small pool of intake threads, off the engine loop: the request's
-sequences carry its future (`Sequence.intake`) and the scheduler admits them only once it is done;
-if it fails, the request finishes with finish_reason "error" and the message as its stop_reason.
-Only what is cheap to decide (a spec that does not parse, an image over the pixel cap, a prompt too
-long for its images) is checked before queueing.
+Heavy intake work the features hand over (a grammar's compile, images' preprocessing) runs in a
+small pool of intake threads, off the engine loop: the request's sequences carry its future
+(`Sequence.intake`) and the scheduler admits them once it is done; if it fails, the request
+finishes with finish_reason "error", the message as its stop_reason.
 """
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
