@@ -39,7 +39,7 @@ __all__ = ["Scheduler", "ScheduledBatch", "StepUpdate", "ending_of"]
 class Scheduler:
     def __init__(self, config: Config, num_blocks: int, eos_token_ids: frozenset[int],
                  prefix_caching: bool = True, rows: RowPlanner | None = None, admission=None,
-                 late_masks: bool = False, order: FifoOrder | None = None):
+                 masks_later: bool = False, order: FifoOrder | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -58,9 +58,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.rows = rows or RowPlanner()  # each decoding row's length
         self.admission = admission  # whether a waiting sequence may join the running ones (None: all may)
-        # whether a request with a token in flight waits for it before its next row; with late_masks
+        # whether a request with a token in flight waits for it before its next row; with masks_later
         # (the engine fills token masks after the launch) a request whose masks alone need it does not
-        self.waits_for_host = attrgetter("needs_host_tokens_to_launch" if late_masks else "needs_host_tokens")
+        self.waits_for_host = attrgetter("needs_host_tokens_to_launch" if masks_later else "needs_host_tokens")
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running and not self.held and not self.preparing
