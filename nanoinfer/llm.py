@@ -1,5 +1,5 @@
-"""User conveniences over the engine loop: generate, chat, stream (vLLM's offline `LLM` API)."""
-from collections.abc import Iterator
+"""User conveniences over the engine loop: generate, chat (vLLM's offline `LLM` API); stream, embed /
+encode / score and the statistics come from mixins (stream.py, pooling/api.py, metrics/api.py)."""
 from contextlib import suppress
 from numbers import Integral
 
@@ -8,10 +8,11 @@ from tqdm.auto import tqdm
 from nanoinfer.chat import render_chat
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.features import FeatureComposition
-from nanoinfer.metrics.stats import StatLogger, engine_metrics
+from nanoinfer.metrics.api import MetricsAPI
 from nanoinfer.multimodal.media import MediaLoader
-from nanoinfer.outputs import RequestOutput, StreamDelta
+from nanoinfer.outputs import RequestOutput
 from nanoinfer.pooling.api import PoolingAPI
+from nanoinfer.stream import StreamAPI
 
 
 def _is_token_ids(x) -> bool:
@@ -19,7 +20,16 @@ def _is_token_ids(x) -> bool:
         all(isinstance(t, Integral) and not isinstance(t, bool) for t in x)
 
 
-class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/api.py
+def _per_prompt(value, num_prompts: int, name: str, kind: str) -> list:
+    """One `value` for every prompt, or a list of one per prompt."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"got {len(value)} {name} for {num_prompts} prompts; pass one {kind} or a list of the same length")
+    return list(value)
+
+
+class LLM(LLMEngine, StreamAPI, PoolingAPI, MetricsAPI):
     # LLM(model, data_parallel_size=N > 1): generate() and chat() over N engine processes, run by
     # the backend that nanoinfer/__init__.py registers here (data_parallel/llm.py); no engine of
     # its own then
@@ -50,17 +60,7 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
             "generate(), chat(), get_tokenizer() and exit(); stream(), embeddings and the step-by-step API "
             f"need data_parallel_size=1 (asked for: {name})")
 
-    @property
-    def stats(self) -> StatLogger | None:
-        """The engine's statistics (None with disable_log_stats=True)."""
-        return self.feature(StatLogger)
-
     # ---- public API -----------------------------------------------------------------------------
-    def get_metrics(self) -> list:
-        """vLLM's LLM.get_metrics(): a list of metrics, each with `name` and `value` (the engine's
-        totals since start, and the row planner's counters)."""
-        return engine_metrics(self)
-
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None,
                  priority=None) -> list[RequestOutput]:
         """prompts: a str, a list of token ids, a {"prompt": str} / {"prompt_token_ids": [...]} dict,
@@ -112,56 +112,6 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
         else:
             super().exit()
 
-    def stream(self, prompts, sampling_params=None, lora_request=None, priority=None) -> Iterator[StreamDelta]:
-        """Generate like `generate` (same prompts, sampling_params, lora_request and priority), yielding increments as the
-        engine loop produces them: each `StreamDelta` holds, for one completion of one prompt,
-        `index` (the prompt's position in `prompts`), `completion_index` (which of its n samples),
-        `request_id`, the new `text` and `token_ids` since its previous delta, their `logprobs`
-        (when asked), and `finished` / `finish_reason` / `stop_reason`. Text is released on
-        character boundaries, and text that may be the start of a stop string is held back until
-        it is known not to be one, so the concatenated deltas of a completion equal its final
-        text (and its token-id deltas its token ids). When all of a prompt's completions are done,
-        the last delta carries the full RequestOutput in `output`. Closing the generator early
-        aborts the requests still running. Runs on the calling thread, one engine step per
-        iteration; other requests queued on the engine progress too."""
-        if self._replicas is not None:
-            raise NotImplementedError("stream() runs on one engine: make the LLM with data_parallel_size=1, or "
-                                      "stream from `nanoinfer serve --data-parallel-size N`")
-        prompts, params = self._normalize(prompts, sampling_params)
-        loras = self._lora_requests(lora_request, len(prompts))
-        with self.driving():  # before queuing, as generate(): another thread driving queues nothing
-            request_ids = self.add_requests(prompts, params, stream=True, keep_output=True,
-                                            lora_requests=loras, priority=priority)  # raises now
-        return self._stream(request_ids, [sp.n if sp is not None else 1 for sp in params])
-
-    def _stream(self, request_ids, ns) -> Iterator[StreamDelta]:
-        left = dict(zip(request_ids, ns))  # completions of each request not finished yet
-        try:
-            while left:
-                with self.driving():  # while it runs, not while it waits between yields
-                    deltas = self._next_deltas(left)
-                yield from deltas
-        finally:
-            for rid in left:
-                self.pop_output(rid)  # aborts what still runs
-
-    def _next_deltas(self, left: dict) -> list[StreamDelta]:
-        """The next deltas of the requests in `left` (advancing the engine if none are pending);
-        a request's last one carries its output, and the request leaves `left`."""
-        deltas = self.take_stream_deltas(left)  # news made while another caller drove the engine
-        if not deltas:
-            if self.is_finished():
-                raise RuntimeError("the engine has no work left but requests are unfinished")
-            self.advance()
-            deltas = self.take_stream_deltas(left)  # index: the position in request_ids
-        for d in deltas:  # (a request's deltas are together, its completions in order)
-            if d.finished:
-                left[d.request_id] -= 1
-                if not left[d.request_id]:
-                    d.output = self.pop_output(d.request_id)
-                    del left[d.request_id]
-        return deltas
-
     # ---- helpers --------------------------------------------------------------------------------
     def _normalize(self, prompts, sampling_params):
         if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
@@ -169,26 +119,14 @@ class LLM(LLMEngine, PoolingAPI):  # embed / encode / score: nanoinfer/pooling/a
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a list of token ids, a dict, or a list of those, "
                             f"got {type(prompts).__name__}")
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
-                                 "pass one SamplingParams or a list of the same length")
-            params = list(sampling_params)
-        else:
-            params = [sampling_params] * len(prompts)
-        return list(prompts), params
+        return list(prompts), _per_prompt(sampling_params, len(prompts), "sampling_params", "SamplingParams")
 
     @staticmethod
     def _lora_requests(lora_request, num_prompts: int) -> list | None:
         """One adapter (or None) per prompt; each is checked at intake."""
         if lora_request is None:
             return None
-        if isinstance(lora_request, (list, tuple)):
-            if len(lora_request) != num_prompts:
-                raise ValueError(f"got {len(lora_request)} lora_request entries for {num_prompts} prompts; "
-                                 "pass one LoRARequest or a list of the same length")
-            return list(lora_request)
-        return [lora_request] * num_prompts
+        return _per_prompt(lora_request, num_prompts, "lora_request entries", "LoRARequest")
 
     def _run_to_completion(self, request_ids: list[int], use_tqdm, convert=None) -> list:
         """Each request's output, in order, once all have finished; `convert` (if given) is applied

@@ -6,6 +6,7 @@ range, or a TypeError naming the field and the expected type.
 """
 import copy
 import math
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -246,9 +247,10 @@ class SamplingParams:
             cached = self.__dict__["_multi_token_words"] = (words, any(len(w) > 1 for w in words))
         return cached[1]
 
-    def with_bad_words_token_ids(self, tokenizer) -> "SamplingParams":
+    def with_bad_words_token_ids(self, tokenizer, vocab_size: int | None = None) -> "SamplingParams":
         """A copy with `bad_words` encoded by vLLM's rule: each word with and without a leading
-        space; the spaced variant only when it is a different word of as many tokens."""
+        space; the spaced variant only when it is a different word of as many tokens. With
+        `vocab_size`, a word that encodes to ids outside the model's vocabulary is a ValueError."""
         sp = copy.copy(self)
         sp.bad_words_token_ids = []
         for word in self.bad_words or ():
@@ -257,4 +259,34 @@ class SamplingParams:
             sp.bad_words_token_ids.append(plain)
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 sp.bad_words_token_ids.append(spaced)
+        bad = [t for word in sp.bad_words_token_ids for t in word if vocab_size is not None and not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"bad_words encode to token ids outside [0, {vocab_size}): {bad[:5]}")
+        return sp
+
+    def for_vocabulary(self, vocab_size: int, processors_sent: bool = False) -> "SamplingParams":
+        """What these params cannot check on their own, checked against the model's vocabulary:
+        token ids and logprob counts in range, and (`processors_sent`: they run in a worker
+        process, tensor parallelism) logits processors picklable. logprobs / prompt_logprobs = -1
+        (the whole vocabulary, vLLM) are resolved in a copy: this object may be shared by other
+        prompts."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids),
+                          ("logit_bias", self.logit_bias)):
+            bad = [t for t in ids or () if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be token ids in [0, {vocab_size}), got {bad[:5]}")
+        if self.logits_processors and processors_sent:
+            try:  # sent with each step (a fresh copy each time: state a processor keeps is not kept there)
+                pickle.dumps(self.logits_processors)
+            except Exception as e:
+                raise ValueError("logits_processors must be picklable with tensor_parallel_size > 1 (they run in "
+                                 f"the sampling worker process; define them at module level): {e}") from None
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) > vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}, got {getattr(self, name)}")
+        if self.logprobs != -1 and self.prompt_logprobs != -1:
+            return self
+        sp = copy.copy(self)
+        sp.logprobs = vocab_size if sp.logprobs == -1 else sp.logprobs
+        sp.prompt_logprobs = vocab_size if sp.prompt_logprobs == -1 else sp.prompt_logprobs
         return sp

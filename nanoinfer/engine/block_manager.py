@@ -75,7 +75,7 @@ class BlockManager:
         self.blocks[block_id].ref_count = 1
         return block_id
 
-    def _prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
+    def prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
         """(block_id, hash) of the leading blocks served by the cache. The block holding the last
         token is never served: a prefill must compute at least one token to produce logits."""
         hits, prev = [], chain_start(seq)
@@ -94,8 +94,8 @@ class BlockManager:
         not `use_cache`: every token must then be computed). Returns False (and changes nothing)
         when the pool cannot hold it now."""
         assert not seq.block_table
-        hits = self._prefix_hits(seq) if use_cache else []
-        if self._blocks_taken(seq, hits) > self.num_free_blocks:
+        hits = self.prefix_hits(seq) if use_cache else []
+        if self.blocks_taken(seq, hits) > self.num_free_blocks:
             return False
         self.num_hits += len(hits)
         self.num_queried_tokens += seq.num_tokens if use_cache and self.prefix_caching else 0
@@ -111,12 +111,9 @@ class BlockManager:
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         return True
 
-    def blocks_to_allocate(self, seq: Sequence, use_cache: bool = True) -> int:
-        """How many free blocks `allocate` would take for the waiting sequence now: its blocks less
-        the prefix-cache hits that other sequences hold (a hit on a free cached block takes it)."""
-        return self._blocks_taken(seq, self._prefix_hits(seq) if use_cache else [])
-
-    def _blocks_taken(self, seq: Sequence, hits: list[tuple[int, int]]) -> int:
+    def blocks_taken(self, seq: Sequence, hits: list[tuple[int, int]]) -> int:
+        """How many free blocks `allocate` takes for a waiting sequence with these prefix-cache hits:
+        its blocks less the hits that other sequences hold (a hit on a free cached block takes it)."""
         revived = sum(1 for block_id, _ in hits if self.blocks[block_id].ref_count == 0)
         return seq.num_blocks - len(hits) + revived
 

@@ -1,23 +1,19 @@
 """Request intake: the one place a prompt becomes sequences.
 
 A prompt (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict) is tokenized and
-checked against the model's vocabulary, its sampling params against the vocabulary and the engine's
-limits; the prompt is truncated as asked, must leave room for one output token within max_model_len,
-and prompt + max_tokens must fit the whole KV cache (else it could never run). Bad words are
-encoded here, once. The registered features check the request too (EngineFeature.check_request,
-before the length checks; .prepare, once its sequences are built: an adapter, images, a grammar,
-an embedding's params). The request's n samples become n sequences. Every error found here is a
+checked against the model's vocabulary, its sampling params against the vocabulary
+(SamplingParams.for_vocabulary); the prompt is truncated as asked, must leave room for one output
+token within max_model_len, and prompt + max_tokens must fit the whole KV cache (else it could never
+run). The registered features check and prepare the request too (EngineFeature.check_request,
+before the length checks; .prepare, once its n sequences are built). Every error found here is a
 ValueError or TypeError raised before anything is queued.
 
-Heavy intake work the features hand over (compiling a grammar that is not cached, decoding and
-preprocessing images) runs in a small pool of intake threads, off the engine loop: the request's
-sequences carry its future (`Sequence.intake`) and the scheduler admits them only once it is done;
-if it fails, the request finishes with finish_reason "error" and the message as its stop_reason.
-Only what is cheap to decide (a spec that does not parse, an image over the pixel cap, a prompt too
-long for its images) is checked before queueing.
+Heavy intake work the features hand over (a grammar's compile, images' preprocessing) runs in a
+small pool of intake threads, off the engine loop: the request's sequences carry its future
+(`Sequence.intake`) and the scheduler admits them once it is done; if it fails, the request
+finishes with finish_reason "error", the message as its stop_reason.
 """
 import os
-import pickle
 from concurrent.futures import Future, ThreadPoolExecutor
 from copy import copy
 from dataclasses import dataclass
@@ -90,15 +86,11 @@ class InputProcessor:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        sp = self._resolve_whole_vocabulary(sampling_params)
-        self._check_sampling_params(sp)
+        sp = sampling_params.for_vocabulary(self.vocab_size, self.tensor_parallel)
         token_ids = self._fit_length(intake.token_ids, sp, max_tokens_must_fit, intake.generates)
         intake.truncated = len(token_ids) != len(intake.token_ids)
-        if sp.bad_words:
-            sp = sp.with_bad_words_token_ids(self.tokenizer)
-            bad = [t for word in sp.bad_words_token_ids for t in word if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"bad_words encode to token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        if sp.bad_words:  # (encoded once, here)
+            sp = sp.with_bad_words_token_ids(self.tokenizer, self.vocab_size)
         seqs = self._sequences(token_ids, sp)
         intake.seqs, intake.params = seqs, sp
         for feature in self.features:
@@ -163,38 +155,6 @@ class InputProcessor:
             raise ValueError("prompt is empty (no tokens)")
         return text, token_ids
 
-    def _resolve_whole_vocabulary(self, sp: SamplingParams) -> SamplingParams:
-        """logprobs / prompt_logprobs = -1 mean the whole vocabulary (vLLM); the caller's object is
-        left as given (it may be shared by other prompts)."""
-        if sp.logprobs != -1 and sp.prompt_logprobs != -1:
-            return sp
-        sp = copy(sp)
-        if sp.logprobs == -1:
-            sp.logprobs = self.vocab_size
-        if sp.prompt_logprobs == -1:
-            sp.prompt_logprobs = self.vocab_size
-        return sp
-
-    def _check_sampling_params(self, sp: SamplingParams):
-        """What SamplingParams cannot check on its own: token ids and logprob counts against the
-        vocabulary, and logits processors that must travel to a worker process."""
-        for name, ids in (("stop_token_ids", sp.stop_token_ids), ("allowed_token_ids", sp.allowed_token_ids),
-                          ("logit_bias", sp.logit_bias)):
-            bad = [t for t in ids or () if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} must be token ids in [0, {self.vocab_size}), got {bad[:5]}")
-        if sp.logits_processors and self.tensor_parallel:
-            try:  # they run in rank 0's worker process, sent with each step
-                pickle.dumps(sp.logits_processors)
-            except Exception as e:
-                raise ValueError("logits_processors must be picklable with tensor_parallel_size > 1 (they run in "
-                                 f"the sampling worker process; define them at module level): {e}") from None
-            # (a fresh copy each step: state a processor keeps between calls is not kept there)
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(sp, name) is not None and getattr(sp, name) > self.vocab_size:
-                raise ValueError(f"{name} must be at most the vocabulary size {self.vocab_size}, "
-                                 f"got {getattr(sp, name)}")
-
     def _fit_length(self, token_ids: list[int], sp: SamplingParams, max_tokens_must_fit: bool,
                     generates: bool = True) -> list[int]:
         """The prompt, truncated as asked; a ValueError unless it leaves room for an output token
@@ -239,6 +199,7 @@ class InputProcessor:
     def _sequences(self, token_ids: list[int], sp: SamplingParams) -> list[Sequence]:
         """One sequence per sample; sample i > 0 carries the first's seq_id as its request id."""
         first = Sequence(token_ids, sp, self.block_size)
+        first.computes_whole_prompt = sp.prompt_logprobs is not None  # (no prefix-cache hit: vLLM's rule)
         seqs = [first]
         for i in range(1, sp.n):
             child = sp

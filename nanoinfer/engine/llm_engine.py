@@ -10,21 +10,17 @@ new text completed; the engine finishes those sequences through the scheduler. W
 ModelRunner in this process (one rank) or a TensorParallelExecutor driving worker processes; both
 take the step as encoded by engine/step_encoder.py.
 
-Features attach through hooks (step/feature.py) that the engine calls at fixed points: intake,
-a step encoded, a step launched once the step before it is processed, before the next forward, a
-step's results and once they are applied, the end of a step, a request's output, exit. A step a
-feature awaits (`Launched.awaits`: launched up to its logits, e.g. waiting for token masks)
-completes before the next step's forward or before its results are collected. How long each
-decoding row is, the row planner decides (step/row_planner.py); which waiting sequence is served
-first, the scheduler's order (engine/wait_queue.py). Which features, planner and order an engine
-runs with, the composition place above it decides (nanoinfer/features.py); the engine names none.
+Features attach through the hooks of step/feature.py, which the engine calls at fixed points; a
+step a feature awaits (`Launched.awaits`: launched up to its logits, e.g. waiting for token masks)
+completes before the next step's forward or before its results are collected. The row planner
+(step/row_planner.py) decides how long each decoding row is, the scheduler's order which waiting
+sequence is served first; the composition place above the engine (nanoinfer/features.py) picks
+them all, and the engine names none.
 
-Requests enter through the InputProcessor (engine/input_processor.py) and live in one registry,
-`requests` (request id -> Request; engine/engine_requests.py). One thread drives the engine (advance, step, generate,
-stream): a second thread that tries while the first is inside one of them gets a RuntimeError at
-once (`driving`, engine/engine_threads.py), since the finishes a step reports go to whoever ran it. `add_request`,
-`abort_request` and `exit` may be called from any thread: an abort is applied between steps, and
-exit waits for the running step to end.
+Requests enter through the InputProcessor and live in one registry, `requests` (request id ->
+Request; engine/engine_requests.py). One thread drives the engine (advance, step, generate,
+stream; engine/engine_threads.py); `add_request`, `abort_request` and `exit` may be called from
+any thread: an abort is applied between steps, and exit waits for the running step to end.
 """
 import atexit
 import gc
@@ -177,10 +173,10 @@ class LLMEngine(EngineRequests, EngineThreads):
         prev_handle = prev.handle if prev is not None else None
         try:
             if self.rows.fills(batch):  # (rows it fills in may read the tokens of the step in flight)
-                self._complete_inflight(prev)
+                self._complete(prev)
                 self.rows.fill(batch, prev_handle)
             step, sample = self.step_encoder.encode(batch, prev.rows if prev else None)
-            self._complete_inflight(prev)  # (its forward ran while this step was scheduled and encoded)
+            self._complete(prev)  # (its forward ran while this step was scheduled and encoded)
             handle = self.model_runner.launch(step, sample, prev_handle, *self.rows.device_inputs(batch))
             self.rows.launched(batch)
         except BaseException:
@@ -189,37 +185,37 @@ class LLMEngine(EngineRequests, EngineThreads):
             raise
         return Launched(batch, sampled_rows(batch), handle, self.step_encoder.awaits or None)
 
-    def _complete_inflight(self, prev: "Launched | None"):
-        """The step in flight completes what its features await; if that fails, it is unscheduled."""
-        if prev is None or not prev.awaits:
-            return
-        try:
-            self._complete(prev)
-        except BaseException:
-            self.inflight = None
-            self.scheduler.unschedule(prev.batch)
-            raise
-
     def _after_launch(self, launched: "Launched"):
         """A step its features await, launched; the step before it is processed now (its tokens
-        are on the host). One they ask to complete now (or without overlap) does: if that raises,
-        it is undone, as a failed launch."""
+        are on the host). One they ask to complete now (or without overlap) does."""
         try:
             now = [feature.launched(launched, state) for feature, state in launched.awaits.items()]
-            if any(now) or not self.overlap:
-                self._complete(launched)
         except BaseException:
-            if self.inflight is launched:
-                self.inflight = None
-            self.scheduler.unschedule(launched.batch)
-            self.step_encoder.unschedule()
+            self._undo(launched, encoded=True)
+            raise
+        if any(now) or not self.overlap:
+            self._complete(launched, encoded=True)
+
+    def _complete(self, launched: "Launched | None", encoded: bool = False):
+        """What a launched step's features await, done (it samples). If that fails, the step is
+        undone (`encoded`: it was the last step encoded) and the caller sees the error."""
+        if launched is None or not launched.awaits:
+            return
+        awaits, launched.awaits = launched.awaits, None
+        try:
+            for feature, state in awaits.items():
+                feature.complete(launched, state)
+        except BaseException:
+            self._undo(launched, encoded)
             raise
 
-    def _complete(self, launched: "Launched"):
-        """What a launched step's features await, done (it samples)."""
-        awaits, launched.awaits = launched.awaits, None
-        for feature, state in (awaits or {}).items():
-            feature.complete(launched, state)
+    def _undo(self, launched: "Launched", encoded: bool):
+        """A launched step that failed to complete: out of flight, its rows scheduled again."""
+        if self.inflight is launched:
+            self.inflight = None
+        self.scheduler.unschedule(launched.batch)
+        if encoded:
+            self.step_encoder.unschedule()
 
     def _drop_wasted_step(self):
         """A step in flight whose every row has stopped meanwhile is wasted: wait for it and drop it,
@@ -243,11 +239,7 @@ class LLMEngine(EngineRequests, EngineThreads):
     def _process(self, launched: "Launched"):
         """The one path of a step's tokens: the scheduler appends them and decides EOS, stop ids and
         length; the output processor records them and returns stop-string hits; those finish here."""
-        try:
-            self._complete(launched)
-        except BaseException:  # (no step was launched after it: nothing else to undo)
-            self.scheduler.unschedule(launched.batch)
-            raise
+        self._complete(launched)  # (no step was launched after it: nothing else to undo if it fails)
         result = self._collect(launched.handle)
         now = time.time()
         seqs = launched.batch.seqs
@@ -272,11 +264,6 @@ class LLMEngine(EngineRequests, EngineThreads):
 
     def is_finished(self) -> bool:
         return self.inflight is None and self.scheduler.is_finished()
-
-    @property
-    def spec_stats(self):
-        """The row planner's counters (a draft's acceptance), None if it keeps none."""
-        return self.rows.stats
 
     def check_health(self):
         """Raises RuntimeError if the engine cannot serve: it has exited, or a tensor-parallel rank

@@ -1,39 +1,32 @@
 """Continuous batching with a token budget, vLLM-V1 style: every running sequence gets its decode
 token first, then prefill chunks (of partly prefilled sequences, then of new ones) fill the rest of
 `max_num_batched_tokens`. When a decode token finds no free block, the newest running sequences are
-preempted (their KV freed; they recompute later).
-
-The order sequences are served in comes from an `order` (engine/wait_queue.py): first come, first
-served by default; the composition place may give another (scheduling_policy="priority"). It makes
-the waiting queue and places each admitted sequence in `running`, whose last is preempted first.
+preempted (their KV freed; they recompute later). Which waiting sequence is served first, the
+`order` decides (engine/wait_queue.py: first come, first served unless the composition place gives
+another); which may join the running ones, an optional `admission` rule; how long a decoding row
+is, the row planner (step/row_planner.py).
 
 The scheduler also owns the finish decision: `update` appends a finished step's sampled tokens and
-stops sequences on EOS, stop token ids and length limits; the engine then applies the stop strings
-the output processor found in the new text, through `finish`, the one place that records
-`finish_reason`.
+stops sequences on EOS, stop token ids and length limits; `finish_rows` adds the stop strings the
+output processor found in the new text; `finish` is the one place that records `finish_reason`.
 
 Steps may overlap: step N+1 is scheduled before step N's tokens reach the host. Progress
 (`num_computed_tokens`, `num_inflight`) is therefore advanced when a step is scheduled, and tokens
 are appended when it is processed. A sequence whose in-flight token reaches a length limit is not
-scheduled again; one that stops on EOS or a stop string meanwhile wastes one row, which `update`
-ignores. A request whose next step needs all its tokens on the host (`logits_processors`, bad
-words of several tokens: SamplingParams.needs_host_tokens_to_launch) is not scheduled while it has
-a token in flight, so it runs every other step while the rest of the batch overlaps; with
-`late_masks` (the engine fills token masks after the launch) only those wait, else every request
-that needs_host_tokens does. How long a decoding row is comes from the row planner
-(step/row_planner.py); which waiting sequence may join the running ones, from an optional
-`admission` rule (LoRA's: at most max_loras distinct adapters running, lora/admission.py).
+scheduled again; one that stops meanwhile wastes one row, which `update` ignores. A request whose
+next row needs its tokens on the host (SamplingParams.needs_host_tokens: logits processors, bad
+words of several tokens, a grammar unless the engine fills masks after the launch) sits out the
+steps while its token is in flight.
 
-A sequence whose intake work is still running (`seq.intake`, a future: a grammar's compile, image
-preprocessing) waits in `preparing`, out of the queue, as vLLM's WAITING_FOR_FSM; the engine calls
-`admit_prepared` before each step, which queues those whose work is done and finishes, with
-finish_reason "error", those whose work failed. The batch keeps stepping meanwhile.
+A sequence whose intake work still runs (`seq.intake`, a future: a grammar's compile, image
+preprocessing) waits in `preparing`, as vLLM's WAITING_FOR_FSM, until `admit_prepared` queues it
+(or finishes it with "error" if the work failed).
 """
 from concurrent.futures import FIRST_COMPLETED, wait
+from operator import attrgetter
 
 from nanoinfer.config import Config
 from nanoinfer.engine.block_manager import BlockManager
-from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS
 from nanoinfer.step.row_planner import RowPlanner
 from nanoinfer.engine.scheduled_batch import ScheduledBatch, StepUpdate, ending_of
 from nanoinfer.step.sequence import Sequence, SequenceStatus
@@ -46,12 +39,10 @@ __all__ = ["Scheduler", "ScheduledBatch", "StepUpdate", "ending_of"]
 class Scheduler:
     def __init__(self, config: Config, num_blocks: int, eos_token_ids: frozenset[int],
                  prefix_caching: bool = True, rows: RowPlanner | None = None, admission=None,
-                 late_masks: bool = False, order: FifoOrder | None = None):
+                 masks_later: bool = False, order: FifoOrder | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
-        # the most tokens a step runs as a decode step of short rows with (the runner's largest decode graph)
-        self.short_rows_tokens = min(SHORT_ROWS_MAX_TOKENS, config.max_num_seqs)
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, prefix_caching)
         self.order = order or FifoOrder()  # which waiting sequence is served first
@@ -67,9 +58,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.rows = rows or RowPlanner()  # each decoding row's length
         self.admission = admission  # whether a waiting sequence may join the running ones (None: all may)
-        # the engine fills token masks after launching a step's forward: a request whose masks are
-        # all that needs its tokens on the host runs every step (False: it waits for them)
-        self.late_masks = late_masks
+        # whether a request with a token in flight waits for it before its next row; with masks_later
+        # (the engine fills token masks after the launch) a request whose masks alone need it does not
+        self.waits_for_host = attrgetter("needs_host_tokens_to_launch" if masks_later else "needs_host_tokens")
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running and not self.held and not self.preparing
@@ -172,7 +163,7 @@ class Scheduler:
                 continue
             if admission is not None and not admission.admits(seq):
                 break  # the rule keeps it waiting its turn
-            if seq.num_inflight or not self._allocate(seq):
+            if seq.num_inflight or not self.block_manager.allocate(seq, self.uses_cache(seq)):
                 break  # a preempted sequence's last token is still in flight, or the pool is full
             if admission is not None:
                 admission.admitted(seq)
@@ -182,20 +173,12 @@ class Scheduler:
             budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
         return batch if batch.seqs else None
 
-    def _waits_for_host(self, sp) -> bool:
-        """Whether a request with a token in flight must wait for it before its next row."""
-        return sp.needs_host_tokens_to_launch if self.late_masks else sp.needs_host_tokens
-
-    def _allocate(self, seq: Sequence) -> bool:
-        """Blocks for a waiting sequence. The sequence that computes a request's prompt_logprobs
-        takes no prefix-cache hit: every prompt position must be computed (as vLLM does); so does
-        one a feature marked at intake (`computes_whole_prompt`: an embedding that pools every
-        position, or the first)."""
-        return self.block_manager.allocate(seq, use_cache=self.uses_cache(seq))
-
     @staticmethod
     def uses_cache(seq: Sequence) -> bool:
-        return bool(seq.index) or (seq.sampling_params.prompt_logprobs is None and not seq.computes_whole_prompt)
+        """Whether a waiting sequence takes prefix-cache hits: not one marked at intake
+        (`computes_whole_prompt`: every prompt position is computed, for its prompt_logprobs or an
+        embedding that pools them); a request's other samples always do."""
+        return bool(seq.index) or not seq.computes_whole_prompt
 
     def unschedule(self, batch: ScheduledBatch):
         """Undo a step that could not be launched (an exception, e.g. in a user's logits processor):
@@ -216,7 +199,7 @@ class Scheduler:
         sp = seq.sampling_params
         n = len(seq.token_ids) + seq.num_inflight  # (a row of several in flight: as if all were accepted)
         return n >= self.max_model_len or (sp.max_tokens is not None and n - seq.num_prompt_tokens >= sp.max_tokens) \
-            or (sp.has_token_constraints and self._waits_for_host(sp)) \
+            or (sp.has_token_constraints and self.waits_for_host(sp)) \
             or self.rows.waits(seq, len(self.running))
 
     @staticmethod

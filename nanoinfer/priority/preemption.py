@@ -15,8 +15,8 @@ def preempt_for_waiting(scheduler) -> None:
 
     growth = sum(map(needs_block, running))
     while running and not head.num_inflight and head.priority < running[-1].priority:
-        if len(running) < scheduler.max_num_seqs and \
-                bm.num_free_blocks >= bm.blocks_to_allocate(head, scheduler.uses_cache(head)) + growth:
+        hits = bm.prefix_hits(head) if scheduler.uses_cache(head) else []
+        if len(running) < scheduler.max_num_seqs and bm.num_free_blocks >= bm.blocks_taken(head, hits) + growth:
             return
         victim = running[-1]
         growth -= needs_block(victim)

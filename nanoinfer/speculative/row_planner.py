@@ -4,6 +4,7 @@ scores up to k proposed tokens, placed after the decode rows, filled in before t
 overlapped steps, a row may be chained onto its sequence's row still in flight (speculative/chaining.py);
 such rows run in a decode step of short rows (engine/forward_inputs.py), which caps how many
 proposals the step's rows may score in all (`room`)."""
+from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS
 from nanoinfer.step.row_planner import RowPlanner
 from nanoinfer.engine.scheduler import ScheduledBatch, ending_of
 from nanoinfer.step.sequence import SequenceStatus
@@ -45,7 +46,7 @@ class SpeculativeRows(RowPlanner):
         if not spec.chaining or not any(seq.num_inflight > 1 and spec.chains(seq) for seq in running) or \
                 scheduler.waiting or any(seq.num_computed_tokens < len(seq.token_ids) - 1 for seq in running):
             return None
-        room = scheduler.short_rows_tokens - len(running)
+        room = min(SHORT_ROWS_MAX_TOKENS, scheduler.max_num_seqs) - len(running)  # (the largest decode graph)
         return room if room > 0 else None
 
     def _lookahead(self, scheduler, seq, budget: int, num_after: int) -> int:
