@@ -12,8 +12,25 @@ import time
 
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer, completion_text, decoder
 from nanoinfer.step.sequence import Sequence
-from nanoinfer.step.step_message import PromptLogprobs, TokenLogprobs
+from nanoinfer.step.step_message import TokenLogprobs
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
+
+
+def logprob_dicts(tokenizer, records, detokenize: bool = True) -> list[dict[int, Logprob]]:
+    """vLLM's logprobs of each position: records are (token, its TokenLogprobs) per position."""
+    decode = decoder(tokenizer, False) if detokenize else None
+
+    def text(t):
+        return decode([t]) if decode is not None else None
+
+    out = []
+    for token, lp in records:
+        d = {token: Logprob(lp.logprob, lp.rank, text(token))}
+        for r, (tid, tlp) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            if tid not in d:
+                d[tid] = Logprob(tlp, r, text(tid))
+        out.append(d)
+    return out
 
 
 class Completion:
@@ -44,9 +61,6 @@ class Request:
         self.arrival_time = time.time()
         self.keep_output = keep_output  # kept after finishing until pop_output; step() does not report it
         self.completions = [Completion(seq, d) for seq, d in zip(seqs, detoks)]
-        # prompt_logprobs: entry p (p >= 1) is the TokenLogprobs of prompt token p
-        wants = seqs[0].sampling_params.prompt_logprobs is not None
-        self.prompt_logprobs = [None] * len(self.prompt_token_ids) if wants else None
         self.num_unfinished = len(seqs)  # counted down by mark_finished: `finished` is O(1)
 
     @property
@@ -71,17 +85,6 @@ class OutputProcessor:
     def forget(self, req: Request):
         """The request left the engine's registry."""
         self.news.pop(req.request_id, None)
-
-    @staticmethod
-    def record_prompt_logprobs(seqs: list[Sequence], segments: list[PromptLogprobs], requests: dict):
-        """Record the prompt logprobs a step's prefill rows (rows of `seqs`) computed; a re-prefill
-        after preemption writes the same values. Before the step's tokens are appended: a sequence
-        finished by then was aborted, and its request may be gone from `requests`."""
-        for seg in segments:  # entries[i] is from position start + i, for prompt token start + i + 1
-            seq = seqs[seg.row]
-            if not seq.is_finished:
-                first = seg.start + 1
-                requests[seq.request_id].prompt_logprobs[first:first + len(seg.entries)] = seg.entries
 
     def record_tokens(self, seqs: list[Sequence], rows: list[int], ending: dict, logprobs: list[TokenLogprobs | None] | None,
                       requests: dict, now: float, counts: dict[int, int] | None = None) -> dict[int, str]:
@@ -171,36 +174,11 @@ class OutputProcessor:
         return completion_text(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], ids, sp.skip_special_tokens,
                                sp.spaces_between_special_tokens)
 
-    def _logprob_dicts(self, records, detokenize: bool = True) -> list[dict[int, Logprob]]:
-        """records: (token, its TokenLogprobs) per position."""
-        decode = decoder(self.tokenizer, False) if detokenize else None
-
-        def text(t):
-            return decode([t]) if decode is not None else None
-
-        out = []
-        for token, lp in records:
-            d = {token: Logprob(lp.logprob, lp.rank, text(token))}
-            for r, (tid, tlp) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
-                if tid not in d:
-                    d[tid] = Logprob(tlp, r, text(tid))
-            out.append(d)
-        return out
-
-    def _prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
-        """vLLM's shape: None for the first prompt token (and any position not computed, e.g. of an
-        aborted request), then a dict of the prompt token and the top-k."""
-        if req.prompt_logprobs is None:
-            return None
-        detok = req.seqs[0].sampling_params.detokenize
-        return [None if e is None else self._logprob_dicts([(tok, e)], detok)[0]
-                for tok, e in zip(req.prompt_token_ids, req.prompt_logprobs)]
-
     def completion_output(self, c: Completion) -> CompletionOutput:
         seq = c.seq
         ids = seq.completion_token_ids
         lps = None if c.logprobs is None else \
-            self._logprob_dicts(zip(ids, c.logprobs), seq.sampling_params.detokenize)
+            logprob_dicts(self.tokenizer, zip(ids, c.logprobs), seq.sampling_params.detokenize)
         return CompletionOutput(seq.index, self._text(c), ids, c.cumulative_logprob, lps,
                                 seq.finish_reason if seq.is_finished else None, seq.stop_reason)
 
@@ -211,7 +189,7 @@ class OutputProcessor:
         metrics = RequestMetrics(req.arrival_time, min(firsts, default=None), max(ends) if finished and ends else None)
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids),
                              [self.completion_output(c) for c in req.completions], finished, metrics,
-                             req.completions[0].num_cached_tokens, self._prompt_logprobs(req))
+                             req.completions[0].num_cached_tokens)
 
     def take_deltas(self, request_ids) -> list[StreamDelta]:
         """stream_deltas of every request in `request_ids` (a set or dict) that has news, with
@@ -237,8 +215,8 @@ class OutputProcessor:
                 continue
             lps = None
             if c.logprobs is not None:
-                lps = self._logprob_dicts(zip(new_ids, c.logprobs[c.streamed_tokens:]),
-                                          seq.sampling_params.detokenize)
+                lps = logprob_dicts(self.tokenizer, zip(new_ids, c.logprobs[c.streamed_tokens:]),
+                                    seq.sampling_params.detokenize)
             c.streamed_tokens += len(new_ids)
             c.streamed_chars = max(c.streamed_chars, upto)
             c.stream_done = done

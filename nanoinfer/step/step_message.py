@@ -36,13 +36,10 @@ class StepInput:
     block_tables: list[list[int]]  # per row: its sequence's blocks
     inflight_rows: list[int] = field(default_factory=list)
     inflight_sources: list[int] = field(default_factory=list)
-    # flat token rows holding speculative proposals left on the device (speculative/proposer.py,
-    # DeviceProposals), and their indices in its tokens, flattened: one rank in the engine's process
-    proposal_rows: list[int] = field(default_factory=list)
-    proposal_sources: list[int] = field(default_factory=list)
-    prompt_logit_rows: list[int] | None = None  # flat token rows whose logits are also computed (prompt_logprobs)
+    extra_logit_rows: list[int] | None = None  # flat token rows whose logits a feature reads (read_logits)
     sample_rows: list[int] | None = None  # flat token rows that sample (None: each row's last; speculative rows: all)
     plain_sample: PlainSample | None = None
+    prefill: bool = False  # every row runs as a prefill, however short (a feature's step: images, embeddings)
     pooling: object = None  # an embedding step (pooling/rows.py, PoolingRows): no LM head, no sampling
     lora: object = None  # the step's adapters (lora/slot_table.py, LoRAStep); None: no row uses one
     # rotary positions when they are not each row's starts..: [positions] (one per token, flat), or
@@ -127,29 +124,10 @@ class SamplingPlan:
 
 
 @dataclass(slots=True)
-class PromptSegment:
-    """A prefill row's prompt positions whose logprobs the step computes: `count` positions from
-    `start`, each with its `top_k` most likely tokens."""
-    row: int
-    start: int
-    count: int
-    top_k: int
-
-
-@dataclass(slots=True)
-class PromptLogprobsRequest:
-    """The step's prompt_logprobs work: its segments, the prompt token each position predicts
-    (flat, in segment order), and the largest top-k."""
-    segments: list[PromptSegment]
-    targets: list[int]
-    top_k: int
-
-
-@dataclass(slots=True)
 class SampleInput:
     """What the sampling rank needs besides the StepInput."""
     plan: SamplingPlan
-    prompt_logprobs: PromptLogprobsRequest | None = None
+    extra_logits: object = None  # the work of the feature that reads StepInput.extra_logit_rows' logits
 
 
 @dataclass(slots=True)
@@ -166,18 +144,10 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
-class PromptLogprobs:
-    """A segment's results: entries[i] is from position start + i, for prompt token start + i + 1."""
-    row: int
-    start: int
-    entries: list[TokenLogprobs]
-
-
-@dataclass(slots=True)
 class StepResult:
     """A step's outcome, on the host: a sampled token per row; per row, its TokenLogprobs when it
-    asked (None otherwise; the list is None when no row asked); prompt logprobs per segment."""
+    asked (None otherwise; the list is None when no row asked); what the features read on the rank
+    (RankFeature.read_logits, or their own dispatch), by the key each gives."""
     tokens: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
-    prompt_logprobs: list[PromptLogprobs] | None = None
-    pooled: object = None  # an embedding step: its PoolingRows' sums, a float32 CPU tensor [segments, hidden]
+    outputs: dict | None = None
