@@ -7,7 +7,7 @@ import torch
 
 from nanoinfer.engine.forward_inputs import prepare_inputs
 from nanoinfer.lora.feature import LoRARankFeature
-from nanoinfer.lora.slot_table import LoRAStep, token_slots
+from nanoinfer.lora.slot_table import LORA, LoRAStep, token_slots
 from nanoinfer.step.step_message import StepInput
 from nanoinfer.layers.linear import QKVParallelLinear, RowParallelLinear
 from nanoinfer.layers.linear_method import dense_linear_method
@@ -117,16 +117,16 @@ def test_a_row_parallel_layer_adds_its_adapter_into_the_given_output():
 
 def test_each_token_of_a_mixed_step_gets_its_rows_slot():
     step = StepInput(num_decode=1, starts=[5, 0, 0], query_lens=[1, 3, 2], input_ids=[1, 2, 3, 4, 5, 6],
-                     block_tables=[[0], [1], [2]], lora=LoRAStep([2, -1, 0], []))
+                     block_tables=[[0], [1], [2]], parts={LORA: LoRAStep([2, -1, 0], [])})
     try:
-        prepare_inputs(step, 16, torch.device("cpu"), False, None, fields={"lora_slots": token_slots(step)})
+        prepare_inputs(step, 16, torch.device("cpu"), False, None, fields={"lora_slots": token_slots(step, step.part(LORA))})
         assert get_context().lora_slots.tolist() == [2, -1, -1, -1, 0, 0]
     finally:
         reset_context()
     step = StepInput(num_decode=2, starts=[5, 7], query_lens=[1, 1], input_ids=[1, 2], block_tables=[[0], [1]],
-                     lora=LoRAStep([-1, 1], []))
+                     parts={LORA: LoRAStep([-1, 1], [])})
     try:
-        prepare_inputs(step, 16, torch.device("cpu"), False, None, fields={"lora_slots": token_slots(step)})
+        prepare_inputs(step, 16, torch.device("cpu"), False, None, fields={"lora_slots": token_slots(step, step.part(LORA))})
         assert get_context().lora_slots.tolist() == [-1, 1]
     finally:
         reset_context()

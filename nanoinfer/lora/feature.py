@@ -4,7 +4,7 @@ slots (slot_table.py). The scheduler's rule on distinct adapters is admission.py
 from nanoinfer.step.feature import EngineFeature, Intake, RankFeature
 from nanoinfer.lora.device_adapters import DeviceAdapters
 from nanoinfer.lora.intake import LoRAIntake
-from nanoinfer.lora.slot_table import AdapterSlotTable, token_slots
+from nanoinfer.lora.slot_table import LORA, AdapterSlotTable, token_slots
 
 
 class LoRAFeature(EngineFeature):
@@ -19,7 +19,9 @@ class LoRAFeature(EngineFeature):
 
     def encode(self, batch, step, sample, sampling_seqs):
         if self.slots is not None:  # (embeddings too: a request's adapter shapes its hidden states)
-            step.lora = self.slots.assign(batch.seqs)
+            adapters = self.slots.assign(batch.seqs)
+            if adapters is not None:
+                step.add_part(LORA, adapters)
 
 
 class LoRARankFeature(RankFeature):
@@ -32,7 +34,8 @@ class LoRARankFeature(RankFeature):
         self.adapters = DeviceAdapters(runner.model, runner.config, runner.device)
 
     def before_forward(self, step) -> dict | None:
-        if step.lora is None:
+        adapters = step.part(LORA)
+        if adapters is None:
             return None
-        self.adapters.ensure(step.lora.adapters)
-        return {"lora_slots": token_slots(step)}
+        self.adapters.ensure(adapters.adapters)
+        return {"lora_slots": token_slots(step, adapters)}

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 
 
+LORA = "lora"  # the key of a step's LoRAStep in StepInput.parts
+
+
 @dataclass(slots=True)
 class LoRAStep:
     """A step's adapters (nanoinfer/lora): each row's device slot (-1: the base model), and every
@@ -45,7 +48,7 @@ class AdapterSlotTable:
         return LoRAStep(row_slots, [(self.slot_of[i], i, r.lora_path) for i, r in requests.items()])
 
 
-def token_slots(step) -> list[int] | np.ndarray:
-    """Each token's adapter slot in a step with adapters (StepInput.lora): its row's."""
-    slots = step.lora.row_slots
+def token_slots(step, adapters: LoRAStep) -> list[int] | np.ndarray:
+    """Each token's adapter slot in a step with adapters: its row's."""
+    slots = adapters.row_slots
     return slots if step.is_decode_only else np.repeat(slots, step.query_lens)

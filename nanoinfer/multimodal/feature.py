@@ -8,7 +8,7 @@ from nanoinfer.step.feature import EngineFeature, Intake, RankFeature
 from nanoinfer.multimodal.encoder_cache import EncoderCache
 from nanoinfer.multimodal.inputs import PROMPT_KEYS, split_multi_modal
 from nanoinfer.multimodal.processor import MultiModalProcessor
-from nanoinfer.multimodal.step_planner import MultiModalStepPlanner
+from nanoinfer.multimodal.step_planner import IMAGES, ROPE_POSITIONS, MultiModalStepPlanner
 
 
 class ImageFeature(EngineFeature):
@@ -40,9 +40,12 @@ class ImageFeature(EngineFeature):
         intake.work.append(lambda: _set_multi_modal(seqs, images()))
 
     def encode(self, batch, step, sample, sampling_seqs):
-        step.rope_positions, step.multi_modal = self.planner.plan(batch)
-        if step.rope_positions is not None or step.multi_modal is not None:
-            step.prefill = True  # (never a decode step of short rows)
+        rope, images = self.planner.plan(batch)
+        if rope is not None:
+            step.add_part(ROPE_POSITIONS, rope)
+        if images is not None:
+            step.add_part(IMAGES, images)
+        step.prefill = step.prefill or rope is not None or images is not None  # (never a step of short rows)
 
     def unschedule(self) -> None:
         self.planner.unschedule()
@@ -63,11 +66,11 @@ class ImageRankFeature(RankFeature):
 
     def before_forward(self, step) -> dict | None:
         fields = {}
-        rope = step.rope_positions  # [positions] (flat), or [t, h, w] in a step with image tokens
-        if rope is not None:
+        rope, images = step.part(ROPE_POSITIONS), step.part(IMAGES)
+        if rope is not None:  # [positions] (flat), or [t, h, w] in a step with image tokens
             fields["positions"] = rope[0] if len(rope) == 1 else np.asarray(rope, dtype=np.int64)
-        if step.multi_modal is not None:
-            fields["mm_embeds"] = self.cache.step_embeds(step.multi_modal)
+        if images is not None:
+            fields["mm_embeds"] = self.cache.step_embeds(images)
         return fields or None
 
     def exit(self) -> None:

@@ -4,7 +4,7 @@ engine), rank 0 sums each segment's final hidden states (rows.py) and starts the
 host with the step's tokens, which are zeros."""
 import torch
 
-from nanoinfer.pooling.rows import pool_hidden
+from nanoinfer.pooling.rows import POOLING, pool_hidden
 from nanoinfer.sampling.sampler import Sampled, Sampler
 
 POOLED = "pooled"  # the key in StepResult.outputs: the PoolingRows' sums, a float32 CPU tensor [segments, hidden]
@@ -18,6 +18,6 @@ class PoolingDispatch(Sampler):
         hidden = forward.hidden()  # (every rank: the forward's all-reduces)
         outputs = None
         if sample is not None:
-            pooled = pool_hidden(hidden, step.pooling).to("cpu", non_blocking=True)
+            pooled = pool_hidden(hidden, step.part(POOLING)).to("cpu", non_blocking=True)
             outputs = {POOLED: lambda: pooled}
         return Sampled(torch.zeros(step.num_rows, dtype=torch.int64, device=self.device), outputs=outputs)

@@ -9,7 +9,7 @@ from nanoinfer.pooling.dispatch import POOLED, PoolingDispatch
 from nanoinfer.pooling.intake import POOLING_SAMPLING, PoolingIntake, runner_mismatch
 from nanoinfer.pooling.outputs import pooling_output
 from nanoinfer.pooling.params import PoolingParams
-from nanoinfer.pooling.rows import pooling_rows, record_pooled
+from nanoinfer.pooling.rows import POOLING, pooling_rows, record_pooled
 
 
 class PoolingFeature(EngineFeature):
@@ -29,7 +29,7 @@ class PoolingFeature(EngineFeature):
         self.intake.attach(intake.seqs, intake.extras["pooling_params"])
 
     def encode(self, batch, step, sample, sampling_seqs):
-        step.pooling = pooling_rows(batch)  # every row pools
+        step.add_part(POOLING, pooling_rows(batch))  # every row pools
         step.prefill = True  # (never a decode step of short rows)
 
     def process(self, batch, result) -> None:

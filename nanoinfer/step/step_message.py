@@ -4,7 +4,8 @@ A leaf: plain, typed dataclasses that import nothing from the engine, the layers
 message depends on no part of the engine, and it pickles cheaply. Rows are held
 column by column (lists of ints), not as an object per row, because the step is rebuilt, and with
 tensor parallelism pickled, every step. engine/step_encoder.py builds them from scheduled sequences;
-a feature's part of a step (adapters, images, an embedding's rows) is a dataclass of its own folder.
+a feature's part of a step (adapters, images, an embedding's rows) is a dataclass of its own folder,
+held in StepInput.parts under the feature's key.
 
 Every rank gets the StepInput; the rank that samples (rank 0) also gets the SampleInput, and it
 answers with a StepResult.
@@ -40,12 +41,7 @@ class StepInput:
     sample_rows: list[int] | None = None  # flat token rows that sample (None: each row's last; speculative rows: all)
     plain_sample: PlainSample | None = None
     prefill: bool = False  # every row runs as a prefill, however short (a feature's step: images, embeddings)
-    pooling: object = None  # an embedding step (pooling/rows.py, PoolingRows): no LM head, no sampling
-    lora: object = None  # the step's adapters (lora/slot_table.py, LoRAStep); None: no row uses one
-    # rotary positions when they are not each row's starts..: [positions] (one per token, flat), or
-    # [t, h, w] positions (M-RoPE, a step whose rows cover image tokens)
-    rope_positions: list[list[int]] | None = None
-    multi_modal: object = None  # the step's images (multimodal/step_planner.py, MultiModalStep)
+    parts: dict | None = None  # the features' parts of the step, by key (None: none has one)
 
     @property
     def num_rows(self) -> int:
@@ -58,6 +54,15 @@ class StepInput:
     @property
     def num_sample_rows(self) -> int:
         return self.num_rows if self.sample_rows is None else len(self.sample_rows)
+
+    def part(self, key: str):
+        """A feature's part of the step, or None."""
+        return self.parts.get(key) if self.parts else None
+
+    def add_part(self, key: str, value) -> None:
+        if self.parts is None:
+            self.parts = {}
+        self.parts[key] = value
 
 
 @dataclass(slots=True)
