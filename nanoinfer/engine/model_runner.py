@@ -121,19 +121,19 @@ class ModelRunner:
         step, sample, args, forward = inflight.awaiting
         inflight.awaiting = None
         args.set_grammar_bitmask(bitmask, self.device)
-        done = self._copy_to_host(self.sampler.sample(step, sample, args, forward))
-        inflight.sampled, inflight.tokens = done.sampled, done.tokens
-        inflight.host, inflight.event = done.host, done.event
+        self._copy_to_host(self.sampler.sample(step, sample, args, forward), inflight)
 
-    def _copy_to_host(self, sampled: Sampled) -> InFlight:
+    def _copy_to_host(self, sampled: Sampled, inflight: InFlight | None = None) -> InFlight:
+        """The step's tokens start for the host (in `inflight`, or a new InFlight)."""
+        inflight = inflight or InFlight(None, None)
+        inflight.sampled, inflight.tokens = sampled, sampled.inputs
         tokens = sampled.tokens
-        host = torch.empty(tokens.shape[0], dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
-        host.copy_(tokens, non_blocking=True)
-        event = None
+        inflight.host = torch.empty(tokens.shape[0], dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
+        inflight.host.copy_(tokens, non_blocking=True)
         if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return InFlight(sampled, sampled.inputs, host, event)
+            inflight.event = torch.cuda.Event()
+            inflight.event.record()
+        return inflight
 
     def collect(self, inflight: InFlight) -> StepResult:
         """Rank 0: wait for a launched step and bring its results to the host."""

@@ -117,16 +117,10 @@ class OutputProcessor:
                 lp = logprobs[row]
                 c.logprobs.append(lp)
                 c.cumulative_logprob += lp.logprob
-            if c.detok is None:
-                continue
-            sp = seq.sampling_params
-            end = ending.get(row)
-            stopped_by_token = end is not None and end[0] == "stop"
-            keep = not stopped_by_token or sp.include_stop_str_in_output
-            stop = c.detok.add(seq.token_ids[-1] if keep else None,
-                               check_stop=seq.num_completion_tokens >= sp.min_tokens, final=end is not None)
-            if stop is not None and not stopped_by_token:
-                stops[row] = stop
+            if c.detok is not None:
+                stop = self._add_text(c, seq, seq.num_tokens - 1, ending.get(row))
+                if stop is not None:
+                    stops[row] = stop
         return stops
 
     def _record_run(self, seq: Sequence, req: Request, num: int, end, lps: list | None, now: float) -> str | None:
@@ -134,24 +128,29 @@ class OutputProcessor:
         if req.stream:
             self.news[req.request_id] = req
         c = req.completions[seq.index]
-        sp = seq.sampling_params
         first = seq.num_tokens - num
         for i in range(num):
-            last = i == num - 1
             if c.logprobs is not None and lps is not None:
                 c.logprobs.append(lps[i])
                 c.cumulative_logprob += lps[i].logprob
             if c.detok is None:
                 continue
-            stopped_by_token = last and end is not None and end[0] == "stop"
-            keep = not stopped_by_token or sp.include_stop_str_in_output
-            stop = c.detok.add(seq.token_ids[first + i] if keep else None,
-                               check_stop=first + i + 1 - seq.num_prompt_tokens >= sp.min_tokens,
-                               final=last and end is not None)
-            if stop is not None and not stopped_by_token:
+            stop = self._add_text(c, seq, first + i, end if i == num - 1 else None)
+            if stop is not None:
                 del seq.token_ids[first + i + 1:]  # (the engine finishes the sequence on it)
                 return stop
         return None
+
+    @staticmethod
+    def _add_text(c: Completion, seq: Sequence, i: int, end) -> str | None:
+        """Detokenize the sequence's token i (`end`: (finish_reason, stop_reason) if it ends the
+        sequence); returns the stop string its text completed, unless the token itself stopped it."""
+        sp = seq.sampling_params
+        stopped_by_token = end is not None and end[0] == "stop"
+        keep = not stopped_by_token or sp.include_stop_str_in_output
+        stop = c.detok.add(seq.token_ids[i] if keep else None,
+                           check_stop=i + 1 - seq.num_prompt_tokens >= sp.min_tokens, final=end is not None)
+        return None if stopped_by_token else stop
 
     def mark_finished(self, req: Request, seq: Sequence, now: float):
         if req.stream:

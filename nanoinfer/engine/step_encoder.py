@@ -30,7 +30,7 @@ class StepEncoder:
     can sample their vocabulary shards (tensor parallelism on CUDA). features: the registered
     EngineFeatures, which add their parts to each step. masks_later: a plan leaves its token masks
     to the engine, which fills them after the forward's launch. rows: the step's row planner, which
-expands its rows of several tokens into sampling rows."""
+    expands its rows of several tokens into sampling rows."""
 
     def __init__(self, vocab_size: int, eos_token_ids, seeds: random.Random | None = None,
                  sample_on_shards: bool = False, features=(), masks_later: bool = False,
