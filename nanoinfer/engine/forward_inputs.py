@@ -76,7 +76,8 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
             names["inflight_rows"] = staged.add(step.inflight_rows)
     placed = on_device.stage(staged) if on_device is not None else None
     sent = staged.send(device)
-    context.update((name, sent[i]) for name, i in names.items())
+    for name, i in names.items():
+        context[name] = sent[i]
     input_ids, positions = context.pop("input_ids"), context.pop("positions")
     sources, inflight_rows = context.pop("inflight_sources", None), context.pop("inflight_rows", None)
     if on_device is not None:
