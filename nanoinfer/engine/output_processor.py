@@ -92,7 +92,7 @@ class OutputProcessor:
         and of the step's `logprobs`), after it decided which rows end (`ending`: row ->
         (finish_reason, stop_reason), by EOS, stop ids and length). Returns row -> the stop string
         its new text completed, for the engine to finish; none for a row already stopped by a token
-        (EOS and stop ids win). `counts`: rows that appended several tokens (speculative rows; their
+        (EOS and stop ids win). `counts`: rows that appended several tokens (a row planner's; their
         `logprobs` entry is a list), recorded one by one; a stop string completed before the last
         drops the tokens after it."""
         news, stops = self.news, {}

@@ -38,7 +38,7 @@ class StepInput:
     inflight_rows: list[int] = field(default_factory=list)
     inflight_sources: list[int] = field(default_factory=list)
     extra_logit_rows: list[int] | None = None  # flat token rows whose logits a feature reads (read_logits)
-    sample_rows: list[int] | None = None  # flat token rows that sample (None: each row's last; speculative rows: all)
+    sample_rows: list[int] | None = None  # flat token rows that sample (None: each row's last; rows of several: all)
     plain_sample: PlainSample | None = None
     prefill: bool = False  # every row runs as a prefill, however short (a feature's step: images, embeddings)
     parts: dict | None = None  # the features' parts of the step, by key (None: none has one)
