@@ -34,7 +34,7 @@ from nanoinfer.utils.threads import cpu_threads
 class InFlight:
     """A launched step whose results the host has not collected yet (on a rank that does not
     sample, only its tokens: the next step's in-flight rows read them on every rank)."""
-    sampled: Sampled | None               # the tokens [rows] on the device, and what logprobs need
+    sampled: Sampled | None               # the tokens [rows] on the device, what logprobs and features need
     tokens: torch.Tensor | None           # them as the next step's inputs: NON_FINITE rows read token 0
     host: torch.Tensor | None = None      # [rows] pinned host copy, valid once `event` has completed
     event: "torch.cuda.Event | None" = None
