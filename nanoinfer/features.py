@@ -10,6 +10,7 @@ chosen here which waiting sequence may run.
                                            ranks of a vision-language model
     embeddings     pooling/feature.py      runner="pooling", on the ranks too (else embedding
                                            requests are refused)
+    prompt logprobs  prompt_logprobs/feature.py  always (a request may ask), on the ranks too
     speculative    speculative/row_planner.py     with speculative_config
     statistics     metrics/stats.py        disable_log_stats=False (logged, LLM.stats, get_metrics)
     priority       priority/order.py       the scheduler's order: by priority with
@@ -23,6 +24,7 @@ from nanoinfer.metrics.stats import StatLogger
 from nanoinfer.multimodal.feature import ImageFeature, ImageRankFeature
 from nanoinfer.priority.order import order_for
 from nanoinfer.pooling.feature import PoolingFeature, PoolingRankFeature, PoolingRefused
+from nanoinfer.prompt_logprobs.feature import PromptLogprobsFeature, PromptLogprobsRankFeature
 from nanoinfer.speculative.row_planner import SpeculativeRows
 from nanoinfer.speculative.speculator import build_speculator
 from nanoinfer.structured.feature import StructuredFeature
@@ -42,7 +44,7 @@ class FeatureComposition(Composition):
         features = [pooling, LoRAFeature(config),
                     StructuredFeature(config, parts.tokenizer, parts.vocab_size, parts.eos_token_ids, parts.runner,
                                       parts.masks_later),
-                    ImageFeature(config, parts.vocab_size)]
+                    ImageFeature(config, parts.vocab_size), PromptLogprobsFeature(parts.tokenizer)]
         if not config.disable_log_stats:
             features.append(StatLogger())  # logged every few seconds
         return features
@@ -54,7 +56,7 @@ class FeatureComposition(Composition):
         return order_for(config)
 
     def rank_features(self, config) -> list:
-        makers = []
+        makers = [PromptLogprobsRankFeature]
         if config.enable_lora:
             makers.append(LoRARankFeature)
         if getattr(config.hf_config, "vision_config", None) is not None:

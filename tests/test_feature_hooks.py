@@ -8,7 +8,7 @@ from nanoinfer.step.feature import EngineFeature
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.features import FeatureComposition
 
-FEATURE_PACKAGES = ("lora", "spec", "speculative", "structured", "pooling", "multimodal", "quant",
+FEATURE_PACKAGES = ("lora", "spec", "speculative", "structured", "pooling", "multimodal", "quant", "prompt_logprobs",
                     "data_parallel", "serve", "priority", "metrics", "expert_parallel")
 
 

@@ -6,7 +6,8 @@ mixed step gets its row's slot."""
 import torch
 
 from nanoinfer.engine.forward_inputs import prepare_inputs
-from nanoinfer.lora.slot_table import LoRAStep
+from nanoinfer.lora.feature import LoRARankFeature
+from nanoinfer.lora.slot_table import LORA, LoRAStep, token_slots
 from nanoinfer.step.step_message import StepInput
 from nanoinfer.layers.linear import QKVParallelLinear, RowParallelLinear
 from nanoinfer.layers.linear_method import dense_linear_method
@@ -116,16 +117,16 @@ def test_a_row_parallel_layer_adds_its_adapter_into_the_given_output():
 
 def test_each_token_of_a_mixed_step_gets_its_rows_slot():
     step = StepInput(num_decode=1, starts=[5, 0, 0], query_lens=[1, 3, 2], input_ids=[1, 2, 3, 4, 5, 6],
-                     block_tables=[[0], [1], [2]], lora=LoRAStep([2, -1, 0], []))
+                     block_tables=[[0], [1], [2]], parts={LORA: LoRAStep([2, -1, 0], [])})
     try:
-        prepare_inputs(step, 16, torch.device("cpu"), False, None)
+        prepare_inputs(step, 16, torch.device("cpu"), False, None, fields={"lora_slots": token_slots(step, step.part(LORA))})
         assert get_context().lora_slots.tolist() == [2, -1, -1, -1, 0, 0]
     finally:
         reset_context()
     step = StepInput(num_decode=2, starts=[5, 7], query_lens=[1, 1], input_ids=[1, 2], block_tables=[[0], [1]],
-                     lora=LoRAStep([-1, 1], []))
+                     parts={LORA: LoRAStep([-1, 1], [])})
     try:
-        prepare_inputs(step, 16, torch.device("cpu"), False, None)
+        prepare_inputs(step, 16, torch.device("cpu"), False, None, fields={"lora_slots": token_slots(step, step.part(LORA))})
         assert get_context().lora_slots.tolist() == [-1, 1]
     finally:
         reset_context()
@@ -137,7 +138,7 @@ def test_graph_buffers_hold_each_tokens_slot_and_pad_with_the_base():
     from nanoinfer.engine.graph_runner import GraphRunner
     from nanoinfer.utils.context import Context
     runner = GraphRunner(None, 8, 64, 4, 16, torch.float32, torch.device("cpu"), mixed_steps=False,
-                         sorts_decode_rows=False, lora=True)
+                         sorts_decode_rows=False, graph_inputs=LoRARankFeature.graph_inputs)
     g = runner._allocate_buffers(8)
     ids, pos = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
     runner._fill_tokens(g, ids, pos, Context(slot_mapping=torch.arange(3), lora_slots=torch.tensor([1, -1, 0])))

@@ -6,6 +6,7 @@ import pytest
 
 from nanoinfer.multimodal.feature import ImageRankFeature
 from nanoinfer.multimodal.feature import ImageFeature
+from nanoinfer.multimodal.step_planner import IMAGES
 from nanoinfer import LLM, SamplingParams
 from vl_reference import assert_vl_greedy_matches_hf, random_image
 
@@ -231,7 +232,7 @@ def test_failed_launch_forgets_its_images(vl):
         real, failed = llm.model_runner.launch, []
 
         def failing_once(step, sample, prev):
-            if step.multi_modal is not None and step.multi_modal.encode and not failed:
+            if step.part(IMAGES) is not None and step.part(IMAGES).encode and not failed:
                 failed.append(True)
                 raise RuntimeError("injected launch failure")
             return real(step, sample, prev)

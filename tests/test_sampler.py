@@ -395,7 +395,8 @@ def test_which_steps_sample_inside_the_decode_graphs():
     """engine/graph_runner.py sample_decode serves one rank's decode-only steps whose rows all sample
     at temperature alone (greedy included), a row's last token each; everything else samples
     after the forward (the logits pipeline, a grammar's mask, prompt logprobs, a row per token)."""
-    from nanoinfer.step.step_message import PromptLogprobsRequest, SampleInput, StepInput
+    from nanoinfer.prompt_logprobs.rows import PromptLogprobsRequest
+    from nanoinfer.step.step_message import SampleInput, StepInput
     from nanoinfer.sampling.sampler import Sampler
 
     cuda = torch.device("cuda")  # (a device name only: nothing here touches a GPU)

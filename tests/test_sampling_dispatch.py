@@ -3,7 +3,8 @@ for a grammar bitmask running the step's forward once. CPU only: a device name t
 import torch
 
 from nanoinfer.engine.graph_runner import StepForward
-from nanoinfer.step.step_message import PlainSample, PromptLogprobsRequest, SampleInput, SamplingPlan, StepInput
+from nanoinfer.prompt_logprobs.rows import PromptLogprobsRequest
+from nanoinfer.step.step_message import PlainSample, SampleInput, SamplingPlan, StepInput
 from nanoinfer.sampling.sampler import Route, Sampler, vocab_shard_sample
 from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.sampling_params import SamplingParams

@@ -7,6 +7,7 @@ import pytest
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.step.sequence import Sequence
 from nanoinfer.engine.step_encoder import StepEncoder
+from nanoinfer.prompt_logprobs.feature import PromptLogprobsFeature
 from nanoinfer.sampling_params import SamplingParams
 
 EOS = frozenset({7})
@@ -28,7 +29,8 @@ def batch(params: list[SamplingParams]) -> ScheduledBatch:
 ])
 def test_plain_steps_sample_on_the_shards(params, plain):
     b = batch(params)
-    step, sample = StepEncoder(100, EOS, random.Random(5), True).encode(b, None)
+    features = [PromptLogprobsFeature(None)]  # (what reads the prompt's logits)
+    step, sample = StepEncoder(100, EOS, random.Random(5), True, features).encode(b, None)
     if plain:
         temps, seed = step.plain_sample.temperatures, step.plain_sample.seed
         assert temps == sample.plan.temperatures == [0.6 if sp.temperature else 0.0 for sp in params]
@@ -36,7 +38,7 @@ def test_plain_steps_sample_on_the_shards(params, plain):
         assert pickle.loads(pickle.dumps(step)).plain_sample == step.plain_sample  # (sent to every rank)
     else:
         assert step.plain_sample is None
-    off, _ = StepEncoder(100, EOS, random.Random(5), False).encode(b, None)
+    off, _ = StepEncoder(100, EOS, random.Random(5), False, features).encode(b, None)
     assert off.plain_sample is None  # one rank, or CPU: rank 0 samples the full rows
 
 

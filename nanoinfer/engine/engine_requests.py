@@ -86,7 +86,10 @@ class EngineRequests:
             out = feature.request_output(req)
             if out is not None:
                 return out
-        return self.output_processor.request_output(req)
+        out = self.output_processor.request_output(req)
+        for feature in self.features:  # (a feature may add its part: prompt logprobs)
+            feature.add_output(req, out)
+        return out
 
     def feature(self, kind: type):
         """The registered feature of class `kind`, or None."""

@@ -25,20 +25,22 @@ SHORT_ROWS_MAX_TOKENS = 256
 
 def has_few_short_rows(step: StepInput, max_tokens: int = SHORT_ROWS_MAX_TOKENS) -> bool:
     """Whether a step with prompt chunks or proposals runs as decode, a token a row (see the
-    module's doc); steps with M-RoPE positions, images or pooling keep the prefill path."""
+    module's doc); steps that a feature keeps on the prefill path (StepInput.prefill: images,
+    M-RoPE positions, embeddings) do not."""
     return (len(step.input_ids) <= max_tokens and max(step.query_lens) <= SHORT_ROWS_MAX_QUERY
-            and step.rope_positions is None and step.multi_modal is None and step.pooling is None)
+            and not step.prefill)
 
 
 def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_decode_rows: bool,
                    prev_tokens: torch.Tensor | None, max_short_tokens: int = SHORT_ROWS_MAX_TOKENS,
-                   proposals: torch.Tensor | None = None,
-                   offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   on_device=None, fields: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, positions) on the device, with the step's context set. In-flight rows read
-    their token from `prev_tokens`, the tokens of the step launched before this one; proposal
-    rows theirs from `proposals` (a speculative proposer's tokens, still on the device), and, if
-    `offsets` is given (one per row of `proposals`), move their positions by their row's offset
-    there (a speculative row chained onto one in flight, speculative/chaining.py: a step of short rows).
+    their token from `prev_tokens`, the tokens of the step launched before this one. `on_device`:
+    the step's tokens a proposer left on the device (speculative/device_inputs.py, DeviceTokens):
+    its `stage` queues its index arrays with the step's, its `place` writes them into the inputs
+    and may move positions (and the context fields that follow them) there. `fields`: the
+    features' context fields (RankFeature.before_forward); lists and numpy arrays among them are
+    sent with the step's arrays, and one named as an input replaces it (M-RoPE's `positions`).
     sort_decode_rows: the attention backend wants a decode step's rows longest context first.
     max_short_tokens: the most tokens a step of short rows runs as decode with (the runner's
     largest decode graph).
@@ -56,41 +58,31 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
         names, context = _short_rows_context(rows, staged, sort_decode_rows) if short_rows else \
             _prefill_context(rows, staged)
         num_tokens = rows.num_tokens
-    if step.prompt_logit_rows or step.sample_rows is not None or short_rows:
-        # the sampling rows' logits (each row's last token, unless named), then those prompt positions'
+    if step.extra_logit_rows or step.sample_rows is not None or short_rows:
+        # the sampling rows' logits (each row's last token, unless named), then the rows features read
         if step.sample_rows is not None:
             sampled = list(step.sample_rows)
         else:
             sampled = list(accumulate(step.query_lens, initial=-1))[1:]
-        names["logits_indices"] = staged.add(sampled + (step.prompt_logit_rows or []))
-    if step.lora is not None:  # each token's adapter slot: its row's
-        slots = step.lora.row_slots
-        names["lora_slots"] = staged.add(slots if step.is_decode_only else np.repeat(slots, step.query_lens))
+        names["logits_indices"] = staged.add(sampled + (step.extra_logit_rows or []))
+    if fields:
+        for name, value in fields.items():
+            if isinstance(value, (list, np.ndarray)):
+                names[name] = staged.add(value)
+        context = {**fields, **context}
     if step.inflight_rows:
         names["inflight_sources"] = staged.add(step.inflight_sources)
         if len(step.inflight_rows) != num_tokens:
             names["inflight_rows"] = staged.add(step.inflight_rows)
-    if step.proposal_rows:
-        names["proposal_rows"] = staged.add(step.proposal_rows)
-        names["proposal_sources"] = staged.add(step.proposal_sources)
-    if step.rope_positions is not None:  # M-RoPE: [1, N], or [3, N] in a step with image tokens
-        names["rope_positions"] = staged.add(np.asarray(step.rope_positions, dtype=np.int64))
+    placed = on_device.stage(staged) if on_device is not None else None
     sent = staged.send(device)
-    t = {name: sent[i] for name, i in names.items()}
-    input_ids, positions = t.pop("input_ids"), t.pop("positions")
-    rope = t.pop("rope_positions", None)
-    if rope is not None:
-        positions = rope[0] if rope.shape[0] == 1 else rope
-    sources, inflight_rows = t.pop("inflight_sources", None), t.pop("inflight_rows", None)
-    if step.proposal_rows:
-        rows_d, sources_d = t.pop("proposal_rows"), t.pop("proposal_sources")
-        input_ids[rows_d] = proposals.reshape(-1).index_select(0, sources_d)
-        if offsets is not None:
-            if not short_rows:
-                raise RuntimeError("a step with rows shifted on the device must run as a step of short rows")
-            positions[rows_d] += offsets.index_select(0, sources_d // proposals.shape[1])
-            _place_shifted(positions, block_size, t, context)
-    set_context(**context, **t)  # block tables, slots, lengths (and logits_indices, lora_slots)
+    for name, i in names.items():
+        context[name] = sent[i]
+    input_ids, positions = context.pop("input_ids"), context.pop("positions")
+    sources, inflight_rows = context.pop("inflight_sources", None), context.pop("inflight_rows", None)
+    if on_device is not None:
+        on_device.place(sent, placed, input_ids, positions, context, block_size)
+    set_context(**context)  # block tables, slots, lengths (and logits_indices, the features' fields)
     if sources is not None:
         tokens = prev_tokens.index_select(0, sources)
         if inflight_rows is None:  # every row: one gather
@@ -98,14 +90,6 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
         else:
             input_ids[inflight_rows] = tokens
     return input_ids, positions
-
-
-def _place_shifted(positions: torch.Tensor, block_size: int, t: dict, context: dict):
-    """A decode context's slots and context lengths, from positions some of which the device moved
-    (each token a row of its own with its sequence's block table: context = position + 1)."""
-    t["slot_mapping"] = device_cache_slots(t["block_tables"], positions[:, None], block_size).squeeze(1)
-    t["context_lens"] = (positions + 1).to(torch.int32)
-    context["context_lens_cpu"] = t["context_lens"].tolist() if positions.device.type == "cpu" else None
 
 
 def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
@@ -146,12 +130,6 @@ def cache_slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarra
     """The cache slots of `positions` of the sequences whose padded block tables are block_tables[rows]."""
     block, offset = np.divmod(positions, block_size)
     return block_tables[rows, block] * block_size + offset
-
-
-def device_cache_slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """cache_slots on the device: the slots of positions [rows, m] of the rows whose block tables
-    are block_tables [rows, width]."""
-    return block_tables.gather(1, positions // block_size) * block_size + positions % block_size
 
 
 def _decode_context(step: StepInput, bs: int, staged: Staging, sort_rows: bool) -> tuple[dict[str, int], dict]:

@@ -63,20 +63,25 @@ class StepForward:
     def sample_in_graph(self, temperatures: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.graphs.sample_decode(self.input_ids, self.positions, temperatures, seed)
 
+    def hidden(self) -> torch.Tensor:
+        """The final hidden states, eager, without the LM head (a dispatch that reads them instead)."""
+        return self.graphs.model(self.input_ids, self.positions)
+
 
 class GraphRunner:
     """The forward of `model`, eager or through a captured graph. capture() needs the KV cache."""
 
     def __init__(self, model, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, mixed_steps: bool,
-                 sorts_decode_rows: bool, lora: bool = False, sample_graphs: bool = False):
+                 sorts_decode_rows: bool, graph_inputs=(), sample_graphs: bool = False):
         self.model = model
         self.max_num_seqs, self.max_blocks_per_seq = max_num_seqs, max_blocks_per_seq
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.batch_sizes: list[int] = []
         self.mixed_sizes = mixed_graph_sizes(max_num_batched_tokens) if mixed_steps else []
         self.sorts_decode_rows = sorts_decode_rows
-        self.lora = lora  # the model has LoRA layers: each token's adapter slot is a static buffer too
+        # (context field, padding value): per-token inputs the features' layers read, static buffers too
+        self.graph_inputs = tuple(graph_inputs)
         self.sample_graphs = sample_graphs  # capture the LM head + fused sampling of decode steps too
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -129,8 +134,8 @@ class GraphRunner:
         # (padded rows: slot -1, context 0, last in the order)
         fill_decode_graph_inputs(g, bucket, input_ids, positions, ctx.slot_mapping, ctx.context_lens,
                                  ctx.block_tables, ctx.decode_order, temperatures, seed)
-        if self.lora:
-            self._fill_lora_slots(g, n, ctx)
+        if self.graph_inputs:
+            self._fill_graph_inputs(g, n, ctx)
         self.graphs[bucket].replay()
         return bucket
 
@@ -158,15 +163,15 @@ class GraphRunner:
         g["positions"][:n] = positions
         g["slot_mapping"].fill_(-1)
         g["slot_mapping"][:n] = ctx.slot_mapping
-        if self.lora:
-            self._fill_lora_slots(g, n, ctx)
+        if self.graph_inputs:
+            self._fill_graph_inputs(g, n, ctx)
 
-    @staticmethod
-    def _fill_lora_slots(g, n, ctx):
-        # padded tokens, and every token of a step without adapters: the base model
-        g["lora_slots"].fill_(-1)
-        if ctx.lora_slots is not None:
-            g["lora_slots"][:n] = ctx.lora_slots
+    def _fill_graph_inputs(self, g, n, ctx):
+        for name, padding in self.graph_inputs:  # (padded tokens, and every token of a step without it)
+            g[name].fill_(padding)
+            value = getattr(ctx, name)
+            if value is not None:
+                g[name][:n] = value
 
     # ---- capture --------------------------------------------------------------------------------
     def _allocate_buffers(self, tokens: int) -> dict[str, torch.Tensor]:
@@ -179,22 +184,24 @@ class GraphRunner:
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
             block_tables=torch.full((max_bs, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
             outputs=torch.zeros(tokens, self.hidden_size, dtype=self.dtype, device=dev),
-            lora_slots=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
             # a decode step sampled in the graphs: its rows' temperatures and seed in, tokens out
             temperatures=torch.zeros(max_bs, dtype=torch.float32, device=dev),
             seed=torch.zeros(1, dtype=torch.int64, device=dev),
             sampled=torch.zeros(2, max_bs, dtype=torch.int64, device=dev),  # the tokens, then them >= 0
         )
         g["decode_order"] = torch.arange(max_bs, dtype=torch.int32, device=dev)
+        for name, padding in self.graph_inputs:
+            g[name] = torch.full((tokens,), padding, dtype=torch.int64, device=dev)
         return g
 
-    def _capture_one(self, tokens: int, pool):
-        """Warm up, then capture the model over the first `tokens` rows of the buffers, under the
-        context already set."""
+    def _capture_one(self, tokens: int, pool, context: dict):
+        """Warm up, then capture the model over the first `tokens` rows of the buffers, under
+        `context` (the buffers' views)."""
         g = self.buffers
         graph = torch.cuda.CUDAGraph()
+        set_context(**context)
         g["outputs"][:tokens] = self.model(g["input_ids"][:tokens], g["positions"][:tokens])  # warm-up
-        get_context().lora_mask = None  # (made by the warm-up outside the graph: the capture makes its own)
+        set_context(**context)  # (afresh: what the warm-up made in it outside the graph, the capture makes)
         with torch.cuda.graph(graph, pool):
             g["outputs"][:tokens] = self.model(g["input_ids"][:tokens], g["positions"][:tokens])
         torch.cuda.synchronize(self.device)
@@ -232,20 +239,21 @@ class GraphRunner:
         fill_decode_graph_inputs(g, 1, g["input_ids"][:1], g["positions"][:1], g["slot_mapping"][:1],
                                  g["context_lens"][:1], g["block_tables"][:1], None if order is None else order[:1])
         pool = None
-        lora = (lambda n: g["lora_slots"][:n]) if self.lora else (lambda n: None)
+
+        def inputs(n):  # the features' graph inputs
+            return {name: g[name][:n] for name, _ in self.graph_inputs}
         for bs in reversed(self.batch_sizes):
-            set_context(is_prefill=False, slot_mapping=g["slot_mapping"][:bs], context_lens=g["context_lens"][:bs],
-                        block_tables=g["block_tables"][:bs], decode_order=None if order is None else order[:bs],
-                        lora_slots=lora(bs))
-            self.graphs[bs] = self._capture_one(bs, pool)
+            context = dict(is_prefill=False, slot_mapping=g["slot_mapping"][:bs], context_lens=g["context_lens"][:bs],
+                           block_tables=g["block_tables"][:bs], decode_order=None if order is None else order[:bs])
+            self.graphs[bs] = self._capture_one(bs, pool, context | inputs(bs))
             if pool is None:
                 pool = self.graphs[bs].pool()
             if self.sample_graphs:
                 self.sampling_graphs[bs] = self._capture_sampling(bs, pool)
         for t in reversed(self.mixed_sizes):
-            set_context(is_prefill=True, cu_seqlens_q=g["cu_seqlens_q"], max_seqlen_q=t, context_lens=g["context_lens"],
-                        block_tables=g["block_tables"], slot_mapping=g["slot_mapping"][:t], lora_slots=lora(t))
-            self.mixed_graphs[t] = self._capture_one(t, pool)
+            context = dict(is_prefill=True, cu_seqlens_q=g["cu_seqlens_q"], max_seqlen_q=t, context_lens=g["context_lens"],
+                           block_tables=g["block_tables"], slot_mapping=g["slot_mapping"][:t])
+            self.mixed_graphs[t] = self._capture_one(t, pool, context | inputs(t))
         for graph in (*self.graphs.values(), *self.sampling_graphs.values(), *self.mixed_graphs.values()):
             graph.replay()  # (a graph's first replay uploads it: not on a served step; the buffers are inert)
         torch.cuda.synchronize(self.device)

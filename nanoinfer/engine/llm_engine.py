@@ -243,8 +243,6 @@ class LLMEngine(EngineRequests, EngineThreads):
         result = self._collect(launched.handle)
         now = time.time()
         seqs = launched.batch.seqs
-        if result.prompt_logprobs:
-            self.output_processor.record_prompt_logprobs(seqs, result.prompt_logprobs, self.requests)
         for feature in self.features:  # (before update finishes their sequences)
             feature.process(launched.batch, result)
         tokens, runs, logprobs = self.rows.results(launched.batch, result)

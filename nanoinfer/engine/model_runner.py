@@ -1,7 +1,8 @@
 """One tensor-parallel rank: its shard of the model, its KV cache, and a step's launch, which reads
 
     [features: adapters into their slots, images' embeddings] -> prepare (engine/forward_inputs.py)
-    -> sample (sampling/sampler.py: the step's route runs its forward, engine/graph_runner.py)
+    -> sample (sampling/sampler.py: the step's route runs its forward, engine/graph_runner.py; a
+       feature may read logits there, or bring a dispatch of its own: embeddings pool instead)
     -> copy (the tokens start for the host)
 
 A step is launched without waiting for the device; `collect` waits for it and brings its results
@@ -24,7 +25,7 @@ from nanoinfer.layers.attention_backend import select_attention_backend
 from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.models.build import build_model
 from nanoinfer.sampling.sampler import Sampled, Sampler
-from nanoinfer.utils.context import get_context, reset_context
+from nanoinfer.utils.context import reset_context
 from nanoinfer.utils.counters import model_counters
 from nanoinfer.utils.threads import cpu_threads
 
@@ -33,11 +34,10 @@ from nanoinfer.utils.threads import cpu_threads
 class InFlight:
     """A launched step whose results the host has not collected yet (on a rank that does not
     sample, only its tokens: the next step's in-flight rows read them on every rank)."""
-    sampled: Sampled | None               # the tokens [rows] on the device, and what logprobs need
+    sampled: Sampled | None               # the tokens [rows] on the device, what logprobs and features need
     tokens: torch.Tensor | None           # them as the next step's inputs: NON_FINITE rows read token 0
     host: torch.Tensor | None = None      # [rows] pinned host copy, valid once `event` has completed
     event: "torch.cuda.Event | None" = None
-    pooled: torch.Tensor | None = None    # an embedding step's sums, on the host once `event` has completed
     awaiting: tuple | None = None         # (step, sample, args, forward): launched up to the logits, until
     #                                       sample_launched gives the grammar bitmask
 
@@ -60,15 +60,18 @@ class ModelRunner:
         self.model = build_model(config, rank, self.world_size, self.device, self.attention)
         self.one_shot_all_reduce = self.world_size > 1 and self.device.type == "cuda" and \
             use_symmetric_memory(self.model, config.max_num_seqs, config.torch_dtype, self.device)
-        self.sampler = Sampler(self.model.lm_head, rank, self.world_size, self.device)
+        self.features = [make(self) for make in rank_features]  # (their device memory before the pool's)
+        dispatch = next((f.sampler_class for f in self.features if f.sampler_class is not None), Sampler)
+        self.sampler = dispatch(self.model.lm_head, rank, self.world_size, self.device, self.features)
         self.kv_cache = KVCache(self.model, config, self.device)
         dense = not any(isinstance(m, FusedMoE) for m in self.model.modules())
         self.graph_runner = GraphRunner(
             self.model, config.max_num_seqs, config.max_num_batched_tokens, self.kv_cache.max_blocks_per_seq,
             config.hf_config.hidden_size, config.torch_dtype, self.device,
             mixed_steps=self.attention.mixed_step_graphs and dense, sorts_decode_rows=self.attention.sorts_decode_rows,
-            lora=config.enable_lora, sample_graphs=self.sampler.samples_in_graphs)
-        self.features = [make(self) for make in rank_features]  # (their device memory before the pool's)
+            graph_inputs=[field for f in self.features for field in f.graph_inputs],
+            sample_graphs=self.sampler.samples_in_graphs)
+        self.short_rows_tokens = min(SHORT_ROWS_MAX_TOKENS, config.max_num_seqs)  # (the largest decode graph's)
         self.num_blocks = self.kv_cache.measure_capacity()
 
     def feature(self, kind: type):
@@ -89,50 +92,27 @@ class ModelRunner:
 
     # ---- a step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, step: StepInput, sample: SampleInput | None, prev: InFlight | None,
-               proposals: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> InFlight:
+    def launch(self, step: StepInput, sample: SampleInput | None, prev: InFlight | None, on_device=None) -> InFlight:
         """Enqueue one step and return without waiting for the device. Rank 0 (`sample` given)
         samples and starts a copy of the tokens to the host. On every rank, the step's in-flight
         rows read their input token from `prev` (the step launched before this one) on the device;
-        its proposal rows read theirs from `proposals` (speculative/proposer.py, DeviceProposals), and
-        their position offsets from `offsets`."""
+        `on_device`: its tokens a proposer left there (engine/forward_inputs.py)."""
         prev_tokens = prev.tokens if prev is not None else None
         fields = {}  # (first: a later failure leaves the adapter slots as the message says)
         for feature in self.features:
             fields.update(feature.before_forward(step) or ())
         try:
-            forward = self._prepare(step, prev_tokens, proposals, offsets, fields)
-            if step.pooling is not None:
-                sampled, pooled = self._pool(step, sample, forward)
-            else:  # the route that samples the step runs its forward (sampling/sampler.py)
-                args = self.sampler.prepare(sample, prev_tokens)
-                sampled, pooled = self.sampler.sample(step, sample, args, forward), None
+            input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
+                                                  self.attention.sorts_decode_rows, prev_tokens,
+                                                  self.short_rows_tokens, on_device, fields)
+            forward = StepForward(self.graph_runner, input_ids, positions)
+            args = self.sampler.prepare(sample, prev_tokens)
+            sampled = self.sampler.sample(step, sample, args, forward)  # (its route runs the forward)
         finally:
             reset_context()
         if sampled.tokens is None:  # launched up to its logits: sample_launched gives the grammar bitmask
-            return InFlight(None, None, awaiting=(step, sample, sampled.args, forward))
-        return self._copy_to_host(sampled, pooled) if sample is not None else InFlight(sampled, sampled.inputs)
-
-    def _prepare(self, step: StepInput, prev_tokens, proposals, offsets, fields: dict) -> StepForward:
-        """The step's inputs on the device and its context (engine/forward_inputs.py), with what the
-        features put there (`fields`: adapter slots, images' embeddings)."""
-        input_ids, positions = prepare_inputs(step, self.config.kvcache_block_size, self.device,
-                                              self.attention.sorts_decode_rows, prev_tokens,
-                                              min(SHORT_ROWS_MAX_TOKENS, self.config.max_num_seqs), proposals, offsets)
-        context = get_context()
-        for name, value in fields.items():
-            setattr(context, name, value)
-        return StepForward(self.graph_runner, input_ids, positions)
-
-    def _pool(self, step: StepInput, sample: SampleInput | None, forward: StepForward):
-        """An embedding step: the final hidden states, eager, pooled on rank 0; no LM head, no sampling."""
-        hidden = self.model(forward.input_ids, forward.positions)  # (every rank: the forward's all-reduces)
-        pooled = self._read_hidden(step, hidden) if sample is not None else None
-        return Sampled(torch.zeros(step.num_rows, dtype=torch.int64, device=self.device)), pooled
-
-    def _read_hidden(self, step: StepInput, hidden: torch.Tensor) -> torch.Tensor | None:
-        """What the features read of a step's final hidden states (embeddings' sums)."""
-        return next((out for f in self.features if (out := f.read_hidden(step, hidden)) is not None), None)
+            return InFlight(None, None, awaiting=(step, sample, args, forward))
+        return self._copy_to_host(sampled) if sample is not None else InFlight(sampled, sampled.inputs)
 
     @torch.inference_mode()
     def sample_launched(self, inflight: InFlight, bitmask: torch.Tensor) -> None:
@@ -141,21 +121,19 @@ class ModelRunner:
         step, sample, args, forward = inflight.awaiting
         inflight.awaiting = None
         args.set_grammar_bitmask(bitmask, self.device)
-        done = self._copy_to_host(self.sampler.sample(step, sample, args, forward), None)
-        inflight.sampled, inflight.tokens = done.sampled, done.tokens
-        inflight.host, inflight.event = done.host, done.event
+        self._copy_to_host(self.sampler.sample(step, sample, args, forward), inflight)
 
-    def _copy_to_host(self, sampled: Sampled, pooled: torch.Tensor | None) -> InFlight:
+    def _copy_to_host(self, sampled: Sampled, inflight: InFlight | None = None) -> InFlight:
+        """The step's tokens start for the host (in `inflight`, or a new InFlight)."""
+        inflight = inflight or InFlight(None, None)
+        inflight.sampled, inflight.tokens = sampled, sampled.inputs
         tokens = sampled.tokens
-        host = torch.empty(tokens.shape[0], dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
-        host.copy_(tokens, non_blocking=True)
-        if pooled is not None:
-            pooled = pooled.to("cpu", non_blocking=True)
-        event = None
+        inflight.host = torch.empty(tokens.shape[0], dtype=tokens.dtype, pin_memory=self.device.type == "cuda")
+        inflight.host.copy_(tokens, non_blocking=True)
         if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return InFlight(sampled, sampled.inputs, host, event, pooled)
+            inflight.event = torch.cuda.Event()
+            inflight.event.record()
+        return inflight
 
     def collect(self, inflight: InFlight) -> StepResult:
         """Rank 0: wait for a launched step and bring its results to the host."""
@@ -164,8 +142,7 @@ class ModelRunner:
         if inflight.event is not None:
             inflight.event.synchronize()
         tokens = inflight.host.tolist()
-        logprobs, prompt_logprobs = self.sampler.to_host(inflight.sampled, len(tokens))
-        return StepResult(tokens, logprobs, prompt_logprobs, inflight.pooled)
+        return StepResult(tokens, *self.sampler.to_host(inflight.sampled, len(tokens)))
 
     # ---- the rest -------------------------------------------------------------------------------
     def info(self) -> dict:

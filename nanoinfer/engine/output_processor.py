@@ -12,8 +12,25 @@ import time
 
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer, completion_text, decoder
 from nanoinfer.step.sequence import Sequence
-from nanoinfer.step.step_message import PromptLogprobs, TokenLogprobs
+from nanoinfer.step.step_message import TokenLogprobs
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
+
+
+def logprob_dicts(tokenizer, records, detokenize: bool = True) -> list[dict[int, Logprob]]:
+    """vLLM's logprobs of each position: records are (token, its TokenLogprobs) per position."""
+    decode = decoder(tokenizer, False) if detokenize else None
+
+    def text(t):
+        return decode([t]) if decode is not None else None
+
+    out = []
+    for token, lp in records:
+        d = {token: Logprob(lp.logprob, lp.rank, text(token))}
+        for r, (tid, tlp) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            if tid not in d:
+                d[tid] = Logprob(tlp, r, text(tid))
+        out.append(d)
+    return out
 
 
 class Completion:
@@ -44,9 +61,6 @@ class Request:
         self.arrival_time = time.time()
         self.keep_output = keep_output  # kept after finishing until pop_output; step() does not report it
         self.completions = [Completion(seq, d) for seq, d in zip(seqs, detoks)]
-        # prompt_logprobs: entry p (p >= 1) is the TokenLogprobs of prompt token p
-        wants = seqs[0].sampling_params.prompt_logprobs is not None
-        self.prompt_logprobs = [None] * len(self.prompt_token_ids) if wants else None
         self.num_unfinished = len(seqs)  # counted down by mark_finished: `finished` is O(1)
 
     @property
@@ -72,24 +86,13 @@ class OutputProcessor:
         """The request left the engine's registry."""
         self.news.pop(req.request_id, None)
 
-    @staticmethod
-    def record_prompt_logprobs(seqs: list[Sequence], segments: list[PromptLogprobs], requests: dict):
-        """Record the prompt logprobs a step's prefill rows (rows of `seqs`) computed; a re-prefill
-        after preemption writes the same values. Before the step's tokens are appended: a sequence
-        finished by then was aborted, and its request may be gone from `requests`."""
-        for seg in segments:  # entries[i] is from position start + i, for prompt token start + i + 1
-            seq = seqs[seg.row]
-            if not seq.is_finished:
-                first = seg.start + 1
-                requests[seq.request_id].prompt_logprobs[first:first + len(seg.entries)] = seg.entries
-
     def record_tokens(self, seqs: list[Sequence], rows: list[int], ending: dict, logprobs: list[TokenLogprobs | None] | None,
                       requests: dict, now: float, counts: dict[int, int] | None = None) -> dict[int, str]:
         """Record the tokens the scheduler just appended to the sequences of `rows` (rows of `seqs`,
         and of the step's `logprobs`), after it decided which rows end (`ending`: row ->
         (finish_reason, stop_reason), by EOS, stop ids and length). Returns row -> the stop string
         its new text completed, for the engine to finish; none for a row already stopped by a token
-        (EOS and stop ids win). `counts`: rows that appended several tokens (speculative rows; their
+        (EOS and stop ids win). `counts`: rows that appended several tokens (a row planner's; their
         `logprobs` entry is a list), recorded one by one; a stop string completed before the last
         drops the tokens after it."""
         news, stops = self.news, {}
@@ -114,16 +117,10 @@ class OutputProcessor:
                 lp = logprobs[row]
                 c.logprobs.append(lp)
                 c.cumulative_logprob += lp.logprob
-            if c.detok is None:
-                continue
-            sp = seq.sampling_params
-            end = ending.get(row)
-            stopped_by_token = end is not None and end[0] == "stop"
-            keep = not stopped_by_token or sp.include_stop_str_in_output
-            stop = c.detok.add(seq.token_ids[-1] if keep else None,
-                               check_stop=seq.num_completion_tokens >= sp.min_tokens, final=end is not None)
-            if stop is not None and not stopped_by_token:
-                stops[row] = stop
+            if c.detok is not None:
+                stop = self._add_text(c, seq, seq.num_tokens - 1, ending.get(row))
+                if stop is not None:
+                    stops[row] = stop
         return stops
 
     def _record_run(self, seq: Sequence, req: Request, num: int, end, lps: list | None, now: float) -> str | None:
@@ -131,24 +128,29 @@ class OutputProcessor:
         if req.stream:
             self.news[req.request_id] = req
         c = req.completions[seq.index]
-        sp = seq.sampling_params
         first = seq.num_tokens - num
         for i in range(num):
-            last = i == num - 1
             if c.logprobs is not None and lps is not None:
                 c.logprobs.append(lps[i])
                 c.cumulative_logprob += lps[i].logprob
             if c.detok is None:
                 continue
-            stopped_by_token = last and end is not None and end[0] == "stop"
-            keep = not stopped_by_token or sp.include_stop_str_in_output
-            stop = c.detok.add(seq.token_ids[first + i] if keep else None,
-                               check_stop=first + i + 1 - seq.num_prompt_tokens >= sp.min_tokens,
-                               final=last and end is not None)
-            if stop is not None and not stopped_by_token:
+            stop = self._add_text(c, seq, first + i, end if i == num - 1 else None)
+            if stop is not None:
                 del seq.token_ids[first + i + 1:]  # (the engine finishes the sequence on it)
                 return stop
         return None
+
+    @staticmethod
+    def _add_text(c: Completion, seq: Sequence, i: int, end) -> str | None:
+        """Detokenize the sequence's token i (`end`: (finish_reason, stop_reason) if it ends the
+        sequence); returns the stop string its text completed, unless the token itself stopped it."""
+        sp = seq.sampling_params
+        stopped_by_token = end is not None and end[0] == "stop"
+        keep = not stopped_by_token or sp.include_stop_str_in_output
+        stop = c.detok.add(seq.token_ids[i] if keep else None,
+                           check_stop=i + 1 - seq.num_prompt_tokens >= sp.min_tokens, final=end is not None)
+        return None if stopped_by_token else stop
 
     def mark_finished(self, req: Request, seq: Sequence, now: float):
         if req.stream:
@@ -171,36 +173,11 @@ class OutputProcessor:
         return completion_text(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens], ids, sp.skip_special_tokens,
                                sp.spaces_between_special_tokens)
 
-    def _logprob_dicts(self, records, detokenize: bool = True) -> list[dict[int, Logprob]]:
-        """records: (token, its TokenLogprobs) per position."""
-        decode = decoder(self.tokenizer, False) if detokenize else None
-
-        def text(t):
-            return decode([t]) if decode is not None else None
-
-        out = []
-        for token, lp in records:
-            d = {token: Logprob(lp.logprob, lp.rank, text(token))}
-            for r, (tid, tlp) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
-                if tid not in d:
-                    d[tid] = Logprob(tlp, r, text(tid))
-            out.append(d)
-        return out
-
-    def _prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
-        """vLLM's shape: None for the first prompt token (and any position not computed, e.g. of an
-        aborted request), then a dict of the prompt token and the top-k."""
-        if req.prompt_logprobs is None:
-            return None
-        detok = req.seqs[0].sampling_params.detokenize
-        return [None if e is None else self._logprob_dicts([(tok, e)], detok)[0]
-                for tok, e in zip(req.prompt_token_ids, req.prompt_logprobs)]
-
     def completion_output(self, c: Completion) -> CompletionOutput:
         seq = c.seq
         ids = seq.completion_token_ids
         lps = None if c.logprobs is None else \
-            self._logprob_dicts(zip(ids, c.logprobs), seq.sampling_params.detokenize)
+            logprob_dicts(self.tokenizer, zip(ids, c.logprobs), seq.sampling_params.detokenize)
         return CompletionOutput(seq.index, self._text(c), ids, c.cumulative_logprob, lps,
                                 seq.finish_reason if seq.is_finished else None, seq.stop_reason)
 
@@ -211,7 +188,7 @@ class OutputProcessor:
         metrics = RequestMetrics(req.arrival_time, min(firsts, default=None), max(ends) if finished and ends else None)
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids),
                              [self.completion_output(c) for c in req.completions], finished, metrics,
-                             req.completions[0].num_cached_tokens, self._prompt_logprobs(req))
+                             req.completions[0].num_cached_tokens)
 
     def take_deltas(self, request_ids) -> list[StreamDelta]:
         """stream_deltas of every request in `request_ids` (a set or dict) that has news, with
@@ -237,8 +214,8 @@ class OutputProcessor:
                 continue
             lps = None
             if c.logprobs is not None:
-                lps = self._logprob_dicts(zip(new_ids, c.logprobs[c.streamed_tokens:]),
-                                          seq.sampling_params.detokenize)
+                lps = logprob_dicts(self.tokenizer, zip(new_ids, c.logprobs[c.streamed_tokens:]),
+                                    seq.sampling_params.detokenize)
             c.streamed_tokens += len(new_ids)
             c.streamed_chars = max(c.streamed_chars, upto)
             c.stream_done = done

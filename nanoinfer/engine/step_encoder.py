@@ -1,11 +1,11 @@
 """Scheduled sequences -> the step message (step/step_message.py). Runners never see a Sequence:
-this is where a step's rows, its sampling plan and its prompt-logprob work are read off them, and
-where the registered features add their parts (EngineFeature.encode)."""
+this is where a step's rows and its sampling plan are read off them, and where the registered
+features add their parts (EngineFeature.encode)."""
 import random
 
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.step.row_planner import RowPlanner
-from nanoinfer.step.step_message import PromptLogprobsRequest, PromptSegment, SampleInput, StepInput
+from nanoinfer.step.step_message import SampleInput, StepInput
 from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling.sampler import vocab_shard_sample
@@ -30,7 +30,7 @@ class StepEncoder:
     can sample their vocabulary shards (tensor parallelism on CUDA). features: the registered
     EngineFeatures, which add their parts to each step. masks_later: a plan leaves its token masks
     to the engine, which fills them after the forward's launch. rows: the step's row planner, which
-expands its rows of several tokens into sampling rows."""
+    expands its rows of several tokens into sampling rows."""
 
     def __init__(self, vocab_size: int, eos_token_ids, seeds: random.Random | None = None,
                  sample_on_shards: bool = False, features=(), masks_later: bool = False,
@@ -62,14 +62,12 @@ expands its rows of several tokens into sampling rows."""
             seqs, samples, step.sample_rows = self.rows.sampling_rows(batch)
         plan = build_sampling_plan(seqs, self.vocab_size, self.eos_token_ids, samples, prev_rows, self.seeds,
                                    self.masks_later, self.constraints)
-        sample = SampleInput(plan, prompt_logprobs_request(batch))
+        sample = SampleInput(plan)
         for feature in self.features:
             self.encoded.append(feature)
             state = feature.encode(batch, step, sample, seqs)
             if state is not None:
                 self.awaits[feature] = state
-        if sample.prompt_logprobs is not None:
-            step.prompt_logit_rows = prompt_logit_rows(batch, sample.prompt_logprobs)
         step.plain_sample = vocab_shard_sample(sample, self.sample_on_shards)
         return step, sample
 
@@ -82,45 +80,13 @@ def encode_rows(batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> Step
     input_ids = [seq.token_ids[start] if here else 0 for seq, start, here in zip(seqs, starts, on_host)]
     inflight_rows = [row for row, here in enumerate(on_host) if not here]
     inflight_sources = [prev_rows[seqs[row].seq_id] for row in inflight_rows]
-    proposal_rows, proposal_sources = [], []
-    on_device = batch.proposals.index if batch.proposals is not None else {}
-    width = batch.proposals.tokens.shape[1] if on_device else 0
     for row in range(batch.num_decode, len(batch.seqs)):
         seq, start, q = batch.seqs[row], batch.starts[row], batch.query_lens[row]
-        i = on_device.get(seq.seq_id) if row in batch.drafts else None
-        if i is not None:  # a row whose whole query is on the device (the planner left it there)
-            proposal_rows += range(len(input_ids), len(input_ids) + q)
-            proposal_sources += range(i * width, i * width + q)
-            input_ids += [0] * q
-            continue
-        input_ids += seq.token_ids[start:start + q]
-        if row in batch.drafts:  # a row of several: its last token, then the tokens filled in
-            input_ids += batch.drafts[row]
+        extra = batch.drafts.get(row)
+        if extra is None:
+            input_ids += seq.token_ids[start:start + q]
+        else:  # a row of several: its token (0 if not on the host: placed on the device), then those filled in
+            input_ids += seq.token_ids[start:start + 1] or [0]
+            input_ids += extra
     return StepInput(batch.num_decode, batch.starts, batch.query_lens, input_ids,
-                     [seq.block_table for seq in batch.seqs], inflight_rows, inflight_sources,
-                     proposal_rows=proposal_rows, proposal_sources=proposal_sources)
-
-
-def prompt_logprobs_request(batch: ScheduledBatch) -> PromptLogprobsRequest | None:
-    """The prompt positions a step computes logprobs for (a request's first sample computes
-    them; position p predicts prompt token p + 1), or None (the common case)."""
-    segments, targets = [], []
-    for r in range(batch.num_decode, len(batch.seqs)):  # decode rows have no prompt positions
-        seq, start = batch.seqs[r], batch.starts[r]
-        k = seq.sampling_params.prompt_logprobs
-        end = min(start + batch.query_lens[r], seq.num_prompt_tokens - 1)
-        if k is not None and seq.index == 0 and start < end:
-            segments.append(PromptSegment(r, start, end - start, k))
-            targets += seq.token_ids[start + 1:end + 1]
-    if not segments:
-        return None
-    return PromptLogprobsRequest(segments, targets, max(s.top_k for s in segments))
-
-
-def prompt_logit_rows(batch: ScheduledBatch, request: PromptLogprobsRequest) -> list[int]:
-    """The flat token rows of the request's positions, in segment order (a segment starts at its
-    row's first query token)."""
-    first = [0]
-    for q in batch.query_lens:
-        first.append(first[-1] + q)
-    return [i for s in request.segments for i in range(first[s.row], first[s.row] + s.count)]
+                     [seq.block_table for seq in batch.seqs], inflight_rows, inflight_sources)

@@ -6,6 +6,11 @@ engine and the ranks disagreeing about a slot."""
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
+
+LORA = "lora"  # the key of a step's LoRAStep in StepInput.parts
+
 
 @dataclass(slots=True)
 class LoRAStep:
@@ -41,3 +46,9 @@ class AdapterSlotTable:
                 self.slot_of[lora_id] = slot
         row_slots = [-1 if s.lora_request is None else self.slot_of[s.lora_request.lora_int_id] for s in seqs]
         return LoRAStep(row_slots, [(self.slot_of[i], i, r.lora_path) for i, r in requests.items()])
+
+
+def token_slots(step, adapters: LoRAStep) -> list[int] | np.ndarray:
+    """Each token's adapter slot in a step with adapters: its row's."""
+    slots = adapters.row_slots
+    return slots if step.is_decode_only else np.repeat(slots, step.query_lens)

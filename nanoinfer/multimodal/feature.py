@@ -2,11 +2,13 @@
 its length is checked, and its images are preprocessed in an intake thread (processor.py); each
 step's message gets its rows' rotary positions and the images to encode (step_planner.py). A model
 that takes no images refuses a prompt that brings some."""
+import numpy as np
+
 from nanoinfer.step.feature import EngineFeature, Intake, RankFeature
 from nanoinfer.multimodal.encoder_cache import EncoderCache
 from nanoinfer.multimodal.inputs import PROMPT_KEYS, split_multi_modal
 from nanoinfer.multimodal.processor import MultiModalProcessor
-from nanoinfer.multimodal.step_planner import MultiModalStepPlanner
+from nanoinfer.multimodal.step_planner import IMAGES, ROPE_POSITIONS, MultiModalStepPlanner
 
 
 class ImageFeature(EngineFeature):
@@ -38,7 +40,12 @@ class ImageFeature(EngineFeature):
         intake.work.append(lambda: _set_multi_modal(seqs, images()))
 
     def encode(self, batch, step, sample, sampling_seqs):
-        step.rope_positions, step.multi_modal = self.planner.plan(batch)
+        rope, images = self.planner.plan(batch)
+        if rope is not None:
+            step.add_part(ROPE_POSITIONS, rope)
+        if images is not None:
+            step.add_part(IMAGES, images)
+        step.prefill = step.prefill or rope is not None or images is not None  # (never a step of short rows)
 
     def unschedule(self) -> None:
         self.planner.unschedule()
@@ -51,14 +58,20 @@ def _set_multi_modal(seqs: list, mm) -> None:
 
 class ImageRankFeature(RankFeature):
     """A rank's encoded images (a vision-language model's): a step's image embeddings reach the
-    model through the forward context."""
+    model through the forward context, its M-RoPE positions replace the plain ones."""
     warms_up = False  # (the warm-up makes no step with images)
 
     def __init__(self, runner):
         self.cache = EncoderCache(runner.model, runner.device)
 
     def before_forward(self, step) -> dict | None:
-        return {"mm_embeds": self.cache.step_embeds(step.multi_modal)} if step.multi_modal is not None else None
+        fields = {}
+        rope, images = step.part(ROPE_POSITIONS), step.part(IMAGES)
+        if rope is not None:  # [positions] (flat), or [t, h, w] in a step with image tokens
+            fields["positions"] = rope[0] if len(rope) == 1 else np.asarray(rope, dtype=np.int64)
+        if images is not None:
+            fields["mm_embeds"] = self.cache.step_embeds(images)
+        return fields or None
 
     def exit(self) -> None:
         self.cache.embeddings.clear()

@@ -13,6 +13,10 @@ import numpy as np
 
 from nanoinfer.step.sequence import SequenceStatus
 
+# the keys of a step's parts (StepInput.parts): its MultiModalStep, and its rows' rotary positions
+# when they are not each row's starts.. ([positions], flat, or [t, h, w]: M-RoPE, image tokens)
+IMAGES, ROPE_POSITIONS = "images", "rope_positions"
+
 
 @dataclass(slots=True)
 class ImageToEncode:

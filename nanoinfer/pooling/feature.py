@@ -5,10 +5,11 @@ step's message marks the rows whose hidden states the ranks sum instead of sampl
 sums return to the requests before the scheduler finishes them; a request's output is its embedding
 (outputs.py). A generating engine registers PoolingRefused, which turns embedding requests away."""
 from nanoinfer.step.feature import EngineFeature, Intake, RankFeature
+from nanoinfer.pooling.dispatch import POOLED, PoolingDispatch
 from nanoinfer.pooling.intake import POOLING_SAMPLING, PoolingIntake, runner_mismatch
 from nanoinfer.pooling.outputs import pooling_output
 from nanoinfer.pooling.params import PoolingParams
-from nanoinfer.pooling.rows import pool_hidden, pooling_rows, record_pooled
+from nanoinfer.pooling.rows import POOLING, pooling_rows, record_pooled
 
 
 class PoolingFeature(EngineFeature):
@@ -28,11 +29,12 @@ class PoolingFeature(EngineFeature):
         self.intake.attach(intake.seqs, intake.extras["pooling_params"])
 
     def encode(self, batch, step, sample, sampling_seqs):
-        step.pooling = pooling_rows(batch)  # every row pools
+        step.add_part(POOLING, pooling_rows(batch))  # every row pools
+        step.prefill = True  # (never a decode step of short rows)
 
     def process(self, batch, result) -> None:
-        if result.pooled is not None:  # before the scheduler finishes them: their sums are kept while running
-            record_pooled(batch, result.pooled)
+        if result.outputs and POOLED in result.outputs:  # before the scheduler finishes them: kept while running
+            record_pooled(batch, result.outputs[POOLED])
 
     def request_output(self, request):
         return pooling_output(request)
@@ -49,11 +51,9 @@ class PoolingRefused(EngineFeature):
 
 class PoolingRankFeature(RankFeature):
     """A rank of an embedding engine: its steps run eager and report their rows' summed hidden
-    states instead of tokens."""
+    states instead of tokens (dispatch.py)."""
     captures_graphs = warms_up = False
+    sampler_class = PoolingDispatch
 
     def __init__(self, runner):
         pass
-
-    def read_hidden(self, step, hidden):
-        return pool_hidden(hidden, step.pooling)

@@ -12,6 +12,9 @@ from nanoinfer.step.sequence import SequenceStatus
 from nanoinfer.utils.device_copy import to_device
 
 
+POOLING = "pooling"  # the key of a step's PoolingRows in StepInput.parts
+
+
 @dataclass(slots=True)
 class PoolingRows:
     """An embedding step (runner="pooling", nanoinfer/pooling): instead of sampling, the rank sums

@@ -12,10 +12,11 @@ what it needs:
 - AWAITING_MASK: a step whose grammar bitmask comes after the forward's launch
   (structured/step_masks.py): the forward runs, and the step samples when `sample` is called again
   with the bitmask set (the logits are kept);
-- GATHERED: every other step: rank 0 gathers the full rows, computes prompt logprobs, runs the
-  logits pipeline (sampling/pipeline.py; its fused kernel on CUDA for plain rows) and, with tensor
-  parallelism, broadcasts the tokens.
-`to_host` brings a step's logprobs to the host once its tokens are there.
+- GATHERED: every other step: rank 0 gathers the full rows, hands the features the logits of the
+  rows they read (StepInput.extra_logit_rows: prompt logprobs), runs the logits pipeline
+  (sampling/pipeline.py; its fused kernel on CUDA for plain rows) and, with tensor parallelism,
+  broadcasts the tokens.
+`to_host` brings a step's logprobs and what the features read to the host once its tokens are there.
 A row whose logits are not finite gets the token NON_FINITE (-1): the engine fails its request.
 """
 from dataclasses import dataclass
@@ -24,16 +25,12 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from nanoinfer.step.step_message import (PlainSample, PromptLogprobs, PromptLogprobsRequest, SampleInput,
-                                           StepInput, TokenLogprobs)
+from nanoinfer.step.step_message import PlainSample, SampleInput, StepInput
 from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
 from nanoinfer.sampling.column_cache import ColumnCache
 from nanoinfer.sampling.constraint_store import TokenConstraintStore
 from nanoinfer.sampling.pipeline import logprobs_to_host, sample_logits
 from nanoinfer.sampling.tensors import SamplingTensors
-from nanoinfer.utils.device_copy import to_device
-
-PROMPT_LOGPROBS_SLICE = 1024  # rows per log-softmax: the float32 copy stays small for long prompts
 
 
 class Route(Enum):
@@ -50,12 +47,12 @@ class SamplingFailed(Exception):
 @dataclass(slots=True)
 class Sampled:
     """A step's sampling output on the device: the tokens (None: the step awaits its grammar
-    bitmask), them as the next step's inputs (NON_FINITE rows read token 0), and when asked the
-    logprob tensors of the sampled rows and of the prompt positions."""
+    bitmask), them as the next step's inputs (NON_FINITE rows read token 0), when asked the
+    logprob tensors of the sampled rows, and what the features read (RankFeature.read_logits)."""
     tokens: torch.Tensor | None        # [rows] int64
     args: SamplingTensors | None = None
     logprobs: tuple | None = None
-    prompt_logprobs: tuple | None = None   # (request, token logprob, rank, top ids, top logprobs)
+    outputs: dict | None = None        # key -> a callable giving its host value once the step's copies are done
     inputs: torch.Tensor | None = None
 
     def __post_init__(self):
@@ -66,11 +63,11 @@ class Sampled:
 
 def vocab_shard_sample(sample: SampleInput, on_shards: bool) -> PlainSample | None:
     """What every rank needs to sample its shard (the VOCAB_SHARDS route), for a step whose rows
-    use temperature alone and that computes no prompt logprobs, when the ranks can (`on_shards`:
+    use temperature alone and whose logits no feature reads, when the ranks can (`on_shards`:
     tensor parallelism on CUDA); None for any other step. Decided when the step is encoded: the
     ranks other than 0 get no plan."""
     plan = sample.plan
-    if not on_shards or not plan.plain or sample.prompt_logprobs is not None:
+    if not on_shards or not plan.plain or sample.extra_logits is not None:
         return None
     return PlainSample(plan.temperatures, plan.seed)
 
@@ -88,9 +85,11 @@ def sample_vocab_shard(logits: torch.Tensor, temperatures: torch.Tensor, seed: i
 
 
 class Sampler:
-    def __init__(self, lm_head, rank: int, world_size: int, device: torch.device):
+    def __init__(self, lm_head, rank: int, world_size: int, device: torch.device, features=()):
+        """features: the rank's RankFeatures (step/feature.py), which may read logits (read_logits)."""
         self.lm_head = lm_head  # gathers the logits' vocabulary shards; knows this rank's first column
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.features = features
         self.columns = ColumnCache(device)  # the last step's per-row option tensors
         self.constraints = TokenConstraintStore(device)  # the requests' token constraints, by key
         # one rank on CUDA: decode steps may sample inside the graphs (which then capture it)
@@ -120,13 +119,13 @@ class Sampler:
         at temperature alone with the fused kernel (sample_logits' CUDA path), no grammar."""
         return (self.samples_in_graphs and step.is_decode_only and args is not None and args.plain
                 and args.grammar_rows is None and step.sample_rows is None
-                and not step.prompt_logit_rows and sample.prompt_logprobs is None)
+                and not step.extra_logit_rows and sample.extra_logits is None)
 
     def sample(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None,
                forward) -> Sampled:
         """The step's tokens on every rank, by its route. `forward`: the step's forward, run when
         the route asks (engine/graph_runner.py, StepForward: its logits are this rank's shard, the
-        step's rows first, then its prompt_logit_rows)."""
+        step's rows first, then its extra_logit_rows)."""
         route = self.route(step, sample, args)
         if route is Route.IN_GRAPH:
             return self.sample_in_graph(step, sample, args, forward)
@@ -162,9 +161,9 @@ class Sampler:
             dist.broadcast(tokens, 0)
             return Sampled(tokens)
         logits = self.lm_head.gather(logits)  # the full rows
-        prompt = None
-        if sample.prompt_logprobs is not None:
-            prompt = self._prompt_logprobs(logits[rows:], sample.prompt_logprobs)
+        outputs = None
+        if step.extra_logit_rows:  # (after the sampling rows)
+            outputs = self.read_logits(step, sample, logits[rows:])
             logits = logits[:rows]
         try:
             tokens, logprobs = sample_logits(logits, args)
@@ -176,35 +175,21 @@ class Sampler:
         tokens = tokens.to(torch.int64)  # (NON_FINITE rows marked by the pipeline)
         if self.world_size > 1:
             dist.broadcast(tokens, 0)
-        return Sampled(tokens, args, logprobs, prompt)
+        return Sampled(tokens, args, logprobs, outputs)
 
-    def _prompt_logprobs(self, logits: torch.Tensor, request: PromptLogprobsRequest) -> tuple:
-        """Raw log-softmax of the prompt positions' logits: the next prompt token's logprob and
-        rank, and the top-k."""
-        targets = to_device(request.targets, torch.int64, self.device)
-        parts = []
-        for lo in range(0, logits.shape[0], PROMPT_LOGPROBS_SLICE):
-            hi = lo + PROMPT_LOGPROBS_SLICE
-            lp = torch.log_softmax(logits[lo:hi].float(), dim=-1)
-            tok = lp.gather(1, targets[lo:hi, None])
-            top = lp.topk(min(request.top_k, lp.shape[1]), dim=-1)
-            parts.append((tok[:, 0], (lp > tok).sum(dim=-1) + 1, top.indices, top.values))
-        return request, *(torch.cat(x) for x in zip(*parts))
+    def read_logits(self, step: StepInput, sample: SampleInput, logits: torch.Tensor) -> dict:
+        """What the features read of the full logits of the step's extra_logit_rows."""
+        outputs = {}
+        for feature in self.features:
+            outputs.update(feature.read_logits(step, sample, logits) or ())
+        return outputs
 
     @staticmethod
-    def to_host(sampled: Sampled, rows: int) -> tuple[list | None, list[PromptLogprobs] | None]:
-        """(per-row TokenLogprobs or None, per-segment PromptLogprobs or None), once the step's
-        tokens have reached the host."""
-        logprobs = prompt_logprobs = None
+    def to_host(sampled: Sampled, rows: int) -> tuple[list | None, dict | None]:
+        """(per-row TokenLogprobs or None, the features' outputs or None), once the step's tokens
+        have reached the host."""
+        logprobs = None
         if sampled.logprobs is not None:
             logprobs = logprobs_to_host(sampled.args, rows, sampled.logprobs)
-        if sampled.prompt_logprobs is not None:
-            request, *tensors = sampled.prompt_logprobs
-            tok_lp, rank, top_ids, top_lp = (x.tolist() for x in tensors)
-            prompt_logprobs, i = [], 0
-            for s in request.segments:
-                entries = [TokenLogprobs(top_ids[j][:s.top_k], top_lp[j][:s.top_k], tok_lp[j], rank[j])
-                           for j in range(i, i + s.count)]
-                prompt_logprobs.append(PromptLogprobs(s.row, s.start, entries))
-                i += s.count
-        return logprobs, prompt_logprobs
+        outputs = sampled.outputs and {key: finish() for key, finish in sampled.outputs.items()}
+        return logprobs, outputs or None

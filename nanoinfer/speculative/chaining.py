@@ -10,7 +10,7 @@ progress and length limits count the worst case), and the device corrects it bef
   after them), which is the new row's first query token; the token before it (the last accepted
   proposal, or the row's own first token), which the draft model forwards again with the bonus to
   catch its K/V up; and the shift, accepted - k, which moves the row's positions, cache slots and
-  context lengths back where they belong (engine/forward_inputs.py, speculative/draft_chain.py).
+  context lengths back where they belong (speculative/device_inputs.py, speculative/draft_chain.py).
 - The draft proposes from there (speculative/draft_model.py), and the verify step reads its whole query
   (bonus and proposals) on the device.
 

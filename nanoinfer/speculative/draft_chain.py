@@ -13,7 +13,8 @@ argmax (draft_model.proposes_argmax).
 import numpy as np
 import torch
 
-from nanoinfer.engine.forward_inputs import cache_slots, device_cache_slots, padded_block_tables
+from nanoinfer.engine.forward_inputs import cache_slots, padded_block_tables
+from nanoinfer.speculative.device_inputs import device_cache_slots
 from nanoinfer.engine.graph_runner import graph_batch_sizes
 from nanoinfer.utils.context import reset_context, set_context
 from nanoinfer.utils.staging import Staging

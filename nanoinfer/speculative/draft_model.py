@@ -24,6 +24,7 @@ from nanoinfer.step.step_message import SampleInput, SamplingPlan, StepInput
 from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling_params import SAMPLING_EPS
+from nanoinfer.speculative.device_inputs import DeviceTokens
 from nanoinfer.speculative.draft_chain import GreedyDraftChain
 from nanoinfer.speculative.proposer import DeviceProposals, Proposer
 from nanoinfer.speculative.draft_rows import DraftView
@@ -156,10 +157,11 @@ class DraftModelProposer(Proposer):
             queries.append(staged.send(self.runner.device)[part])
         if chained is not None:
             c, h = len(chained.rows), len(on_host)
-            step = StepInput(0, [m - 2 for m in n[h:]], [2] * c, [0] * 2 * c, [seq.block_table for seq in seqs[h:]],
-                             proposal_rows=list(range(2 * c)), proposal_sources=list(range(2 * c)))
+            step = StepInput(0, [m - 2 for m in n[h:]], [2] * c, [0] * 2 * c, [seq.block_table for seq in seqs[h:]])
+            last_two = DeviceTokens(torch.stack([chained.last, chained.bonus], 1), list(range(2 * c)),
+                                    list(range(2 * c)), chained.shift)
             firsts.append(self.runner.launch(step, self._sample_input(seqs, list(range(c)), None, False), None,
-                                             torch.stack([chained.last, chained.bonus], 1), chained.shift))
+                                             last_two))
             queries.append(chained.bonus)
             offsets = chained.shift if not on_host else \
                 torch.cat([torch.zeros(h, dtype=torch.int64, device=self.runner.device), chained.shift])

@@ -16,7 +16,7 @@ from typing import Callable
 class DeviceProposals:
     """Proposals left on the device, with the query they extend: row i (the sequence `seq_ids[i]`)
     holds its first query token, then its lengths[i] proposals, in tokens[i, :1 + lengths[i]]. The
-    target step reads them there (its inputs name them: StepInput.proposal_rows), so it is
+    target step reads them there (device_inputs.py, DeviceTokens), so it is
     launched without waiting for them. `finish` waits for their host copy and returns the
     proposals as lists, row by row."""
     tokens: object  # a [rows, 1 + width] int64 device tensor

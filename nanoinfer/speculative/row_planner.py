@@ -8,6 +8,7 @@ from nanoinfer.engine.forward_inputs import SHORT_ROWS_MAX_TOKENS
 from nanoinfer.step.row_planner import RowPlanner
 from nanoinfer.engine.scheduler import ScheduledBatch, ending_of
 from nanoinfer.step.sequence import SequenceStatus
+from nanoinfer.speculative.device_inputs import verify_inputs
 from nanoinfer.speculative.draft_rows import sampling_rows
 from nanoinfer.speculative.speculator import Speculator
 
@@ -102,8 +103,7 @@ class SpeculativeRows(RowPlanner):
             self.speculator.propose(batch, prev_handle)
 
     def device_inputs(self, batch) -> tuple:
-        props = batch.proposals
-        return (props.tokens, props.offsets) if props is not None else ()
+        return (verify_inputs(batch),) if batch.proposals is not None else ()
 
     def sampling_rows(self, batch) -> tuple[list, list[bool], list[int]]:
         return sampling_rows(batch)

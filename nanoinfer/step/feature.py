@@ -8,10 +8,11 @@ calls the registered ones in order at fixed points and never names one.
                launched (it is launched and the step before it processed)   complete (before the
                next forward, or before its results are collected)   process (its results)
                processed (its tokens appended, its finishes applied)   stepped (the step is over)
-    outputs    request_output
+    outputs    request_output   add_output
     the end    exit
 
-and, on every rank (RankFeature): before_forward, read_hidden, exit.
+and, on every rank (RankFeature): before_forward, read_logits (the sampling rank), exit; what a
+rank's captured graphs read (graph_inputs), and a dispatch of its own (sampler_class).
 """
 from dataclasses import dataclass, field
 
@@ -90,6 +91,9 @@ class EngineFeature:
         """The request's output, if this feature builds it (else None: the engine's)."""
         return None
 
+    def add_output(self, request, output) -> None:
+        """The engine built the request's output: add this feature's part to it."""
+
     def exit(self) -> None:
         """The engine exits."""
 
@@ -126,15 +130,21 @@ class RankFeature:
     worker process builds them) with itself, before its KV cache is measured."""
     captures_graphs = True  # False: the rank's steps run eager (no CUDA graphs are captured)
     warms_up = True  # False: the warm-up's steps are not this feature's (it is skipped)
+    # (forward-context field, padding value): per-token int64 inputs the captured graphs read from
+    # static buffers (padded tokens, and steps without the field, read the padding)
+    graph_inputs: tuple[tuple[str, int], ...] = ()
+    sampler_class = None  # the rank's dispatch instead of sampling/sampler.py's Sampler (a subclass)
 
     def before_forward(self, step) -> dict | None:
         """Before a step's inputs are prepared (load what it needs: adapters, image embeddings).
-        Returns forward-context fields to set once they are, or None."""
+        Returns forward-context fields to set once they are, or None; a list or numpy array there
+        is sent to the device with the step's index arrays (int64, in their one copy)."""
         return None
 
-    def read_hidden(self, step, hidden):
-        """A step without sampling (StepInput.pooling): what the rank reports of its final hidden
-        states (StepResult.pooled), or None if this feature does not read them."""
+    def read_logits(self, step, sample, logits) -> dict | None:
+        """The sampling rank, a step with StepInput.extra_logit_rows: those rows' full logits. Returns
+        StepResult.outputs entries, each a callable that gives its host value once the step's copies
+        are done (start them here, non-blocking), or None."""
         return None
 
     def exit(self) -> None:

@@ -4,7 +4,8 @@ A leaf: plain, typed dataclasses that import nothing from the engine, the layers
 message depends on no part of the engine, and it pickles cheaply. Rows are held
 column by column (lists of ints), not as an object per row, because the step is rebuilt, and with
 tensor parallelism pickled, every step. engine/step_encoder.py builds them from scheduled sequences;
-a feature's part of a step (adapters, images, an embedding's rows) is a dataclass of its own folder.
+a feature's part of a step (adapters, images, an embedding's rows) is a dataclass of its own folder,
+held in StepInput.parts under the feature's key.
 
 Every rank gets the StepInput; the rank that samples (rank 0) also gets the SampleInput, and it
 answers with a StepResult.
@@ -36,19 +37,11 @@ class StepInput:
     block_tables: list[list[int]]  # per row: its sequence's blocks
     inflight_rows: list[int] = field(default_factory=list)
     inflight_sources: list[int] = field(default_factory=list)
-    # flat token rows holding speculative proposals left on the device (speculative/proposer.py,
-    # DeviceProposals), and their indices in its tokens, flattened: one rank in the engine's process
-    proposal_rows: list[int] = field(default_factory=list)
-    proposal_sources: list[int] = field(default_factory=list)
-    prompt_logit_rows: list[int] | None = None  # flat token rows whose logits are also computed (prompt_logprobs)
-    sample_rows: list[int] | None = None  # flat token rows that sample (None: each row's last; speculative rows: all)
+    extra_logit_rows: list[int] | None = None  # flat token rows whose logits a feature reads (read_logits)
+    sample_rows: list[int] | None = None  # flat token rows that sample (None: each row's last; rows of several: all)
     plain_sample: PlainSample | None = None
-    pooling: object = None  # an embedding step (pooling/rows.py, PoolingRows): no LM head, no sampling
-    lora: object = None  # the step's adapters (lora/slot_table.py, LoRAStep); None: no row uses one
-    # rotary positions when they are not each row's starts..: [positions] (one per token, flat), or
-    # [t, h, w] positions (M-RoPE, a step whose rows cover image tokens)
-    rope_positions: list[list[int]] | None = None
-    multi_modal: object = None  # the step's images (multimodal/step_planner.py, MultiModalStep)
+    prefill: bool = False  # every row runs as a prefill, however short (a feature's step: images, embeddings)
+    parts: dict | None = None  # the features' parts of the step, by key (None: none has one)
 
     @property
     def num_rows(self) -> int:
@@ -61,6 +54,15 @@ class StepInput:
     @property
     def num_sample_rows(self) -> int:
         return self.num_rows if self.sample_rows is None else len(self.sample_rows)
+
+    def part(self, key: str):
+        """A feature's part of the step, or None."""
+        return self.parts.get(key) if self.parts else None
+
+    def add_part(self, key: str, value) -> None:
+        if self.parts is None:
+            self.parts = {}
+        self.parts[key] = value
 
 
 @dataclass(slots=True)
@@ -127,29 +129,10 @@ class SamplingPlan:
 
 
 @dataclass(slots=True)
-class PromptSegment:
-    """A prefill row's prompt positions whose logprobs the step computes: `count` positions from
-    `start`, each with its `top_k` most likely tokens."""
-    row: int
-    start: int
-    count: int
-    top_k: int
-
-
-@dataclass(slots=True)
-class PromptLogprobsRequest:
-    """The step's prompt_logprobs work: its segments, the prompt token each position predicts
-    (flat, in segment order), and the largest top-k."""
-    segments: list[PromptSegment]
-    targets: list[int]
-    top_k: int
-
-
-@dataclass(slots=True)
 class SampleInput:
     """What the sampling rank needs besides the StepInput."""
     plan: SamplingPlan
-    prompt_logprobs: PromptLogprobsRequest | None = None
+    extra_logits: object = None  # the work of the feature that reads StepInput.extra_logit_rows' logits
 
 
 @dataclass(slots=True)
@@ -166,18 +149,10 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
-class PromptLogprobs:
-    """A segment's results: entries[i] is from position start + i, for prompt token start + i + 1."""
-    row: int
-    start: int
-    entries: list[TokenLogprobs]
-
-
-@dataclass(slots=True)
 class StepResult:
     """A step's outcome, on the host: a sampled token per row; per row, its TokenLogprobs when it
-    asked (None otherwise; the list is None when no row asked); prompt logprobs per segment."""
+    asked (None otherwise; the list is None when no row asked); what the features read on the rank
+    (RankFeature.read_logits, or their own dispatch), by the key each gives."""
     tokens: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
-    prompt_logprobs: list[PromptLogprobs] | None = None
-    pooled: object = None  # an embedding step: its PoolingRows' sums, a float32 CPU tensor [segments, hidden]
+    outputs: dict | None = None
