@@ -149,3 +149,91 @@ def test_cuda_8b_shapes_with_the_chosen_configs(m, n, k, gk):
         for _ in range(2):
             graph.replay()
         torch.testing.assert_close(static_y, y, rtol=0, atol=0)  # deterministic split-K
+
+
+# ------------------------------------------------------------------ the layer's choice (quant/fp8_linear.py)
+def fp8_layer(strategy, device):
+    """A MergedColumnParallelLinear(64 -> 2 x 40) with FP8 weights (block scales 16 x 32 or per channel)
+    and its dequantized float32 weight."""
+    from nanoinfer.layers.linear import MergedColumnParallelLinear
+    from nanoinfer.layers.model_build import ModelBuild
+    from nanoinfer.quant import Fp8Scheme, linear_method_chooser
+    scheme = Fp8Scheme("block", (16, 32), "weight_scale_inv") if strategy == "block" else Fp8Scheme("channel")
+    with torch.device(device):
+        layer = MergedColumnParallelLinear(64, [40, 40], prefix="m.gate_up_proj",
+                                           build=ModelBuild(linear_method=linear_method_chooser(scheme, {})))
+    g = torch.Generator().manual_seed(5)
+    for shard in (0, 1):
+        w = (torch.randn(40, 64, generator=g) * 64).clamp(-448, 448).to(FP8)
+        scale = torch.rand(40, 2 if strategy == "block" else 1, generator=g) * 0.002 + 0.001
+        scale = scale[::16].contiguous() if strategy == "block" else scale  # checkpoint blocks: [ceil(40/16), 2]
+        layer.weight_loader(layer.weight, w, shard)
+        layer.weight_loader(getattr(layer, scheme.scale_name), scale, shard)
+    kept = layer.weight.data.clone()
+    scales = getattr(layer, scheme.scale_name).data.clone()
+    layer.method.process_weights_after_loading(layer)
+    return layer, dequantize(kept, scales, 32 if strategy == "block" else 64, torch.float32).to(device)
+
+
+def counting(monkeypatch):
+    """Which kernels the FP8 layer calls: its GEMV, the W8A16 GEMM, or W8A8 (activation quantization)."""
+    from nanoinfer.kernels import fp8_quant
+    from nanoinfer.quant import fp8_linear
+    from nanoinfer.quant.fp8_math import quantize_activations
+    calls = []
+
+    def counted(name, fn):
+        def run(*args, **kwargs):
+            calls.append((name, args[0].shape[0]))
+            return fn(*args, **kwargs)
+        return run
+    monkeypatch.setattr(fp8_linear, "fp8_gemv", counted("gemv", fp8_linear.fp8_gemv))
+    monkeypatch.setattr(fp8_linear, "fp8_skinny_gemm", counted("w8a16", fp8_linear.fp8_skinny_gemm))
+    # (on CPU the torch quantization: the interpreter's FP8 cast is wrong)
+    quant = fp8_quant.quantize_fp8 if DEV == "cuda" else lambda x, gk: quantize_activations(x, gk)
+    monkeypatch.setattr(fp8_quant, "quantize_fp8", counted("w8a8", quant))
+    return calls
+
+
+@pytest.mark.parametrize("strategy", ["channel", "block"])
+def test_the_fp8_layer_takes_w8a16_from_two_rows_to_the_threshold(monkeypatch, strategy):
+    """On CUDA (on CPU: FP8 kept as on CUDA, kernels in the interpreter): one row through the GEMV, 2 to
+    W8A16_MAX_ROWS rows through W8A16 (x @ dequantized W, no activation rounding), more through W8A8;
+    a Deferred RMSNorm input is taken by W8A16 only up to W8A16_PROLOGUE_MAX_ROWS rows."""
+    from nanoinfer.layers.linear_method import Deferred
+    from nanoinfer.quant import fp8_linear
+    if DEV == "cpu":
+        monkeypatch.setattr(fp8_linear, "keeps_fp8", lambda device: True)
+        monkeypatch.setattr(fp8_linear, "takes_gemv", lambda x: x.shape[0] == 1 and x.is_contiguous())
+    layer, w = fp8_layer(strategy, DEV)
+    assert layer.weight.dtype == FP8
+    calls = counting(monkeypatch)
+    dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
+    top = fp8_linear.W8A16_MAX_ROWS
+    x = torch.randn(top + 1, 64, generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
+    for m in (1, 2, top):
+        assert_close(layer(x[:m]), F.linear(x[:m].float(), w), dtype)
+    layer(x)
+    assert calls == [("gemv", 1), ("w8a16", 2), ("w8a16", top), ("w8a8", top + 1)]
+    nw, res = torch.rand(64, device=DEV, dtype=dtype) + 0.5, torch.randn(3, 64, device=DEV, dtype=dtype)
+    assert not layer.method.takes_deferred(layer, x[:3])  # (off by default)
+    monkeypatch.setattr(fp8_linear, "W8A16_PROLOGUE_MAX_ROWS", 4)
+    assert layer.method.takes_deferred(layer, x[:3]) and not layer.method.takes_deferred(layer, x[:5])
+    res_out = torch.empty_like(res)
+    y = layer(Deferred(x[:3], norm_weight=nw, eps=1e-6, residual=res, residual_out=res_out))
+    normed, new_res = add_rms_norm(x[:3], res, nw, 1e-6)
+    assert torch.equal(res_out, new_res) and calls[-1] == ("w8a16", 3)
+    assert_close(y, F.linear(normed.float(), w), dtype)
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="the CPU path")
+def test_on_cpu_the_fp8_layer_stays_dequantized_dense(monkeypatch):
+    """CPU: weights dequantized at load, every row count a dense product; no FP8 kernel runs."""
+    from nanoinfer.quant import fp8_linear
+    layer, w = fp8_layer("channel", "cpu")
+    calls = counting(monkeypatch)
+    assert layer.weight.dtype == torch.float32
+    x = torch.randn(9, 64)
+    assert not fp8_linear.takes_w8a16(x)
+    torch.testing.assert_close(layer(x), F.linear(x, w), rtol=0, atol=0)
+    assert calls == []
