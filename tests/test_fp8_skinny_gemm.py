@@ -14,6 +14,7 @@ from nanoinfer.layers.layernorm import add_rms_norm
 from nanoinfer.quant.fp8_math import dequantize
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.cuda] if DEV == "cuda" else []  # (on a GPU every test runs there: `pytest -m cuda`)
 FP8 = torch.float8_e4m3fn
 # (M, N, K, group_k or None for one scale column, config): row, feature and K tails; K split in two,
 # three (uneven, the last split short), none; block scales with several K tiles a group
@@ -33,10 +34,10 @@ def config(m, cfg):
 
 
 def fp8_weight(n, k, gk, seed):
-    g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(n, k, generator=g) * 64).clamp(-448, 448).to(FP8)
-    scale = torch.rand(n, 1 if gk is None else -(-k // gk), generator=g) * 0.002 + 0.001
-    return w.to(DEV), scale.to(DEV), k if gk is None else gk
+    g = torch.Generator(device=DEV).manual_seed(seed)  # (made on the device: the 8B shapes are large)
+    w = (torch.randn(n, k, generator=g, device=DEV) * 64).clamp(-448, 448).to(FP8)
+    scale = torch.rand(n, 1 if gk is None else -(-k // gk), generator=g, device=DEV) * 0.002 + 0.001
+    return w, scale, k if gk is None else gk
 
 
 def reference(x, w, scale, gk, bias=None):

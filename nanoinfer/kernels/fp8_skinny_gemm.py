@@ -212,11 +212,13 @@ def supports(group_k: int, kb: int) -> bool:
 def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int,
                     bias: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                     residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-                    silu_mul: bool = False, config: dict | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    silu_mul: bool = False, config: dict | None = None, out: torch.Tensor | None = None,
+                    compile_only: bool = False) -> torch.Tensor:
     """x: [M, K] (silu_mul: [M, 2K]) of bfloat16, float16 or float32, 1 <= M <= MAX_ROWS, rows contiguous;
     weight: float8_e4m3fn [N, K], contiguous; scale: float32 [N, ceil(K / group_k)], contiguous.
-    Returns y [M, N] in x's dtype. The prologue arguments and `out` as kernels/skinny_gemm.py's."""
+    Returns y [M, N] in x's dtype. The prologue arguments and `out` as kernels/skinny_gemm.py's.
+    compile_only: compile the kernel for this call without running it (y is left unwritten), as the
+    benchmark does for its candidate configs, several at a time."""
     N, K = weight.shape
     M = x.shape[0] if x.dim() == 2 else 0
     if x.dim() != 2 or x.shape[1] != (2 * K if silu_mul else K) or x.stride(1) != 1 or not weight.is_contiguous():
@@ -257,7 +259,10 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     tiles = triton.cdiv(N, cfg["BLOCK_N"])
     parts, counts = _WORKSPACE.get(x.device, split_k * M * N if split_k > 1 else 0, tiles)
     cfg.update(pdl_options(x.device))
-    _fp8_skinny_gemm_kernel[(tiles, split_k)](
+    kernel = _fp8_skinny_gemm_kernel[(tiles, split_k)]
+    if compile_only:
+        kernel = functools.partial(_fp8_skinny_gemm_kernel.warmup, grid=(tiles, split_k))
+    kernel(
         x, x.stride(0), weight, scale, scale if bias is None else bias, y, y.stride(0),
         x if residual is None else residual, 0 if residual is None else residual.stride(0),
         y if residual_out is None else residual_out, scale if norm_weight is None else norm_weight,
