@@ -167,14 +167,21 @@ def launch_options(block_m: int, block_n: int, block_k: int) -> dict | None:
 
 
 def default_config(m: int, n: int, k: int, kb: int, group_k: int, sms: int = 132) -> dict:
-    """The rule for shapes TUNED lacks: 64-feature tiles (32 when even the 32-feature tiles do not fill
-    every SM twice), 128-wide K tiles, and K split in two, four or eight until there are at least two
-    programs an SM, as long as a split keeps four K tiles."""
+    """The rule for shapes TUNED lacks, aiming at two programs an SM: 128-wide K tiles; output-feature
+    tiles twice the rows tile (32-128), so that a program reads no more bytes of x (again from L2 for
+    each weight tile) than of its weight, narrowed while even the most splits leave fewer programs;
+    then K split in two, four or eight as needed, as long as a split keeps two K tiles and the float32
+    partials (written and read once) stay under half the weight's bytes."""
     block_m = block_rows(m)
     block_k = min(128, max_block_k(group_k, kb))
-    block_n = 64 if triton.cdiv(n, 32) >= 2 * sms else 32
+    most = 1
+    while most < 8 and k // (2 * most) >= 2 * block_k and 2 * most * m * 16 <= k:
+        most *= 2
+    block_n = min(128, 2 * block_m)
+    while block_n > 32 and triton.cdiv(n, block_n) * most < 2 * sms:
+        block_n //= 2
     tiles, split_k = triton.cdiv(n, block_n), 1
-    while tiles * split_k < 2 * sms and split_k < 8 and k // (2 * split_k) >= 4 * block_k:
+    while tiles * split_k < 2 * sms and split_k < most:
         split_k *= 2
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                 **launch_options(block_m, block_n, block_k))
