@@ -66,19 +66,22 @@ def old_path(x: torch.Tensor, ws, gk: int):
     return f"old: quant + {'_scaled_mm' if scaled_mm else 'Triton W8A8'}", [lambda q=q, s=s: w8a8(q, s) for q, s in ws]
 
 
-def prologue_calls(m: int, k: int, before: str, ws, gk: int, cfg: dict, fused: bool):
-    """W8A16 after the kernel before it (RMSNorm with the residual add, or SiLU * mul), or with it fused."""
+def prologue_calls(m: int, k: int, before: str, ws, gk: int, cfg: dict, fused: bool, compile_only: bool = False):
+    """W8A16 after the kernel before it (RMSNorm with the residual add, or SiLU * mul), or with it fused
+    (compile_only: the fused kernel compiled, not run)."""
     g = torch.Generator(device="cuda").manual_seed(m)
     if before == "silu":
         gate_up = torch.randn(m, 2 * k, device="cuda", dtype=DTYPE, generator=g)
         if fused:
-            return [lambda q=q, s=s: fp8_skinny_gemm(gate_up, q, s, gk, silu_mul=True, config=cfg) for q, s in ws]
+            return [lambda q=q, s=s: fp8_skinny_gemm(gate_up, q, s, gk, silu_mul=True, config=cfg,
+                                                     compile_only=compile_only) for q, s in ws]
         return [lambda q=q, s=s: fp8_skinny_gemm(norm_act.silu_and_mul(gate_up), q, s, gk, config=cfg) for q, s in ws]
     x, res = (torch.randn(m, k, device="cuda", dtype=DTYPE, generator=g) for _ in range(2))
     nw, res_out = torch.ones(k, device="cuda", dtype=DTYPE), torch.empty_like(res)
     if fused:
         return [lambda q=q, s=s: fp8_skinny_gemm(x, q, s, gk, norm_weight=nw, eps=1e-6, residual=res,
-                                                 residual_out=res_out, config=cfg) for q, s in ws]
+                                                 residual_out=res_out, config=cfg, compile_only=compile_only)
+                for q, s in ws]
     return [lambda q=q, s=s: fp8_skinny_gemm(norm_act.rms_norm(x, nw, 1e-6, res)[0], q, s, gk, config=cfg)
             for q, s in ws]
 
@@ -115,9 +118,10 @@ class Row:
         return [lambda q=q, s=s: fp8_skinny_gemm(self.x, q, s, self.gk, config=cfg) for q, s in self.ws]
 
 
-def precompile(rows):
-    """Compile every candidate config's kernel before the sweep, on all CPU cores (Triton's
-    AsyncCompileMode; absent in older Tritons: the sweep then compiles one by one)."""
+def precompile(rows, sweep: bool):
+    """Compile the W8A16 kernels the run times (each chosen config, plain and with its prologue fused;
+    with the sweep every candidate) first, on all CPU cores (Triton's AsyncCompileMode; absent in older
+    Tritons: each compiles when first timed)."""
     try:
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:
@@ -125,12 +129,17 @@ def precompile(rows):
     start, seen = time.perf_counter(), set()
     with ThreadPoolExecutor(os.cpu_count()) as pool, AsyncCompileMode(pool, ignore_errors=True):
         for r in rows:
-            for cfg in candidate_configs(r.m, r.n, r.k, r.ws[0][1].shape[1], r.gk):
+            kb = r.ws[0][1].shape[1]
+            cfg = config_for(r.m, r.n, r.k, kb, r.gk, r.x.device)
+            if BEFORE.get(r.name):
+                prologue_calls(r.m, r.k, BEFORE[r.name], r.ws[:1], r.gk, cfg, True, compile_only=True)[0]()
+            for cfg in [cfg] + (candidate_configs(r.m, r.n, r.k, kb, r.gk) if sweep else []):
                 variant = (tuple(sorted(cfg.items() - {("SPLIT_K", cfg["SPLIT_K"])})), cfg["SPLIT_K"] > 1)
                 if variant not in seen:
                     seen.add(variant)
                     fp8_skinny_gemm(r.x, *r.ws[0], r.gk, config=cfg, compile_only=True)
-    print(f"compiled {len(seen)} kernel variants in {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"compiled {len(seen)} kernel variants (and the chosen ones' prologues) in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
 
 
 def run(tokens, llama: bool, block: bool, sweep: bool):
@@ -141,6 +150,7 @@ def run(tokens, llama: bool, block: bool, sweep: bool):
           flush=True)
     weights = {name: fp8_weights(n, k, 128 if block else k) for name, n, k in shapes}
     rows = [Row(m, name, n, k, 128 if block else k, weights[name], copy_bw) for m in tokens for name, n, k in shapes]
+    precompile(rows, sweep)
     print("\n== 1. old path, W8A16 at the chosen config, and with the kernel before it (separate / fused)", flush=True)
     old, chosen = {}, {}
     for r in rows:
@@ -161,7 +171,6 @@ def run(tokens, llama: bool, block: bool, sweep: bool):
     best = {}
     if sweep:
         print("\n== 2. W8A16 at every candidate config", flush=True)
-        precompile(rows)
         times = {}
         for r in rows:
             kb = r.ws[0][1].shape[1]
