@@ -89,6 +89,22 @@ def test_prologues(m, n, k, gk, cfg, dtype):
                  reference(silu_and_mul(gate_up), w, scale, gk), dtype)
 
 
+@pytest.mark.parametrize("by_bits", [True, False])
+def test_every_fp8_code_reads_exactly(monkeypatch, by_bits):
+    """One-hot rows read back weights holding every finite e4m3 code: each value exact (bfloat16 holds
+    every e4m3 value), through the bit-moving bfloat16 conversion and through Triton's (on CPU: float32,
+    Triton's conversion either way)."""
+    monkeypatch.setattr(fsg, "BF16_BY_BITS", by_bits)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # (the two NaN codes)
+    w = codes[(torch.arange(256)[:, None] + torch.arange(256)[None, :]) % 256].view(FP8).to(DEV)  # row n: codes n..
+    dtype = dtypes()[0]
+    x = torch.eye(16, 256, dtype=dtype, device=DEV)
+    y = fp8_skinny_gemm(x, w, torch.ones(256, 1, device=DEV), 256,
+                        config=config(16, dict(BLOCK_N=64, BLOCK_K=64, SPLIT_K=1)))
+    assert torch.equal(y.float(), w.float()[:, :16].t())
+
+
 def test_default_and_candidate_configs_tile_the_8b_shapes():
     """Every config the rule or the benchmark picks tiles the rows and the scale groups, and the rule
     gives every SM at least one program at each 8B projection (K split where features are few)."""
@@ -133,15 +149,20 @@ def test_bad_inputs_are_refused():
 @pytest.mark.parametrize("m", [2, 8, 16, 37, 64, 128])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)])
 @pytest.mark.parametrize("gk", [None, 128])
-def test_cuda_8b_shapes_with_the_chosen_configs(m, n, k, gk):
+def test_cuda_8b_shapes_with_the_chosen_configs(monkeypatch, m, n, k, gk):
     """The 8B projections with the layer's configs (bfloat16, and float16 at one size), eager and replayed
-    from a CUDA graph (the split-K counters survive replays)."""
+    from a CUDA graph (the split-K counters survive replays); bfloat16 through both FP8 conversions,
+    the same result bit for bit."""
     w, scale, gk = fp8_weight(n, k, gk, m + n)
     for dtype in (torch.bfloat16,) + ((torch.float16,) if m == 16 else ()):
         x = torch.randn(m, k, device=DEV, dtype=dtype)
         ref = reference(x, w, scale, gk)
         y = fp8_skinny_gemm(x, w, scale, gk)
         assert_close(y, ref, dtype)
+        if dtype == torch.bfloat16:
+            monkeypatch.setattr(fsg, "BF16_BY_BITS", not fsg.BF16_BY_BITS)
+            assert torch.equal(fp8_skinny_gemm(x, w, scale, gk), y)
+            monkeypatch.undo()
         static_x = x.clone()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -4,7 +4,8 @@ ran: the Triton GEMM up to SCALED_MM_MIN_ROWS rows, torch._scaled_mm past them w
 against W8A16 (kernels/fp8_skinny_gemm.py). Times per call, replayed from a CUDA graph over several
 weight copies (no L2 reuse). Printed as measured, in three parts:
 
-1. per row count and projection: the old path; W8A16 at the config the layer picks now (config_for);
+1. per row count and projection: the old path; W8A16 at the config the layer picks now (config_for),
+   also with Triton's FP8 -> bfloat16 conversion instead of the bit-moving one (BF16_BY_BITS);
    where a norm or SiLU * mul comes before the projection, that kernel then W8A16 against W8A16 with
    it fused (the prologue that W8A16_PROLOGUE_MAX_ROWS turns on);
 2. the sweep: W8A16 at every candidate config (candidate_configs), each with its relative error;
@@ -25,6 +26,7 @@ from nanoinfer.kernels import norm_act
 from nanoinfer.kernels.fp8_gemm import fp8_gemm
 from nanoinfer.kernels.fp8_gemv import fp8_gemv
 from nanoinfer.kernels.fp8_quant import quantize_fp8
+from nanoinfer.kernels import fp8_skinny_gemm as w8a16_kernel
 from nanoinfer.kernels.fp8_skinny_gemm import block_rows, candidate_configs, config_for, fp8_skinny_gemm
 from nanoinfer.quant.fp8_linear import SCALED_MM_MIN_ROWS, scaled_mm_ok
 from nanoinfer.quant.fp8_math import dequantize
@@ -86,6 +88,15 @@ def prologue_calls(m: int, k: int, before: str, ws, gk: int, cfg: dict, fused: b
             for q, s in ws]
 
 
+def by_bits(on: bool, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with kernels/fp8_skinny_gemm.py's BF16_BY_BITS set to `on`."""
+    before, w8a16_kernel.BF16_BY_BITS = w8a16_kernel.BF16_BY_BITS, on
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        w8a16_kernel.BF16_BY_BITS = before
+
+
 def short(cfg: dict) -> str:
     return (f"BM{cfg['BLOCK_M']} BN{cfg['BLOCK_N']} BK{cfg['BLOCK_K']} SK{cfg['SPLIT_K']} w{cfg['num_warps']} "
             f"st{cfg['num_stages']}")
@@ -133,6 +144,7 @@ def precompile(rows, sweep: bool):
             cfg = config_for(r.m, r.n, r.k, kb, r.gk, r.x.device)
             if BEFORE.get(r.name):
                 prologue_calls(r.m, r.k, BEFORE[r.name], r.ws[:1], r.gk, cfg, True, compile_only=True)[0]()
+            by_bits(not w8a16_kernel.BF16_BY_BITS, fp8_skinny_gemm, r.x, *r.ws[0], r.gk, config=cfg, compile_only=True)
             for cfg in [cfg] + (candidate_configs(r.m, r.n, r.k, kb, r.gk) if sweep else []):
                 variant = (tuple(sorted(cfg.items() - {("SPLIT_K", cfg["SPLIT_K"])})), cfg["SPLIT_K"] > 1)
                 if variant not in seen:
@@ -162,6 +174,9 @@ def run(tokens, llama: bool, block: bool, sweep: bool):
         err = rel_error(fp8_skinny_gemm(r.x, *r.ws[0], r.gk, config=cfg), r.ref)
         print(r.line(f"W8A16 chosen {short(cfg)}", chosen[r.m, r.name], old[r.m, r.name], f"err {err:.1e}"),
               flush=True)
+        other = not w8a16_kernel.BF16_BY_BITS
+        print(r.line(f"  same, {'bit-moving' if other else 'Triton'} bf16 conversion",
+                     by_bits(other, r.time, r.w8a16(cfg)), old[r.m, r.name]), flush=True)
         before = BEFORE.get(r.name)
         if before:
             apart = r.time(prologue_calls(r.m, r.k, before, r.ws, r.gk, cfg, False))

@@ -41,14 +41,43 @@ from nanoinfer.kernels.pdl import pdl_options
 from nanoinfer.kernels.skinny_gemm import _WORKSPACE, _input_tile_t, _rows_rstd
 
 MAX_ROWS = 128
+# bfloat16 activations on CUDA: the FP8 weight converted by moving bits (_e4m3_to_bf16), not by Triton's
+# conversion (the benchmark times both: `python -m nanoinfer.bench.fp8 --w8a16`)
+BF16_BY_BITS = True
+
+
+@triton.jit
+def _e4m3_to_bf16(w):
+    """FP8 e4m3 codes to bfloat16: to float16 in Triton's packed conversion (two codes an instruction),
+    then float16 to bfloat16 by moving bits, two values a 32-bit word: sign kept, exponent and
+    mantissa shifted under bfloat16's (exact: an e4m3 value is a normal float16 with 3 mantissa bits,
+    which lands as a normal bfloat16 2^-112 times it), times 2^112 in one bfloat16x2 multiply. Triton
+    converts float16 to bfloat16 one value per conversion instruction, and those issue at a quarter of
+    the integer ALUs' rate: at these row counts they cost as much time as the weight's bytes. (A NaN
+    code turns into a finite value: quantized weights hold none.)"""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 s, t, z;
+        shr.b32 s, $1, 3;
+        and.b32 s, s, 0x0FFF0FFF;
+        and.b32 t, $1, 0x80008000;
+        or.b32 s, s, t;
+        mov.b32 t, 0x77807780;
+        mov.b32 z, 0x80008000;
+        fma.rn.bf16x2 $0, s, t, z;
+        }""",
+        constraints="=r,r", args=[w.to(tl.float16)], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
 @triton.jit
 def _add_tile(acc, w, x, s_ptr, rn, n_mask, k0, KB, BLOCK_SCALES: tl.constexpr, GROUP_K: tl.constexpr,
-              PRECISION: tl.constexpr):
+              PRECISION: tl.constexpr, BF16_BITS: tl.constexpr):
     """acc + one FP8 weight tile [BLOCK_N, BLOCK_K], converted to x's dtype, times x [BLOCK_K, BLOCK_M];
     with block scales, the tile's product times its group's scales."""
-    wx = w.to(x.dtype)
+    if BF16_BITS:
+        wx = _e4m3_to_bf16(w)
+    else:
+        wx = w.to(x.dtype)
     if not BLOCK_SCALES:
         acc = tl.dot(wx, x, acc, input_precision=PRECISION)
     else:
@@ -74,7 +103,7 @@ def _fp8_skinny_gemm_kernel(x_ptr, stride_x, w_ptr, s_ptr, b_ptr, y_ptr, stride_
                             BLOCK_SCALES: tl.constexpr, GROUP_K: tl.constexpr, PROLOGUE: tl.constexpr,
                             HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                            PRECISION: tl.constexpr, PDL: tl.constexpr):
+                            PRECISION: tl.constexpr, BF16_BITS: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     DTYPE = y_ptr.dtype.element_ty
@@ -96,13 +125,13 @@ def _fp8_skinny_gemm_kernel(x_ptr, stride_x, w_ptr, s_ptr, b_ptr, y_ptr, stride_
                           eps, K, HAS_RES, DTYPE, 256, BLOCK_M)
     x = _input_tile_t(x_ptr, stride_x, res_ptr, stride_r, nw_ptr, rstd, rm, rk, M, K, PROLOGUE, HAS_RES, DTYPE)
     acc = _add_tile(tl.zeros((BLOCK_N, BLOCK_M), tl.float32), w_first, x, s_ptr, rn, n_mask, k_lo, KB,
-                    BLOCK_SCALES, GROUP_K, PRECISION)
+                    BLOCK_SCALES, GROUP_K, PRECISION, BF16_BITS)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         w_ptrs += BLOCK_K
         w = tl.load(w_ptrs, mask=n_mask[:, None] & (rk[None, :] < K), other=0.0)
         x = _input_tile_t(x_ptr, stride_x, res_ptr, stride_r, nw_ptr, rstd, rm, rk, M, K, PROLOGUE, HAS_RES, DTYPE)
-        acc = _add_tile(acc, w, x, s_ptr, rn, n_mask, k0, KB, BLOCK_SCALES, GROUP_K, PRECISION)
+        acc = _add_tile(acc, w, x, s_ptr, rn, n_mask, k0, KB, BLOCK_SCALES, GROUP_K, PRECISION, BF16_BITS)
     out_mask = n_mask[:, None] & (rm[None, :] < M)
     if SPLIT:
         # store this split's partial, then count arrivals: the last split to arrive sums all of them
@@ -276,5 +305,6 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         parts, counts, M, N, K, k_split, split_k, kb, eps, BLOCK_SCALES=kb > 1, GROUP_K=group_k if kb > 1 else 1,
         PROLOGUE=1 if norm_weight is not None else 2 if silu_mul else 0, HAS_RES=residual is not None,
         HAS_BIAS=bias is not None, SPLIT=split_k > 1,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg)  # (float32: no TF32 rounding)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # (float32: no TF32 rounding)
+        BF16_BITS=BF16_BY_BITS and x.dtype == torch.bfloat16 and x.device.type == "cuda", **cfg)
     return y
