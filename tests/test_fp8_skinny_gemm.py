@@ -146,7 +146,7 @@ def test_bad_inputs_are_refused():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [2, 8, 16, 37, 64, 128])
+@pytest.mark.parametrize("m", [2, 37, 64, 128])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)])
 @pytest.mark.parametrize("gk", [None, 128])
 def test_cuda_8b_shapes_with_the_chosen_configs(monkeypatch, m, n, k, gk):
@@ -154,7 +154,7 @@ def test_cuda_8b_shapes_with_the_chosen_configs(monkeypatch, m, n, k, gk):
     from a CUDA graph (the split-K counters survive replays); bfloat16 through both FP8 conversions,
     the same result bit for bit."""
     w, scale, gk = fp8_weight(n, k, gk, m + n)
-    for dtype in (torch.bfloat16,) + ((torch.float16,) if m == 16 else ()):
+    for dtype in (torch.bfloat16,) + ((torch.float16,) if m == 2 else ()):
         x = torch.randn(m, k, device=DEV, dtype=dtype)
         ref = reference(x, w, scale, gk)
         y = fp8_skinny_gemm(x, w, scale, gk)
