@@ -3,6 +3,10 @@ times unquantized activations, plain, split over K, with its RMSNorm / SiLU*mul 
 x @ the dequantized weight in torch: under TRITON_INTERPRET=1 on CPU (float32), and on a GPU
 (bfloat16, float16) at odd shapes and at the 8B shapes with the configs the layer picks, in a CUDA
 graph too. Also its config rules, and its refusals."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +18,7 @@ from nanoinfer.layers.layernorm import add_rms_norm
 from nanoinfer.quant.fp8_math import dequantize
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.cuda] if DEV == "cuda" else []  # (on a GPU every test runs there: `pytest -m cuda`)
 FP8 = torch.float8_e4m3fn
 # (M, N, K, group_k or None for one scale column, config): row, feature and K tails; K split in two,
@@ -103,6 +108,24 @@ def test_every_fp8_code_reads_exactly(monkeypatch, by_bits):
     y = fp8_skinny_gemm(x, w, torch.ones(256, 1, device=DEV), 256,
                         config=config(16, dict(BLOCK_N=64, BLOCK_K=64, SPLIT_K=1)))
     assert torch.equal(y.float(), w.float()[:, :16].t())
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="a CPU-only check: on a GPU the CUDA tests compile and run the kernel")
+def test_the_kernel_compiles_for_hopper_without_a_gpu():
+    """sm_90a code for four variants (both bfloat16 conversions, block scales, the prologues, split-K,
+    float16) from Triton's compiler and ptxas, outside the interpreter: each uses the tensor cores and
+    pipelines its loads. Skipped where Triton's NVIDIA backend or its ptxas is missing."""
+    nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
+    if not os.path.exists(os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")):
+        pytest.skip("no ptxas in Triton's NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "hopper_compile.py")], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("ok ")]
+    assert len(lines) == 4 and all("mma=none" not in line and "async_copies=0" not in line for line in lines)
 
 
 def test_default_and_candidate_configs_tile_the_8b_shapes():
