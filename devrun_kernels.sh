@@ -27,7 +27,8 @@ fi
 
 timeout $((205 - (SECONDS - start))) python -m nanoinfer.bench.fp8 --w8a16 > "$OUT/bench_fp8_w8a16.log" 2>&1
 echo "bench.fp8 --w8a16: rc $? after $((SECONDS - start)) s"
-sed -n '/^== 3/,$p' "$OUT/bench_fp8_w8a16.log"
+sed -n '1,/^== 2/p' "$OUT/bench_fp8_w8a16.log"   # part 1: old path, chosen config, conversions, prologues
+sed -n '/^== 3/,$p' "$OUT/bench_fp8_w8a16.log"   # the summary, if the sweep finished
 
 timeout $((235 - (SECONDS - start))) python -m nanoinfer.bench.gemv --split-k > "$OUT/bench_gemv_split_k.log" 2>&1
 echo "bench.gemv --split-k: rc $? after $((SECONDS - start)) s"
