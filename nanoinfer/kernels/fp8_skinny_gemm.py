@@ -306,5 +306,6 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         PROLOGUE=1 if norm_weight is not None else 2 if silu_mul else 0, HAS_RES=residual is not None,
         HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # (float32: no TF32 rounding)
-        BF16_BITS=BF16_BY_BITS and x.dtype == torch.bfloat16 and x.device.type == "cuda", **cfg)
+        BF16_BITS=BF16_BY_BITS and x.dtype == torch.bfloat16 and x.device.type == "cuda" and torch.version.hip is None,
+        **cfg)  # (the bit-moving conversion is NVIDIA PTX)
     return y
