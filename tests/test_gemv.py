@@ -73,47 +73,6 @@ def test_silu_mul_prologue(n, k, dtype, m):
     assert_close(gemv(gate_up, w, silu_mul=True), F.linear(silu_and_mul(gate_up).float(), w.float()), dtype)
 
 
-# (N, K, BLOCK_K, SPLIT_K): K split in 2 (one tile each), 3 (uneven: the last split short), 4 (two
-# tiles each); on a GPU the 30B-A3B shapes too
-SPLITS = [(40, 96, 32, 2), (7, 1000, 128, 3), (12, 2048, 256, 4)]
-if DEV == "cuda":
-    SPLITS += [pytest.param(n, k, bk, s, marks=pytest.mark.cuda) for n, k, bk, s in [(5120, 2048, 512, 2),
-                                                                                       (128, 2048, 256, 8)]]
-
-
-@pytest.mark.parametrize("n, k, block_k, split_k", SPLITS)
-@pytest.mark.parametrize("dtype", dtypes())
-def test_one_row_split_over_k(n, k, block_k, split_k, dtype):
-    """The split-K GEMV, plain with a bias (twice: the arrival counters are back at zero), with the
-    RMSNorm prologue (the new residual stored once) and with SiLU * mul."""
-    cfg = dict(BLOCK_N=4, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=2)
-    x, w, b, res, nw = tensors(n, k, dtype, n * k)
-    for _ in range(2):
-        assert_close(gemv(x, w, b, config=cfg), F.linear(x.float(), w.float(), b.float()), dtype)
-    out = torch.full_like(res, float("nan"))
-    y = gemv(x, w, norm_weight=nw, eps=1e-6, residual=res, residual_out=out, config=cfg)
-    normed, ref_res = add_rms_norm(x, res, nw, 1e-6)
-    assert torch.equal(out, ref_res)
-    assert_close(y, F.linear(normed.float(), w.float()), dtype)
-    gate_up = torch.randn(1, 2 * k, device=DEV).to(dtype)
-    assert_close(gemv(gate_up, w, silu_mul=True, config=cfg), F.linear(silu_and_mul(gate_up).float(), w.float()),
-                 dtype)
-
-
-def test_k_is_split_only_for_one_row_of_few_features():
-    """The default rule splits K where the output features leave SMs idle (a router), not the 0.6B, 8B
-    or 30B-A3B projections nor an LM head; several rows are refused a split."""
-    from nanoinfer.kernels.gemv import default_config
-    assert default_config(128, 2048)["SPLIT_K"] == 8 and default_config(128, 2048)["BLOCK_K"] == 256
-    for n, k in [(4096, 1024), (1024, 2048), (1024, 3072), (6144, 4096), (5120, 2048), (2048, 4096),
-                 (151936, 2048), (128, 8192)]:
-        assert default_config(n, k)["SPLIT_K"] == 1, (n, k)
-    assert default_config(128, 2048, m=2)["SPLIT_K"] == 1
-    with pytest.raises(ValueError, match="one row only"):
-        gemv(torch.zeros(2, 64, device=DEV), torch.zeros(8, 64, device=DEV), config=dict(
-            BLOCK_N=4, BLOCK_K=32, SPLIT_K=2, num_warps=4, num_stages=2))
-
-
 def test_bad_shapes_are_refused():
     w = torch.zeros(8, 16, device=DEV)
     with pytest.raises(ValueError, match=f"1 to {MAX_ROWS} rows"):

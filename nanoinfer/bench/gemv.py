@@ -2,23 +2,17 @@
 
     PYTHONPATH=. python3 -m nanoinfer.bench.gemv            # default configs
     PYTHONPATH=. python3 -m nanoinfer.bench.gemv --sweep    # also search tile/warp/stage configs
-    PYTHONPATH=. python3 -m nanoinfer.bench.gemv --split-k  # one row: split-K against the plain GEMV
 
 Each row times one projection of a layer as the engine runs it at batch 1: cuBLAS with the kernel
 before it (RMSNorm with the residual add, or SiLU * mul) against the one fused GEMV. Times are per
 call, from a CUDA graph of many calls over distinct weights (no L2 reuse, launch gaps included);
 % is the weight's bytes over the time, against the measured copy bandwidth.
-
---split-k, at the 30B-A3B shape's one-row products (hidden 2048): the GEMV unsplit (SPLIT_K=1, what
-ran before split-K), with default_config's choice, and a sweep of split counts (qkv, o and the router;
-its three best), each with its prologue as the engine runs it.
 """
 import argparse
 import itertools
 
 import torch
 import torch.nn.functional as F
-import triton
 from triton.runtime.errors import OutOfResources
 
 from nanoinfer.bench.kernels import bench_graph
@@ -68,37 +62,6 @@ def max_error(n, k, prologue, rows=1, kernel=gemv) -> float:
     return ((fused.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-# (model, projection, N, K, prologue) at one row, hidden 2048
-SHAPES_30B_A3B = [("30B-A3B", "qkv", 5120, 2048, "norm"), ("30B-A3B", "o", 2048, 4096, None),
-                  ("30B-A3B", "router", 128, 2048, None), ("30B-A3B", "lm_head", 151936, 2048, "norm")]
-
-
-def compare_split_k(copy_bw: float):
-    """The split-K GEMV against the unsplit one at the 30B-A3B shapes (see the module's doc)."""
-    print(f"{'model':8} {'proj':8} {'config':44} {'us':>8} {'% copy':>7} {'vs unsplit':>10}")
-    for model, name, n, k, prologue in SHAPES_30B_A3B:
-        copies = min(256, max(2, -(-(128 << 20) // (2 * n * k))))  # (a router's weight is small: many copies)
-
-        def time(cfg, replays=15):
-            calls = make_calls(n, k, prologue, True, cfg, copies=copies)
-            return bench_graph(calls, calls=max(24, len(calls)), replays=replays) * 1e3
-        rule = default_config(n, k)
-        unsplit = dict(default_config(n, k), SPLIT_K=1, BLOCK_K=min(1024, triton.next_power_of_2(k)))
-        base = time(unsplit)
-        timed = [(base, unsplit, "unsplit (before)"), (time(rule), rule, "default_config")]
-        if name != "lm_head":  # (each config compiles for its shape: a few, the widest K tile a split allows)
-            for split, bk in [(1, 512), (1, 1024), (2, 1024), (4, 1024), (8, 1024), (8, 256)]:
-                bk = min(bk, k // split)
-                if bk >= 256 and (split, bk) not in [(c["SPLIT_K"], c["BLOCK_K"]) for _, c, _ in timed[2:]]:
-                    cfg = dict(rule, SPLIT_K=split, BLOCK_K=bk)
-                    timed.append((time(cfg, replays=5), cfg, "sweep"))
-        best = sorted(timed[2:], key=lambda t: t[0])[:3]
-        for us, cfg, label in timed[:2] + [(us, cfg, "sweep best") for us, cfg, _ in best]:
-            short = f"{label}: BN{cfg['BLOCK_N']} BK{cfg['BLOCK_K']} SK{cfg['SPLIT_K']} w{cfg['num_warps']}"
-            print(f"{model:8} {name:8} {short:44} {us:8.1f} {100 * 2 * n * k / (us * 1e-6) / copy_bw:7.1f} "
-                  f"{base / us:9.2f}x", flush=True)
-
-
 def sweep_configs(n):
     for bn, bk, warps, stages in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8), (2, 4)):
         if bn * bk <= 16384 and n // bn >= 32:
@@ -109,12 +72,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--only", nargs="+", help="model:projection pairs, e.g. 0.6B:o 8B:down")
-    p.add_argument("--split-k", action="store_true", help="one row: split-K against the unsplit GEMV (30B-A3B)")
     args = p.parse_args()
     copy_bw, _ = measure_ceilings("cuda")
-    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; {torch.cuda.get_device_name()}")
-    if args.split_k:
-        return compare_split_k(copy_bw)
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
     print(f"{'model':5} {'proj':8} {'cuBLAS+pre us':>14} {'GEMV us':>8} {'% copy':>7} {'speed-up':>8} {'rel err':>8}")
     for model, name, n, k, prologue in SHAPES:
         if args.only and f"{model}:{name}" not in args.only:

@@ -155,7 +155,24 @@ def _fp8_skinny_gemm_kernel(x_ptr, stride_x, w_ptr, s_ptr, b_ptr, y_ptr, stride_
 _STAGE_BUDGET = 128 * 1024
 # The measured best tiles: {(BLOCK_M, N, K, block scales): config}, from the H100 benchmark's TUNED
 # literal (`python -m nanoinfer.bench.fp8 --w8a16`). Shapes not here take default_config.
-TUNED: dict[tuple[int, int, int, bool], dict] = {}
+TUNED: dict[tuple[int, int, int, bool], dict] = {  # Qwen3-8B's projections at tp=1, per channel
+    (16, 6144, 4096, False): {'BLOCK_K': 128, 'BLOCK_M': 16, 'BLOCK_N': 32, 'SPLIT_K': 2, 'num_stages': 4, 'num_warps': 4},
+    (16, 4096, 4096, False): {'BLOCK_K': 128, 'BLOCK_M': 16, 'BLOCK_N': 64, 'SPLIT_K': 4, 'num_stages': 4, 'num_warps': 4},
+    (16, 24576, 4096, False): {'BLOCK_K': 256, 'BLOCK_M': 16, 'BLOCK_N': 64, 'SPLIT_K': 1, 'num_stages': 4, 'num_warps': 4},
+    (16, 4096, 12288, False): {'BLOCK_K': 256, 'BLOCK_M': 16, 'BLOCK_N': 64, 'SPLIT_K': 2, 'num_stages': 4, 'num_warps': 4},
+    (32, 6144, 4096, False): {'BLOCK_K': 128, 'BLOCK_M': 32, 'BLOCK_N': 64, 'SPLIT_K': 4, 'num_stages': 4, 'num_warps': 4},
+    (32, 4096, 4096, False): {'BLOCK_K': 128, 'BLOCK_M': 32, 'BLOCK_N': 64, 'SPLIT_K': 2, 'num_stages': 4, 'num_warps': 4},
+    (32, 24576, 4096, False): {'BLOCK_K': 128, 'BLOCK_M': 32, 'BLOCK_N': 64, 'SPLIT_K': 1, 'num_stages': 4, 'num_warps': 4},
+    (32, 4096, 12288, False): {'BLOCK_K': 256, 'BLOCK_M': 32, 'BLOCK_N': 64, 'SPLIT_K': 2, 'num_stages': 4, 'num_warps': 4},
+    (64, 6144, 4096, False): {'BLOCK_K': 128, 'BLOCK_M': 64, 'BLOCK_N': 64, 'SPLIT_K': 1, 'num_stages': 4, 'num_warps': 4},
+    (64, 4096, 4096, False): {'BLOCK_K': 128, 'BLOCK_M': 64, 'BLOCK_N': 64, 'SPLIT_K': 2, 'num_stages': 4, 'num_warps': 4},
+    (64, 24576, 4096, False): {'BLOCK_K': 128, 'BLOCK_M': 64, 'BLOCK_N': 64, 'SPLIT_K': 1, 'num_stages': 4, 'num_warps': 4},
+    (64, 4096, 12288, False): {'BLOCK_K': 128, 'BLOCK_M': 64, 'BLOCK_N': 64, 'SPLIT_K': 4, 'num_stages': 4, 'num_warps': 4},
+    (128, 6144, 4096, False): {'BLOCK_K': 128, 'BLOCK_M': 128, 'BLOCK_N': 64, 'SPLIT_K': 1, 'num_stages': 3, 'num_warps': 8},
+    (128, 4096, 4096, False): {'BLOCK_K': 128, 'BLOCK_M': 128, 'BLOCK_N': 64, 'SPLIT_K': 2, 'num_stages': 3, 'num_warps': 8},
+    (128, 24576, 4096, False): {'BLOCK_K': 64, 'BLOCK_M': 128, 'BLOCK_N': 128, 'SPLIT_K': 1, 'num_stages': 4, 'num_warps': 8},
+    (128, 4096, 12288, False): {'BLOCK_K': 64, 'BLOCK_M': 128, 'BLOCK_N': 128, 'SPLIT_K': 4, 'num_stages': 4, 'num_warps': 8},
+}
 
 
 def block_rows(m: int) -> int:

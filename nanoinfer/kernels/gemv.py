@@ -17,22 +17,15 @@ The prologue fuses the small kernel that would otherwise run just before the GEM
 
 On Hopper and later it is a programmatic dependent launch (kernels/pdl.py): it loads its first
 weight tile while the kernel before it still runs, then waits for that kernel's results.
-
-Split-K (one row only): when the output features give too few programs to fill the SMs (a router's
-128 rows; SPLIT_K_BELOW_PROGRAMS), K is split too, as in kernels/skinny_gemm.py: each split stores
-its float32 partial and the split that arrives last sums them in split order (deterministic) and
-writes y. With the RMSNorm prologue every split still computes the whole row's norm.
 """
 import torch
 import triton
 import triton.language as tl
 
 from nanoinfer.kernels.pdl import pdl_options
-from nanoinfer.kernels.skinny_gemm import _WORKSPACE, _input_tile_t, _rows_rstd
+from nanoinfer.kernels.skinny_gemm import _input_tile_t, _rows_rstd
 
 MAX_ROWS = 4
-# one row, K <= SPLIT_K_MAX_K: split K while the output features alone give fewer programs than this
-SPLIT_K_BELOW_PROGRAMS, SPLIT_K_MAX_K = 132, 4096
 
 
 @triton.jit
@@ -72,11 +65,10 @@ def _row_rstd(x_ptr, res_ptr, res_out_ptr, pid, eps, K: tl.constexpr, HAS_RES: t
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, stride_x, w_ptr, b_ptr, y_ptr, stride_y, res_ptr, stride_r, res_out_ptr, nw_ptr,
-                 part_ptr, count_ptr, M, eps,
+def _gemv_kernel(x_ptr, stride_x, w_ptr, b_ptr, y_ptr, stride_y, res_ptr, stride_r, res_out_ptr, nw_ptr, M, eps,
                  N: tl.constexpr, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     pid = tl.program_id(0)
     DTYPE = w_ptr.dtype.element_ty
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,48 +76,25 @@ def _gemv_kernel(x_ptr, stride_x, w_ptr, b_ptr, y_ptr, stride_y, res_ptr, stride
         rows = rn.to(tl.int64) * K
     else:
         rows = rn * K
-    if SPLIT_K > 1:  # (one row) this program's K tiles: [k_lo, k_hi), a whole number of them
-        pid_k = tl.program_id(1)
-        k_lo = pid_k * K_SPLIT
-        k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    else:
-        pid_k = 0
-        k_lo = 0
-        k_hi = K
-    rk0 = k_lo + tl.arange(0, BLOCK_K)
+    rk0 = tl.arange(0, BLOCK_K)
     w_first = tl.load(w_ptr + rows[:, None] + rk0[None, :], mask=(rn[:, None] < N) & (rk0[None, :] < K), other=0.0)
     if PDL:  # the weight tile above does not depend on the previous kernel; x and residual do
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if BLOCK_M == 1:
         rstd = 0.0
-        if PROLOGUE == 1:  # (program (0, 0) alone stores the new residual)
-            rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, pid + pid_k, eps, K, HAS_RES, DTYPE, BLOCK_K)
+        if PROLOGUE == 1:
+            rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, pid, eps, K, HAS_RES, DTYPE, BLOCK_K)
         x = _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk0, K, PROLOGUE, HAS_RES, DTYPE)
         acc = tl.sum(w_first.to(tl.float32) * x[None, :], 1)
-        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             x = _input_tile(x_ptr, res_ptr, nw_ptr, rstd, rk, K, PROLOGUE, HAS_RES, DTYPE)
             w = tl.load(w_ptr + rows[:, None] + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
             acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-        if SPLIT_K > 1:
-            # store this split's partial, then count arrivals: the last split to arrive sums all of them
-            tl.store(part_ptr + pid_k * N + rn, acc, mask=rn < N)
-            tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-            arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:
-                tl.debug_barrier()
-                acc = tl.zeros((BLOCK_N,), tl.float32)
-                for s in range(SPLIT_K):  # in split order: the sum does not depend on arrival order
-                    acc += tl.load(part_ptr + s * N + rn, mask=rn < N, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-                tl.store(y_ptr + rn, acc.to(DTYPE), mask=rn < N)
-                tl.atomic_xchg(count_ptr + pid, 0)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rn, acc.to(DTYPE), mask=rn < N)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, acc.to(DTYPE), mask=rn < N)
     else:  # a rows axis: [BLOCK_N, BLOCK_M, BLOCK_K] products summed over K
         rm = tl.arange(0, BLOCK_M)
         rstd = tl.zeros((BLOCK_M,), tl.float32)
@@ -150,15 +119,9 @@ def default_config(n: int, k: int, m: int = 1) -> dict:
     """Tiles and launch options for m rows of an [n, k] weight, from sweeps on the H200
     (nanoinfer.bench.gemv --sweep: 0.6B and 8B projections, LM heads): four output features a
     program, so that even n = 1024 spreads over the SMs; 1024-wide K tiles; 8 warps, 4 for the
-    8B-sized K and for several rows. (The rows tile is the call's, not the config's.) One row of a
-    weight with fewer features than SPLIT_K_BELOW_PROGRAMS programs: K split in 2, 4 or 8 until it
-    has that many, in K tiles of at least 256 (the tile shrinks to one split's width)."""
-    block_k, split_k = min(1024, triton.next_power_of_2(k)), 1
-    if m == 1 and k <= SPLIT_K_MAX_K:
-        while triton.cdiv(n, 4) * split_k < SPLIT_K_BELOW_PROGRAMS and split_k < 8 and k // (2 * split_k) >= 256:
-            split_k *= 2
-        block_k = min(block_k, triton.next_power_of_2(triton.cdiv(k, split_k)))
-    return dict(BLOCK_N=4, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4 if k >= 4096 or m > 1 else 8, num_stages=2)
+    8B-sized K and for several rows. (The rows tile is the call's, not the config's.)"""
+    return dict(BLOCK_N=4, BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4 if k >= 4096 or m > 1 else 8,
+                num_stages=2)
 
 
 def _rows_contiguous(t: torch.Tensor, m: int) -> bool:
@@ -198,17 +161,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty((M, N), dtype=weight.dtype, device=x.device) if out is None else out
     cfg = dict(config or default_config(N, K, M), **pdl_options(x.device))
     cfg["BLOCK_M"] = triton.next_power_of_2(M)
-    split_k = cfg.pop("SPLIT_K", 1)
-    if split_k > 1 and M > 1:
-        raise ValueError(f"gemv: K is split for one row only, got {M} rows with SPLIT_K={split_k}")
-    k_split = triton.cdiv(triton.cdiv(K, split_k), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    split_k = triton.cdiv(K, k_split)  # (no empty split: each holds at least one K tile)
-    tiles = triton.cdiv(N, cfg["BLOCK_N"])
-    parts, counts = _WORKSPACE.get(x.device, split_k * N, tiles) if split_k > 1 else (y, y)  # (unused unsplit)
-    _gemv_kernel[(tiles, split_k)](
+    _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, x.stride(0), weight, weight if bias is None else bias, y, y.stride(0), x if residual is None else residual,
         0 if residual is None else residual.stride(0), y if residual_out is None else residual_out,
-        weight if norm_weight is None else norm_weight, parts, counts, M, eps,
+        weight if norm_weight is None else norm_weight, M, eps,
         N=N, K=K, PROLOGUE=1 if norm_weight is not None else 2 if silu_mul else 0, HAS_RES=residual is not None,
-        HAS_BIAS=bias is not None, SPLIT_K=split_k, K_SPLIT=k_split, **cfg)
+        HAS_BIAS=bias is not None, **cfg)
     return y

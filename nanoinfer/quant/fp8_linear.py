@@ -37,8 +37,10 @@ def keeps_fp8(device: torch.device) -> bool:
 # From 2 rows up to this many (the GEMV takes one), W8A16: the weight-streaming FP8 few-row GEMM on
 # the activations as they are. W8A8 first quantizes them in a kernel of its own, which at these rows
 # costs a launch-bound kernel per layer for no gain: the GEMM is bound by the weight's bytes
-# (`python -m nanoinfer.bench.fp8 --w8a16` compares both paths per row count).
-W8A16_MAX_ROWS = 64
+# (`python -m nanoinfer.bench.fp8 --w8a16` compares both paths per row count). Past 32 rows the
+# wide projections (qkv, gate_up) ran slower than W8A8 on an H100: the 16-bit tile a program reads
+# grows with the rows while the weight's bytes do not.
+W8A16_MAX_ROWS = 32
 # Up to this many rows, W8A16 also applies the RMSNorm / SiLU * mul before it (a Deferred input):
 # off (0) until the benchmark's fused rows show it pays (each program recomputes the rows' norm).
 W8A16_PROLOGUE_MAX_ROWS = 0
