@@ -86,13 +86,16 @@ def test_cuda_matches_the_two_kernels(kind, gk):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [2, 16, 64, 200])
-def test_cuda_fp8_layer_takes_a_deferred_input(m):
+def test_cuda_fp8_layer_takes_a_deferred_input(monkeypatch, m):
     """A dummy-weight FP8 layer at m rows: a Deferred RMSNorm (with residual) input gives what the
-    materialised norm does, and writes the new residual."""
+    materialised norm does, and writes the new residual. (The fused quantization is off by default
+    and W8A16 takes the few rows: both switched here so that this W8A8 path runs at every m.)"""
     from nanoinfer.layers.linear import MergedColumnParallelLinear
     from nanoinfer.layers.linear_method import Deferred
     from nanoinfer.layers.model_build import ModelBuild
-    from nanoinfer.quant import Fp8Scheme, linear_method_chooser
+    from nanoinfer.quant import Fp8Scheme, fp8_linear, linear_method_chooser
+    monkeypatch.setattr(fp8_linear, "FUSED_QUANT_MAX_ROWS", 256)
+    monkeypatch.setattr(fp8_linear, "W8A16_MAX_ROWS", 0)
     torch.set_default_dtype(torch.bfloat16)
     try:
         layer = MergedColumnParallelLinear(1024, [512, 512], build=ModelBuild(
@@ -138,6 +141,7 @@ def test_fp8_layer_routes_a_deferred_input_into_the_quantization_on_cpu(monkeypa
     monkeypatch.setattr(fp8_linear, "takes_gemv", lambda x: x.shape[0] == 1)
     monkeypatch.setattr(fp8_linear, "scaled_mm_ok", lambda device, n, k: False)
     monkeypatch.setattr(fp8_linear.Fp8LinearMethod, "_quantizes_after", lambda self, layer, x: x.shape[0] >= 2)
+    monkeypatch.setattr(fp8_linear, "W8A16_MAX_ROWS", 0)  # (W8A16 would take these few rows)
     monkeypatch.setattr(fp8_quant, "quantize_fp8", quantize_activations)
     monkeypatch.setattr(fp8_prologue_quant, "quantize_fp8_after", torch_after)
     k = 64

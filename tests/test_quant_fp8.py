@@ -653,9 +653,10 @@ def test_fp8_activation_quant_kernel_matches_torch(m, k, gk):
                                                        ("tensor", True, True)])
 def test_fp8_layer_kernel_paths_on_cpu(monkeypatch, strategy, static, scaled_mm):
     """The CUDA-side glue of Fp8LinearMethod run on CPU in the interpreter: weights kept FP8, one row
-    through the FP8 GEMV (plain and a Deferred RMSNorm input), more rows through
-    activation quantization and the Triton W8A8 GEMM or torch._scaled_mm (row-wise scales, bf16
-    out, which torch also runs on CPU); against x @ dequantized W."""
+    through the FP8 GEMV (plain and a Deferred RMSNorm input), a few rows through the W8A16 GEMM
+    (activations not quantized; a Deferred RMSNorm input once its prologue rows allow), more than
+    W8A16_MAX_ROWS through activation quantization and the Triton W8A8 GEMM or torch._scaled_mm
+    (row-wise scales, bf16 out, which torch also runs on CPU); against x @ dequantized W."""
     from nanoinfer.kernels import fp8_quant
     from nanoinfer.layers.linear import MergedColumnParallelLinear
     from nanoinfer.layers.linear_method import Deferred
@@ -685,7 +686,7 @@ def test_fp8_layer_kernel_paths_on_cpu(monkeypatch, strategy, static, scaled_mm)
     if static:
         assert layer.input_scale.item() == pytest.approx(0.02)  # the larger shard's
     w = torch.cat(dense)
-    x = torch.randn(5, 64, generator=g)
+    x = torch.randn(fp8_linear.W8A16_MAX_ROWS + 5, 64, generator=g)
     if static:
         xq = (x / 0.02).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * 0.02
     else:
@@ -694,6 +695,7 @@ def test_fp8_layer_kernel_paths_on_cpu(monkeypatch, strategy, static, scaled_mm)
     tol = dict(rtol=1e-2, atol=1e-2) if scaled_mm else dict(rtol=1e-4, atol=1e-4)  # (bf16 out)
     torch.testing.assert_close(layer(x).float(), xq @ w.t(), **tol)
     torch.testing.assert_close(layer(x[:1]), x[:1] @ w.t(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layer(x[:5]), x[:5] @ w.t(), rtol=1e-4, atol=1e-4)  # W8A16
     nw, res = torch.rand(64, generator=g) + 0.5, torch.randn(1, 64, generator=g)
     res_out = torch.empty(1, 64)
     h = x[:1] + res

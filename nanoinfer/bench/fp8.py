@@ -1,6 +1,12 @@
 """FP8 weight GEMMs and GEMVs against bf16 (CUDA), at the 8B shape's projections.
 
     PYTHONPATH=. python3 -m nanoinfer.bench.fp8 [--tokens 1 16 256 4096 8192]
+    PYTHONPATH=. python3 -m nanoinfer.bench.fp8 --w8a16 [--tokens 1 8 16 32 64 128] [--llama] [--block]
+
+--w8a16 (bench/fp8_w8a16.py) compares, per row count and projection, the old few-row path (the
+GEMV at one row, else activation quantization + the W8A8 GEMM the layer ran) with the W8A16 GEMM
+(kernels/fp8_skinny_gemm.py) at its chosen config and at every candidate config, in % of the copy
+bandwidth, and prints the measured best as the kernel's TUNED table.
 
 Each row is one projection at M tokens: bf16 cuBLAS (torch.mm); FP8 W8A8 with per-token activation
 scales through torch._scaled_mm (row-wise weight scales, what per-channel checkpoints and online
@@ -16,6 +22,7 @@ import argparse
 
 import torch
 
+from nanoinfer.bench import fp8_w8a16
 from nanoinfer.bench.kernels import bench_graph
 from nanoinfer.kernels.fp8_gemm import default_config, fp8_gemm
 from nanoinfer.kernels.fp8_gemv import fp8_gemv
@@ -96,9 +103,17 @@ def tune(tokens):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096, 8192])
+    p.add_argument("--tokens", type=int, nargs="+", help="row counts (default 1 16 256 4096 8192; --w8a16: "
+                   + " ".join(map(str, fp8_w8a16.TOKENS)) + ")")
     p.add_argument("--tune", action="store_true", help="time the Triton GEMM's tile configs instead, the best per row")
+    p.add_argument("--w8a16", action="store_true", help="the few-row W8A16 GEMM against the old few-row path")
+    p.add_argument("--llama", action="store_true", help="--w8a16: Llama-3-8B's MLP (28672 / 14336) for Qwen3-8B's")
+    p.add_argument("--block", action="store_true", help="--w8a16: 128x128 block scales instead of per channel")
+    p.add_argument("--no-sweep", action="store_true", help="--w8a16: the chosen configs only, no candidates")
     args = p.parse_args()
+    if args.w8a16:
+        return fp8_w8a16.run(args.tokens or fp8_w8a16.TOKENS, args.llama, args.block, not args.no_sweep)
+    args.tokens = args.tokens or [1, 16, 256, 4096, 8192]
     if args.tune:
         return tune(args.tokens)
     copy_bw, bf16_rate = measure_ceilings("cuda")

@@ -7,7 +7,11 @@ then quantized as kernels/fp8_quant.py does: the same codes and scales as the tw
 the norm's float32 summation order.
 
 One program per (row, scale group) walks its row up to three times (the norm's sum of squares,
-the group's max |value|, the codes); the later walks read from L1/L2."""
+the group's max |value|, the codes); the later walks read from L1/L2.
+
+Not run by default: quant/fp8_linear.py's FUSED_QUANT_MAX_ROWS is 0 (it measured slower than the two
+kernels), and the few rows it was meant for now take W8A16 (kernels/fp8_skinny_gemm.py), which
+quantizes no activations; only rows past W8A16_MAX_ROWS could reach it."""
 import torch
 import triton
 import triton.language as tl

@@ -29,7 +29,7 @@ MAX_ROWS = 64
 
 
 @triton.jit
-def _rows_rstd(x_ptr, stride_x, res_ptr, stride_r, res_out_ptr, rm, M, store_res, eps, K: tl.constexpr,
+def _rows_rstd(x_ptr, stride_x, res_ptr, stride_r, res_out_ptr, rm, M, store_res, eps, K,
                HAS_RES: tl.constexpr, DTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
     """1 / rms of each row (x + residual) over all of K, [BLOCK_M]; with store_res, also stores
     x + residual into the new residual (one program does)."""
@@ -47,7 +47,7 @@ def _rows_rstd(x_ptr, stride_x, res_ptr, stride_r, res_out_ptr, rm, M, store_res
 
 
 @triton.jit
-def _input_tile_t(x_ptr, stride_x, res_ptr, stride_r, nw_ptr, rstd, rm, rk, M, K: tl.constexpr,
+def _input_tile_t(x_ptr, stride_x, res_ptr, stride_r, nw_ptr, rstd, rm, rk, M, K,
                   PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, DTYPE: tl.constexpr):
     """One [BLOCK_K, BLOCK_M] slice of the input, transposed, prologue applied, in DTYPE (padded
     rows and columns 0)."""

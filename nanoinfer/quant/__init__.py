@@ -2,8 +2,9 @@
 FP8 only: block FP8 (Qwen3-FP8, DeepSeek), compressed-tensors FP8 (RedHatAI), per-tensor FP8, and
 online per-channel FP8 of a high-precision checkpoint (quantization="fp8"). fp8_scheme.py reads the
 format, fp8_linear.py is the linear method, fp8_math.py the torch arithmetic; the kernels are
-kernels/fp8_gemv.py (one row), fp8_quant.py (activation scales) and fp8_gemm.py (W8A8); MoE experts
-load FP8 in layers/fused_moe.py and run weight-only FP8 in kernels/fused_moe.py."""
+kernels/fp8_gemv.py (one row), fp8_skinny_gemm.py (W8A16, a few rows), fp8_quant.py (activation
+scales) and fp8_gemm.py (W8A8, more rows); MoE experts load FP8 in layers/fused_moe.py and run
+weight-only FP8 in kernels/fused_moe.py."""
 from collections.abc import Callable
 
 from nanoinfer.layers.linear_method import LinearMethod, dense_linear_method

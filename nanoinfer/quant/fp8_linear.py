@@ -7,10 +7,13 @@ tensor (shard) at a time.
   quantized there.
 - CUDA, one row (decode at batch 1): the FP8 GEMV (kernels/fp8_gemv.py) reads the FP8 weight and its
   scales, activations in the model's dtype, and can fuse the RMSNorm / SiLU * mul before it.
+- CUDA, 2 to W8A16_MAX_ROWS rows (decode at small and mid batch): W8A16, the FP8 few-row GEMM
+  (kernels/fp8_skinny_gemm.py): activations in the model's dtype, no quantization kernel before it.
 - CUDA, more rows: W8A8. Activations are quantized per token (kernels/fp8_quant.py; static: the
   checkpoint's per-tensor input_scale); one scale column runs torch._scaled_mm with row-wise scales
-  past SCALED_MM_MIN_ROWS rows (fewer rows: the Triton GEMM), block scales (per token and block_k group activations) the Triton block-scaled GEMM
-  (kernels/fp8_gemm.py).
+  past SCALED_MM_MIN_ROWS rows (fewer rows: the Triton GEMM), block scales (per token and block_k
+  group activations) the Triton block-scaled GEMM (kernels/fp8_gemm.py). W8A16 ignores a static
+  input_scale: its activations are not rounded to FP8 at all.
 Every step is shape-only (no host sync, no data-dependent allocation): CUDA graphs capture it."""
 import torch
 from torch import nn
@@ -18,6 +21,7 @@ from torch import nn
 from nanoinfer.kernels import fp8_prologue_quant, fp8_quant  # (looked up at call time: tests substitute them)
 from nanoinfer.kernels.fp8_gemm import block_k_for, fp8_gemm
 from nanoinfer.kernels.fp8_gemv import fp8_gemv, supports
+from nanoinfer.kernels.fp8_skinny_gemm import fp8_skinny_gemm
 from nanoinfer.layers.linear_method import (Deferred, LinearMethod, ShardSlice, linear, linear_parameter,
                                            load_feature_slice, takes_gemv)
 from nanoinfer.quant import fp8_math
@@ -30,15 +34,35 @@ def keeps_fp8(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-# Up to this many rows the Triton GEMM (narrow tiles that stream the weight) beats cuBLASLt's
-# row-wise FP8 GEMM, which picks tiles made for large M (`python -m nanoinfer.bench.fp8`).
+# From 2 rows up to this many (the GEMV takes one), W8A16: the weight-streaming FP8 few-row GEMM on
+# the activations as they are. W8A8 first quantizes them in a kernel of its own, which at these rows
+# costs a launch-bound kernel per layer for no gain: the GEMM is bound by the weight's bytes
+# (`python -m nanoinfer.bench.fp8 --w8a16` compares both paths per row count). Past 32 rows the
+# wide projections (qkv, gate_up) ran slower than W8A8 on an H100: the 16-bit tile a program reads
+# grows with the rows while the weight's bytes do not.
+W8A16_MAX_ROWS = 32
+# Up to this many rows, W8A16 also applies the RMSNorm / SiLU * mul before it (a Deferred input):
+# off (0) until the benchmark's fused rows show it pays (each program recomputes the rows' norm).
+W8A16_PROLOGUE_MAX_ROWS = 0
+# Up to this many rows the Triton W8A8 GEMM (narrow tiles that stream the weight) beats cuBLASLt's
+# row-wise FP8 GEMM, which picks tiles made for large M (`python -m nanoinfer.bench.fp8`); W8A8 runs
+# past W8A16_MAX_ROWS only.
 SCALED_MM_MIN_ROWS = 64
-# From 2 rows up to this many, W8A8 with per-token (or per-group) dynamic activation scales takes the
-# RMSNorm / SiLU * mul before it into its quantization kernel (kernels/fp8_prologue_quant.py). Off (0):
+# Past W8A16_MAX_ROWS rows up to this many, W8A8 with per-token (or per-group) dynamic activation
+# scales takes the RMSNorm / SiLU * mul before it into its quantization kernel (kernels/fp8_prologue_quant.py). Off (0):
 # that kernel walks a row in one program, which leaves most SMs idle at these row counts, and
 # `bench.py --sweep --config 8b --quantization fp8` ran slower with it than with the separate norm
-# and quantization kernels; raise it once the kernel splits a row across programs.
+# and quantization kernels; raise it once the kernel splits a row across programs. (Since W8A16 takes
+# the rows it was meant for, this path runs only past W8A16_MAX_ROWS, if at all.)
 FUSED_QUANT_MAX_ROWS = 0
+
+
+def takes_w8a16(x: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """Whether an FP8 layer (weights kept FP8, kernels_ok) multiplies input x by W8A16: 1 to
+    W8A16_MAX_ROWS rows (one contiguous row takes the GEMV before this is asked) with contiguous
+    features in a 16-bit or float32 dtype, on a device that keeps FP8 weights; `out`, if given, of x's dtype."""
+    return (keeps_fp8(x.device) and x.dim() == 2 and 1 <= x.shape[0] <= W8A16_MAX_ROWS and x.stride(-1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and (out is None or out.dtype == x.dtype))
 
 
 def scaled_mm_ok(device: torch.device, n: int, k: int) -> bool:
@@ -150,6 +174,12 @@ class Fp8LinearMethod(LinearMethod):
                             residual=x.residual, residual_out=x.residual_out, silu_mul=x.silu_mul, out=out)
         if not isinstance(x, Deferred) and takes_gemv(x):
             return fp8_gemv(x, layer.weight, scale, layer.fp8_group_k, bias, out=out)
+        if takes_w8a16(x.x if isinstance(x, Deferred) else x, out):
+            if isinstance(x, Deferred):
+                return fp8_skinny_gemm(x.x, layer.weight, scale, layer.fp8_group_k, bias, norm_weight=x.norm_weight,
+                                       eps=x.eps, residual=x.residual, residual_out=x.residual_out,
+                                       silu_mul=x.silu_mul, out=out)
+            return fp8_skinny_gemm(x, layer.weight, scale, layer.fp8_group_k, bias, out=out)
         y = self._w8a8(layer, x, scale)
         if bias is not None:
             y = y + bias
@@ -158,7 +188,8 @@ class Fp8LinearMethod(LinearMethod):
         return y
 
     def takes_deferred(self, layer, x):
-        return takes_gemv(x) or self._quantizes_after(layer, x)
+        return takes_gemv(x) or (x.dim() == 2 and x.shape[0] <= W8A16_PROLOGUE_MAX_ROWS and takes_w8a16(x)
+                                 and getattr(layer, "fp8_kernels_ok", False)) or self._quantizes_after(layer, x)
 
     def _quantizes_after(self, layer, x) -> bool:
         """Whether the W8A8 path takes x's pending step into its activation quantization."""
