@@ -260,6 +260,10 @@ def test_the_fp8_layer_takes_w8a16_from_two_rows_to_the_threshold(monkeypatch, s
         assert_close(layer(x[:m]), F.linear(x[:m].float(), w), dtype)
     layer(x)
     assert calls == [("gemv", 1), ("w8a16", 2), ("w8a16", top), ("w8a8", top + 1)]
+    monkeypatch.setitem(fp8_linear.W8A16_MAX_ROWS_BY_SHAPE, tuple(layer.weight.shape), top + 1)
+    layer(x)  # a weight shape measured faster under W8A16 up to more rows takes it up to those
+    assert calls[-1] == ("w8a16", top + 1)
+    monkeypatch.delitem(fp8_linear.W8A16_MAX_ROWS_BY_SHAPE, tuple(layer.weight.shape))
     nw, res = torch.rand(64, device=DEV, dtype=dtype) + 0.5, torch.randn(3, 64, device=DEV, dtype=dtype)
     assert not layer.method.takes_deferred(layer, x[:3])  # (off by default)
     monkeypatch.setattr(fp8_linear, "W8A16_PROLOGUE_MAX_ROWS", 4)

@@ -41,6 +41,10 @@ def keeps_fp8(device: torch.device) -> bool:
 # wide projections (qkv, gate_up) ran slower than W8A8 on an H100: the 16-bit tile a program reads
 # grows with the rows while the weight's bytes do not.
 W8A16_MAX_ROWS = 32
+# Weight shapes [N, K] whose W8A16 tiles (kernels/fp8_skinny_gemm.py TUNED) measured faster than W8A8
+# up to more rows: the narrow ones (Qwen3-8B's o_proj and down_proj), where W8A8's few output tiles
+# leave SMs idle.
+W8A16_MAX_ROWS_BY_SHAPE = {(4096, 4096): 64, (4096, 12288): 64}
 # Up to this many rows, W8A16 also applies the RMSNorm / SiLU * mul before it (a Deferred input):
 # off (0) until the benchmark's fused rows show it pays (each program recomputes the rows' norm).
 W8A16_PROLOGUE_MAX_ROWS = 0
@@ -57,11 +61,13 @@ SCALED_MM_MIN_ROWS = 64
 FUSED_QUANT_MAX_ROWS = 0
 
 
-def takes_w8a16(x: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+def takes_w8a16(x: torch.Tensor, out: torch.Tensor | None = None, weight_shape: tuple | None = None) -> bool:
     """Whether an FP8 layer (weights kept FP8, kernels_ok) multiplies input x by W8A16: 1 to
-    W8A16_MAX_ROWS rows (one contiguous row takes the GEMV before this is asked) with contiguous
-    features in a 16-bit or float32 dtype, on a device that keeps FP8 weights; `out`, if given, of x's dtype."""
-    return (keeps_fp8(x.device) and x.dim() == 2 and 1 <= x.shape[0] <= W8A16_MAX_ROWS and x.stride(-1) == 1
+    W8A16_MAX_ROWS rows (W8A16_MAX_ROWS_BY_SHAPE's for a weight of that [N, K] shape; one contiguous
+    row takes the GEMV before this is asked) with contiguous features in a 16-bit or float32 dtype,
+    on a device that keeps FP8 weights; `out`, if given, of x's dtype."""
+    top = W8A16_MAX_ROWS_BY_SHAPE.get(tuple(weight_shape), W8A16_MAX_ROWS) if weight_shape else W8A16_MAX_ROWS
+    return (keeps_fp8(x.device) and x.dim() == 2 and 1 <= x.shape[0] <= top and x.stride(-1) == 1
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and (out is None or out.dtype == x.dtype))
 
 
@@ -174,7 +180,7 @@ class Fp8LinearMethod(LinearMethod):
                             residual=x.residual, residual_out=x.residual_out, silu_mul=x.silu_mul, out=out)
         if not isinstance(x, Deferred) and takes_gemv(x):
             return fp8_gemv(x, layer.weight, scale, layer.fp8_group_k, bias, out=out)
-        if takes_w8a16(x.x if isinstance(x, Deferred) else x, out):
+        if takes_w8a16(x.x if isinstance(x, Deferred) else x, out, layer.weight.shape):
             if isinstance(x, Deferred):
                 return fp8_skinny_gemm(x.x, layer.weight, scale, layer.fp8_group_k, bias, norm_weight=x.norm_weight,
                                        eps=x.eps, residual=x.residual, residual_out=x.residual_out,
@@ -188,7 +194,7 @@ class Fp8LinearMethod(LinearMethod):
         return y
 
     def takes_deferred(self, layer, x):
-        return takes_gemv(x) or (x.dim() == 2 and x.shape[0] <= W8A16_PROLOGUE_MAX_ROWS and takes_w8a16(x)
+        return takes_gemv(x) or (x.dim() == 2 and x.shape[0] <= W8A16_PROLOGUE_MAX_ROWS and takes_w8a16(x, None, layer.weight.shape)
                                  and getattr(layer, "fp8_kernels_ok", False)) or self._quantizes_after(layer, x)
 
     def _quantizes_after(self, layer, x) -> bool:
