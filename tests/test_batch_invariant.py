@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.batch_invariant.attention import paged_attention_fixed_blocks
+from nanoinfer.batch_invariant.attention import MAX_TILES, paged_attention_fixed_blocks
 from nanoinfer.batch_invariant.linear import fixed_rows
 from nanoinfer.config import Config
 from nanoinfer.utils.tiny_moe import build_tiny_moe_checkpoint
@@ -173,3 +173,21 @@ def test_fixed_block_attention_matches_reference_and_masks_past_the_context():
         ref = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, scale=dim ** -0.5).transpose(0, 1)
         torch.testing.assert_close(out[start:start + n], ref, rtol=1e-5, atol=1e-5)
         start += n
+
+
+def test_fixed_block_attention_rows_do_not_depend_on_the_step():
+    """A sequence's rows, bitwise: alone, as the last rows of a chunked prompt, and beside more
+    sequences than one pass of tiles holds (MAX_TILES), decode rows and prompt chunks mixed."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, width = 4, 2, 8, 4
+    n_seqs = MAX_TILES + 20
+    k_cache = torch.randn(n_seqs * width, BS, kv_heads, dim)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(n_seqs * width).view(n_seqs, width)
+    context_lens = [_rng.randrange(1, width * BS) for _ in range(n_seqs - 1)] + [50]
+    query_lens = [min(c, _rng.choice([1, 1, 3, 17])) for c in context_lens[:-1]] + [20]
+    q = torch.randn(sum(query_lens), heads, dim)
+    crowd = paged_attention_fixed_blocks(q, k_cache, v_cache, query_lens, context_lens, tables, 0.3)[-20:]
+    alone = paged_attention_fixed_blocks(q[-20:], k_cache, v_cache, [20], [50], tables[-1:], 0.3)
+    last_chunk = paged_attention_fixed_blocks(q[-3:], k_cache, v_cache, [3], [50], tables[-1:], 0.3)
+    assert torch.equal(crowd, alone) and torch.equal(last_chunk, alone[-3:])

@@ -18,6 +18,7 @@ from nanoinfer.layers.attention_backend import TorchAttentionBackend
 from nanoinfer.utils.context import get_context
 
 TILE_ROWS = 16
+MAX_TILES = 64  # tiles computed together
 
 
 def _tiles(query_lens: list[int], context_lens: list[int], block_size: int):
@@ -37,17 +38,24 @@ def _tiles(query_lens: list[int], context_lens: list[int], block_size: int):
 def paged_attention_fixed_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor,
                                  scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
-    """paged_attention_torch's contract (kernels/torch_attention.py), batch-invariant."""
+    """paged_attention_torch's contract (kernels/torch_attention.py), batch-invariant. The tiles
+    run MAX_TILES at a time (a tile's result does not depend on how many run with it), which bounds
+    the memory of a long prompt's pass: each tile gathers its own copy of the block it reads."""
+    out = torch.empty_like(q)
+    tiles = _tiles(query_lens, context_lens, k_cache.shape[1])
+    tables = block_tables.to(q.device).long()
+    for first in range(0, len(tiles), MAX_TILES):
+        _attend_tiles(out, q, k_cache, v_cache, tiles[first:first + MAX_TILES], context_lens, tables, scale,
+                      k_scale, v_scale)
+    return out
+
+
+def _attend_tiles(out, q, k_cache, v_cache, tiles, context_lens, tables, scale, k_scale, v_scale):
+    """Attention of `tiles` (sorted by blocks read, most first) into their rows of `out`."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    dev = q.device
+    group, count, dev = num_heads // num_kv_heads, len(tiles), q.device
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    out = torch.empty_like(q)
-    tiles = _tiles(query_lens, context_lens, block_size)
-    if not tiles:
-        return out
-    count = len(tiles)
     offsets = torch.arange(TILE_ROWS, device=dev)
     seq = torch.tensor([t[0] for t in tiles], device=dev)
     valid = offsets[None, :] < torch.tensor([t[2] for t in tiles], device=dev)[:, None]       # [T, R]
@@ -55,7 +63,7 @@ def paged_attention_fixed_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     rows = torch.tensor([t[1] for t in tiles], device=dev)[:, None] + torch.where(valid, offsets, 0)
     q_pos = torch.tensor([t[3] for t in tiles], device=dev)[:, None] + torch.where(valid, offsets, 0)
     blocks_read = [t[4] for t in tiles]
-    tables = block_tables.to(dev).long()[seq]                                                  # [T, width]
+    tables = tables[seq]                                                                       # [T, width]
     # GQA: a KV head's query heads become more rows of its tile, [T, Hkv, G * R, D]
     qg = q[rows].float().view(count, TILE_ROWS, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qg = qg.reshape(count, num_kv_heads, group * TILE_ROWS, head_dim)
@@ -64,8 +72,10 @@ def paged_attention_fixed_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     acc = torch.zeros(count, num_kv_heads, group * TILE_ROWS, head_dim, device=dev)
     context = torch.tensor(context_lens, device=dev)[seq]
     keys = torch.arange(block_size, device=dev)
+    n = count  # the tiles reading block j: the first n
     for j in range(blocks_read[0]):
-        n = sum(1 for b in blocks_read if b > j)  # the tiles reading block j: the first n
+        while blocks_read[n - 1] <= j:
+            n -= 1
         k_pos = j * block_size + keys
         written = k_pos[None, :] < context[:n, None]                                          # [n, B]
         ids = tables[:n, j]
@@ -88,7 +98,6 @@ def paged_attention_fixed_blocks(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     o = (acc / denominator[..., None]).view(count, num_kv_heads, group, TILE_ROWS, head_dim)
     o = o.permute(0, 3, 1, 2, 4).reshape(count, TILE_ROWS, num_heads, head_dim)               # [T, R, H, D]
     out[rows[valid]] = o[valid].to(q.dtype)
-    return out
 
 
 class BatchInvariantAttentionBackend(TorchAttentionBackend):
