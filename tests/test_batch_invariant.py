@@ -191,3 +191,21 @@ def test_fixed_block_attention_rows_do_not_depend_on_the_step():
     alone = paged_attention_fixed_blocks(q[-20:], k_cache, v_cache, [20], [50], tables[-1:], 0.3)
     last_chunk = paged_attention_fixed_blocks(q[-3:], k_cache, v_cache, [3], [50], tables[-1:], 0.3)
     assert torch.equal(crowd, alone) and torch.equal(last_chunk, alone[-3:])
+
+
+def test_embeddings_are_batch_invariant(tiny_qwen3):
+    """runner="pooling": a prompt's embedding alone and beside others, bitwise, with the mode on
+    (and off, which differs here, so the comparison can fail)."""
+    def embeddings(invariant: bool):
+        llm = LLM(tiny_qwen3, runner="pooling", batch_invariant=invariant, kvcache_block_size=BS, max_model_len=256)
+        try:
+            alone = llm.embed([{"prompt_token_ids": TARGETS[0]}], use_tqdm=False)[0].outputs.embedding
+            batch = [{"prompt_token_ids": p} for p in (TARGETS[0], *OTHERS[:4])]
+            return alone, llm.embed(batch, use_tqdm=False)[0].outputs.embedding
+        finally:
+            llm.exit()
+
+    alone, beside = embeddings(True)
+    assert alone == beside
+    alone, beside = embeddings(False)
+    assert alone != beside
