@@ -1,5 +1,5 @@
-"""Batch-invariant mode (nanoinfer/batch_invariant) on CPU, float32: a request's tokens and logprobs
-are bitwise the same alone, in a batch of mixed lengths, after a prefix-cache hit and with its
+"""Batch-invariant mode (nanoinfer/batch_invariant) on CPU (device="cpu" on any machine), float32: a
+request's tokens and logprobs are bitwise the same alone, in a batch of mixed lengths, after a prefix-cache hit and with its
 prompt chunked; sampled with a seed and greedy. The same runs with the mode off must differ
 somewhere, or the comparison proves nothing. (CUDA graphs: not applicable on CPU; the CUDA path
 is refused until its kernels exist.)"""
@@ -39,7 +39,8 @@ def _generate(llm, prompts, params):
 
 
 def _engine(path, invariant, **options):
-    return LLM(path, batch_invariant=invariant, kvcache_block_size=BS, max_model_len=256, num_kvcache_blocks=96,
+    return LLM(path, batch_invariant=invariant, device="cpu", kvcache_block_size=BS, max_model_len=256,
+               num_kvcache_blocks=96,
                **options)
 
 
@@ -102,15 +103,15 @@ def test_default_mode_differs_somewhere(runs_off):
 
 
 def test_option_from_env_and_bad_values(tiny_qwen3, monkeypatch):
-    assert Config(tiny_qwen3).batch_invariant is False
+    assert Config(tiny_qwen3, device="cpu").batch_invariant is False
     monkeypatch.setenv("NANOINFER_BATCH_INVARIANT", "1")
-    assert Config(tiny_qwen3).batch_invariant is True
+    assert Config(tiny_qwen3, device="cpu").batch_invariant is True
     monkeypatch.setenv("NANOINFER_BATCH_INVARIANT", "yes please")
     with pytest.raises(ValueError, match="NANOINFER_BATCH_INVARIANT"):
-        Config(tiny_qwen3)
+        Config(tiny_qwen3, device="cpu")
     monkeypatch.delenv("NANOINFER_BATCH_INVARIANT")
     with pytest.raises(TypeError, match="batch_invariant"):
-        Config(tiny_qwen3, batch_invariant="yes")
+        Config(tiny_qwen3, device="cpu", batch_invariant="yes")
 
 
 @pytest.mark.parametrize("options, named", [
@@ -197,7 +198,8 @@ def test_embeddings_are_batch_invariant(tiny_qwen3):
     """runner="pooling": a prompt's embedding alone and beside others, bitwise, with the mode on
     (and off, which differs here, so the comparison can fail)."""
     def embeddings(invariant: bool):
-        llm = LLM(tiny_qwen3, runner="pooling", batch_invariant=invariant, kvcache_block_size=BS, max_model_len=256)
+        llm = LLM(tiny_qwen3, runner="pooling", batch_invariant=invariant, device="cpu", kvcache_block_size=BS,
+                  max_model_len=256)
         try:
             alone = llm.embed([{"prompt_token_ids": TARGETS[0]}], use_tqdm=False)[0].outputs.embedding
             batch = [{"prompt_token_ids": p} for p in (TARGETS[0], *OTHERS[:4])]
