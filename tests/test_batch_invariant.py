@@ -1,8 +1,8 @@
 """Batch-invariant mode (nanoinfer/batch_invariant) on CPU (device="cpu" on any machine), float32: a
-request's tokens and logprobs are bitwise the same alone, in a batch of mixed lengths, after a prefix-cache hit and with its
-prompt chunked; sampled with a seed and greedy. The same runs with the mode off must differ
-somewhere, or the comparison proves nothing. (CUDA graphs: not applicable on CPU; the CUDA path
-is refused until its kernels exist.)"""
+request's tokens and logprobs are bitwise the same alone, in a batch of mixed lengths, after a
+prefix-cache hit and with its prompt chunked; sampled with a seed and greedy. The same runs with the
+mode off must differ somewhere, or the comparison proves nothing. (CUDA graphs: not applicable on
+CPU; the CUDA path is refused until its kernels exist.)"""
 import random
 
 import pytest
