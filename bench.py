@@ -193,6 +193,9 @@ def main():
                    help="FP8 weights: random FP8 weights and scales, or a real checkpoint quantized at load")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
                    help="KV cache dtype (vLLM's kv_cache_dtype): fp8 stores K/V as e4m3, one byte each")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant mode (LLM(batch_invariant=True), docs/batch-invariant.md): compare a run "
+                        "without it for its cost")
     p.add_argument("--long-prompts", action="store_true",
                    help="measure running sequences' decode while long prompts arrive (try --max-num-batched-tokens 2048)")
     p.add_argument("--long-prompt-len", type=int, default=8000)
@@ -255,7 +258,7 @@ def main():
               max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, load_format="auto" if args.model else "dummy",
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-              enable_expert_parallel=args.enable_expert_parallel)
+              enable_expert_parallel=args.enable_expert_parallel, batch_invariant=args.batch_invariant)
     print(f"start-up (LLM(...), random weights included): {time.perf_counter() - started:.1f} s")
     if not args.images and (args.sweep or args.long_prompts):  # (the plain workload's first run is timed as the engine starts)
         warm_up(llm, args)

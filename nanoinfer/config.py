@@ -73,6 +73,9 @@ class Config:
     grammar_cache_bytes: int = 512 << 20
     # vLLM's speculative_config dict (nanoinfer/speculative/config.py), parsed into a SpeculativeConfig
     speculative_config: str | dict | None = None  # (a JSON string on the command line)
+    # a request's tokens and logprobs bitwise the same in any batch (nanoinfer/batch_invariant; also
+    # NANOINFER_BATCH_INVARIANT=1, read here once)
+    batch_invariant: bool = False
     # Filled in by __post_init__, not user options.
     hf_config: "PretrainedConfig | None" = field(default=None, repr=False)
     torch_dtype: "torch.dtype | None" = field(default=None, repr=False)
@@ -191,6 +194,8 @@ class Config:
 
         from nanoinfer.expert_parallel.options import resolve_expert_parallel
         resolve_expert_parallel(self)
+        from nanoinfer.batch_invariant.options import resolve_batch_invariant
+        resolve_batch_invariant(self)
 
         if self.enable_lora:
             from nanoinfer.lora.targets import check_lora_model

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.all_reduce import AllReduce
-from nanoinfer.layers.linear_method import linear
+from nanoinfer.layers.linear_method import LinearMethod, dense_linear_method
 from nanoinfer.layers.model_build import TensorParallel
 from nanoinfer.utils.context import get_context
 from nanoinfer.utils.loader import check_shape
@@ -40,7 +40,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     """This rank's shard of the logits (columns from vocab_start) for the last token of each
     sequence that samples (prefill) or every row (decode), or for the rows the context names
     (prompt_logprobs). The runner either gathers them to rank 0 or has each rank sample its shard
-    (sampling/sampler.py, sample_vocab_shard)."""
+    (sampling/sampler.py, sample_vocab_shard). `method` computes the product with the dense
+    weight (ModelBuild.lm_head_method)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TensorParallel,
+                 method: LinearMethod | None = None):
+        super().__init__(num_embeddings, embedding_dim, tp=tp)
+        self.method = method or dense_linear_method("lm_head")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
@@ -48,7 +54,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             hidden = hidden[ctx.logits_indices]
         elif ctx.is_prefill:
             hidden = hidden[ctx.cu_seqlens_q[1:] - 1]
-        return linear(hidden, self.weight)
+        return self.method.apply(self, hidden)
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
         """Every rank's shard of the logits, as full rows on rank 0; None on the other ranks."""

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanoinfer.layers.attention_backend import AttentionBackend, TorchAttentionBackend
-from nanoinfer.layers.linear_method import LinearMethod, dense_linear_method
+from nanoinfer.layers.linear_method import DenseLinearMethod, LinearMethod, dense_linear_method
 
 
 @dataclass(frozen=True)
@@ -27,11 +27,13 @@ class ModelBuild:
     """tp: the sharding; attention_backend: shared by every Attention layer; linear_method(prefix):
     the weight method of the linear layer named `prefix` (e.g. "model.layers.0.self_attn.qkv_proj");
     max_model_len: the longest sequence the engine runs, which sizes the model's one RoPE cache
-    (positions 0 .. max_model_len - 1; None: the model's max_position_embeddings)."""
+    (positions 0 .. max_model_len - 1; None: the model's max_position_embeddings); lm_head_method:
+    the product of the LM head's dense weight (DenseLinearMethod's `apply`, or a wrapper of it)."""
     tp: TensorParallel = TensorParallel()
     attention_backend: AttentionBackend = field(default_factory=TorchAttentionBackend)
     linear_method: Callable[[str], LinearMethod] = dense_linear_method
     max_model_len: int | None = None
+    lm_head_method: LinearMethod = field(default_factory=DenseLinearMethod)
     expert_parallel: bool = False  # MoE layers: whole experts spread over the tp ranks (nanoinfer/expert_parallel)
 
     def __post_init__(self):

@@ -2,8 +2,10 @@
 import torch
 from torch import nn
 
+from nanoinfer.batch_invariant import BatchInvariantAttentionBackend, FixedRowsLinearMethod, fixed_rows_chooser
 from nanoinfer.layers.attention_backend import AttentionBackend
 from nanoinfer.layers.linear import LinearBase
+from nanoinfer.layers.linear_method import DenseLinearMethod
 from nanoinfer.layers.model_build import ModelBuild, TensorParallel
 from nanoinfer.lora.linear import lora_method_chooser
 from nanoinfer.models import check_architecture, get_model_class
@@ -19,7 +21,8 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
     with the weight method of the checkpoint's quantization_config or of config.quantization
     (nanoinfer/quant; with enable_lora, wrapped by the LoRA method of nanoinfer/lora), then its
     weights loaded, or drawn at random for load_format="dummy", then each weight method (and each
-    module that has one, as FP8 experts) told the weights are in."""
+    module that has one, as FP8 experts) told the weights are in. With batch_invariant, every
+    product (the LM head's too) runs in fixed row chunks (nanoinfer/batch_invariant)."""
     hf = config.hf_config
     scheme = fp8_scheme(config.quantization, hf)
     model_class = get_model_class(hf)
@@ -30,7 +33,11 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
     choose = linear_method_chooser(scheme, packed)
     if config.enable_lora:  # adapters wrap each projection's method (nanoinfer/lora)
         choose = lora_method_chooser(choose, packed, config.max_loras, config.max_lora_rank)
+    lm_head_method = DenseLinearMethod()
+    if getattr(config, "batch_invariant", False):
+        choose, lm_head_method = fixed_rows_chooser(choose), FixedRowsLinearMethod(lm_head_method)
     build = ModelBuild(TensorParallel(rank, world_size), attention_backend, linear_method=choose,
+                       lm_head_method=lm_head_method,
                        max_model_len=config.max_model_len,  # sizes the RoPE cache
                        expert_parallel=getattr(config, "expert_parallel_size", 1) > 1)
     torch.manual_seed(config.seed)
@@ -54,3 +61,9 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
         elif hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
     return model
+
+
+def model_attention_backend(config, chosen: AttentionBackend) -> AttentionBackend:
+    """The attention backend the engine's model runs with: the device's (`chosen`, from
+    layers/attention_backend.py), or the batch-invariant one with config.batch_invariant."""
+    return BatchInvariantAttentionBackend() if getattr(config, "batch_invariant", False) else chosen

@@ -131,7 +131,8 @@ class Qwen3ForCausalLM(nn.Module):
                                   prefix=join(prefix, "self_attn"))
             layers.append(Qwen3DecoderLayer(config, attn, self.make_mlp(config, i, build, join(prefix, "mlp"))))
         self.model = Qwen3Model(config, layers, build=build)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=build.tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=build.tp,
+                                      method=build.lm_head_method)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -43,4 +43,7 @@ OPTION_HELP = {
                            "dropped first (default: 536870912, vLLM's 512 MB)",
     "max_lora_rank": "highest adapter rank accepted (default: 16)",
     "max_cpu_loras": "adapters cached in host memory (default: max_loras)",
+    "batch_invariant": "a request's tokens and logprobs bitwise the same whatever runs beside it, after a "
+                       "prefix-cache hit or not, however its prompt is chunked; CPU only for now; also "
+                       "NANOINFER_BATCH_INVARIANT=1 (default: off)",
 }

@@ -1,0 +1,43 @@
+"""The batch_invariant option: LLM(batch_invariant=True), NANOINFER_BATCH_INVARIANT=1 (read once,
+when the Config is made, as vLLM reads VLLM_BATCH_INVARIANT), `nanoinfer serve --batch-invariant`.
+What the invariant path does not cover yet is refused here, never run silently non-invariant."""
+import os
+
+ENV_VAR = "NANOINFER_BATCH_INVARIANT"
+_ENV_VALUES = {"1": True, "true": True, "0": False, "false": False, "": False}
+
+
+def env_batch_invariant() -> bool:
+    """NANOINFER_BATCH_INVARIANT: 1/true turns the mode on, 0/false/unset leaves the option as given."""
+    value = os.environ.get(ENV_VAR, "")
+    if value.strip().lower() not in _ENV_VALUES:
+        raise ValueError(f"{ENV_VAR} must be 1 or 0 (true or false), got {value!r}")
+    return _ENV_VALUES[value.strip().lower()]
+
+
+def resolve_batch_invariant(config) -> None:
+    """Check config.batch_invariant (a bool), turn it on from the environment, and refuse the
+    engines it cannot make invariant yet. Called once the device and the model's config are known."""
+    if not isinstance(config.batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(config.batch_invariant).__name__}")
+    config.batch_invariant = config.batch_invariant or env_batch_invariant()
+    if not config.batch_invariant:
+        return
+    hf = config.hf_config
+    refusals = [
+        (config.device == "cuda", "device='cuda': the CUDA batch-invariant kernels are not built yet "
+                                  "(CPU only for now)"),
+        (config.tensor_parallel_size > 1, f"tensor_parallel_size={config.tensor_parallel_size}: the all-reduce's "
+                                          "summation order is not fixed (gloo's ring reduces each chunk from a "
+                                          "different rank; chunks follow the step's size); use 1"),
+        (bool(getattr(hf, "num_experts", 0) or getattr(hf, "num_local_experts", 0)),
+         "MoE models: the expert products group a step's tokens by expert, so their shapes follow the batch"),
+        (config.enable_lora, "enable_lora: the adapters' products are not batch-invariant yet"),
+        (config.speculative_config is not None, "speculative_config: speculative decoding is not verified "
+                                                "batch-invariant yet"),
+        (getattr(hf, "vision_config", None) is not None, "vision-language models: the image encoder is not "
+                                                         "batch-invariant yet"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"batch_invariant=True (or {ENV_VAR}=1) cannot run with {why}")

@@ -1,0 +1,213 @@
+"""Batch-invariant mode (nanoinfer/batch_invariant) on CPU (device="cpu" on any machine), float32: a
+request's tokens and logprobs are bitwise the same alone, in a batch of mixed lengths, after a
+prefix-cache hit and with its prompt chunked; sampled with a seed and greedy. The same runs with the
+mode off must differ somewhere, or the comparison proves nothing. (CUDA graphs: not applicable on
+CPU; the CUDA path is refused until its kernels exist.)"""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.batch_invariant.attention import MAX_TILES, paged_attention_fixed_blocks
+from nanoinfer.batch_invariant.linear import fixed_rows
+from nanoinfer.config import Config
+from nanoinfer.utils.tiny_moe import build_tiny_moe_checkpoint
+
+BS = 16
+_rng = random.Random(55)
+# Prompts one and two tokens past a block boundary: after a prefix hit, or as the last chunk of a
+# chunked prefill, they compute one or two rows alone, where a CPU GEMM takes another path.
+TARGETS = [[_rng.randrange(10, 300) for _ in range(n)] for n in (33, 34, 50)]
+PARAMS = [SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True, logprobs=5),
+          SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5),
+          SamplingParams(temperature=0.8, top_p=0.9, seed=2, max_tokens=6, ignore_eos=True, logprobs=5)]
+OTHERS = [[_rng.randrange(10, 300) for _ in range(_rng.randrange(3, 70))] for _ in range(12)]
+OTHER_PARAMS = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+
+
+def _result(output):
+    """A request's token ids and its logprobs, as exact floats."""
+    out = output.outputs[0]
+    return out.token_ids, [sorted((k, v.logprob) for k, v in step.items()) for step in out.logprobs or ()]
+
+
+def _generate(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [_result(o) for o in outs]
+
+
+def _engine(path, invariant, **options):
+    return LLM(path, batch_invariant=invariant, device="cpu", kvcache_block_size=BS, max_model_len=256,
+               num_kvcache_blocks=96,
+               **options)
+
+
+def _runs(path, invariant: bool) -> dict:
+    """Each target's result per case: alone, in a batch, after a prefix hit, chunked."""
+    runs = {}
+    llm = _engine(path, invariant, enable_prefix_caching=False)
+    try:
+        runs["alone"] = [_generate(llm, [t], p)[0] for t, p in zip(TARGETS, PARAMS)]
+        batch = [TARGETS[0], *OTHERS[:6], TARGETS[1], *OTHERS[6:], TARGETS[2]]
+        params = [PARAMS[0], *[OTHER_PARAMS] * 6, PARAMS[1], *[OTHER_PARAMS] * 6, PARAMS[2]]
+        results = _generate(llm, batch, params)
+        runs["batch"] = [results[0], results[7], results[-1]]
+    finally:
+        llm.exit()
+    llm = _engine(path, invariant)
+    try:  # other prompts sharing the targets' first two blocks go first
+        _generate(llm, [t[:2 * BS] + [5, 6, 7] for t in TARGETS], OTHER_PARAMS)
+        hits = llm.scheduler.block_manager.num_hits
+        runs["prefix hit"] = [_generate(llm, [t], p)[0] for t, p in zip(TARGETS, PARAMS)]
+        assert llm.scheduler.block_manager.num_hits - hits == 2 * len(TARGETS)  # (their first two blocks)
+    finally:
+        llm.exit()
+    llm = _engine(path, invariant, enable_prefix_caching=False, max_num_batched_tokens=BS, max_num_seqs=4)
+    try:
+        runs["chunked"] = [_generate(llm, [t], p)[0] for t, p in zip(TARGETS, PARAMS)]
+    finally:
+        llm.exit()
+    return runs
+
+
+def _differences(runs: dict) -> dict:
+    """case -> indices of the targets whose result differs from their result alone."""
+    return {case: [i for i, (a, b) in enumerate(zip(runs["alone"], got)) if a != b]
+            for case, got in runs.items() if case != "alone"}
+
+
+@pytest.fixture(scope="module")
+def runs_on(tiny_qwen3):
+    return _runs(tiny_qwen3, True)
+
+
+@pytest.fixture(scope="module")
+def runs_off(tiny_qwen3):
+    return _runs(tiny_qwen3, False)
+
+
+def test_invariant_mode_is_bitwise_equal_in_every_case(runs_on):
+    print("batch_invariant=True, differing targets per case:", _differences(runs_on))
+    assert all(len(tokens) == 6 for tokens, _ in runs_on["alone"])
+    for case, got in runs_on.items():
+        assert got == runs_on["alone"], case
+
+
+def test_default_mode_differs_somewhere(runs_off):
+    """The comparison can fail: without the mode the same runs differ (logprobs' bits at least)."""
+    differences = _differences(runs_off)
+    print("batch_invariant=False, differing targets per case:", differences)
+    assert any(differences.values())
+
+
+def test_option_from_env_and_bad_values(tiny_qwen3, monkeypatch):
+    assert Config(tiny_qwen3, device="cpu").batch_invariant is False
+    monkeypatch.setenv("NANOINFER_BATCH_INVARIANT", "1")
+    assert Config(tiny_qwen3, device="cpu").batch_invariant is True
+    monkeypatch.setenv("NANOINFER_BATCH_INVARIANT", "yes please")
+    with pytest.raises(ValueError, match="NANOINFER_BATCH_INVARIANT"):
+        Config(tiny_qwen3, device="cpu")
+    monkeypatch.delenv("NANOINFER_BATCH_INVARIANT")
+    with pytest.raises(TypeError, match="batch_invariant"):
+        Config(tiny_qwen3, device="cpu", batch_invariant="yes")
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(enable_lora=True), "enable_lora"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
+])
+def test_refused_where_not_invariant_yet(tiny_qwen3, options, named):
+    with pytest.raises(ValueError, match=f"batch_invariant.*{named}"):
+        Config(tiny_qwen3, batch_invariant=True, device="cpu", **options)
+
+
+def test_refused_for_moe(tmp_path):
+    path = build_tiny_moe_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match="batch_invariant.*MoE"):
+        Config(path, batch_invariant=True, device="cpu")
+
+
+def test_refused_on_cuda(tiny_qwen3, monkeypatch):
+    """CUDA is refused until its kernels exist: never silently non-invariant."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="batch_invariant.*CUDA.*not built yet"):
+        Config(tiny_qwen3, batch_invariant=True, device="cuda")
+
+
+def test_row_chunks_and_row_reductions_do_not_depend_on_the_rows_beside():
+    """What the mode relies on: fixed row chunks of a product, and torch's row-wise reductions
+    (RMSNorm's mean, log-softmax) give a row the same bits whatever rows are beside it."""
+    torch.manual_seed(0)
+    x, w = torch.randn(40, 64), torch.randn(96, 64)
+    whole = fixed_rows(lambda c: F.linear(c, w), x)
+    for start, rows in ((0, 1), (5, 2), (17, 9), (3, 37)):
+        assert torch.equal(fixed_rows(lambda c: F.linear(c, w), x[start:start + rows]), whole[start:start + rows])
+        assert torch.equal(x[start:start + rows].pow(2).mean(-1), x.pow(2).mean(-1)[start:start + rows])
+        assert torch.equal(torch.log_softmax(w[start:start + rows], -1), torch.log_softmax(w, -1)[start:start + rows])
+
+
+def test_fixed_block_attention_matches_reference_and_masks_past_the_context():
+    """Against plain causal attention per sequence; slots past a context hold NaN and are ignored."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, blocks = 4, 2, 8, 12
+    k_cache = torch.full((blocks, BS, kv_heads, dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    context_lens, query_lens = [20, 37, 5], [20, 1, 3]
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, -1, -1]])
+    keys = [torch.randn(n, kv_heads, dim) for n in context_lens]
+    values = [torch.randn(n, kv_heads, dim) for n in context_lens]
+    for table, k, v in zip(tables, keys, values):
+        for pos in range(k.shape[0]):
+            k_cache[table[pos // BS], pos % BS], v_cache[table[pos // BS], pos % BS] = k[pos], v[pos]
+    q = torch.randn(sum(query_lens), heads, dim)
+    out = paged_attention_fixed_blocks(q, k_cache, v_cache, query_lens, context_lens, tables, dim ** -0.5)
+    start = 0
+    for n, c, k, v in zip(query_lens, context_lens, keys, values):
+        qs = q[start:start + n].transpose(0, 1)
+        kk = k.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        vv = v.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        mask = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]
+        ref = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, scale=dim ** -0.5).transpose(0, 1)
+        torch.testing.assert_close(out[start:start + n], ref, rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_fixed_block_attention_rows_do_not_depend_on_the_step():
+    """A sequence's rows, bitwise: alone, as the last rows of a chunked prompt, and beside more
+    sequences than one pass of tiles holds (MAX_TILES), decode rows and prompt chunks mixed."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, width = 4, 2, 8, 4
+    n_seqs = MAX_TILES + 20
+    k_cache = torch.randn(n_seqs * width, BS, kv_heads, dim)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(n_seqs * width).view(n_seqs, width)
+    context_lens = [_rng.randrange(1, width * BS) for _ in range(n_seqs - 1)] + [50]
+    query_lens = [min(c, _rng.choice([1, 1, 3, 17])) for c in context_lens[:-1]] + [20]
+    q = torch.randn(sum(query_lens), heads, dim)
+    crowd = paged_attention_fixed_blocks(q, k_cache, v_cache, query_lens, context_lens, tables, 0.3)[-20:]
+    alone = paged_attention_fixed_blocks(q[-20:], k_cache, v_cache, [20], [50], tables[-1:], 0.3)
+    last_chunk = paged_attention_fixed_blocks(q[-3:], k_cache, v_cache, [3], [50], tables[-1:], 0.3)
+    assert torch.equal(crowd, alone) and torch.equal(last_chunk, alone[-3:])
+
+
+def test_embeddings_are_batch_invariant(tiny_qwen3):
+    """runner="pooling": a prompt's embedding alone and beside others, bitwise, with the mode on
+    (and off, which differs here, so the comparison can fail)."""
+    def embeddings(invariant: bool):
+        llm = LLM(tiny_qwen3, runner="pooling", batch_invariant=invariant, device="cpu", kvcache_block_size=BS,
+                  max_model_len=256)
+        try:
+            alone = llm.embed([{"prompt_token_ids": TARGETS[0]}], use_tqdm=False)[0].outputs.embedding
+            batch = [{"prompt_token_ids": p} for p in (TARGETS[0], *OTHERS[:4])]
+            return alone, llm.embed(batch, use_tqdm=False)[0].outputs.embedding
+        finally:
+            llm.exit()
+
+    alone, beside = embeddings(True)
+    assert alone == beside
+    alone, beside = embeddings(False)
+    assert alone != beside
