@@ -4,9 +4,11 @@ import torch
 
 from nanoinfer.engine.graph_runner import StepForward
 from nanoinfer.step.step_message import PlainSample, PromptLogprobsRequest, SampleInput, SamplingPlan, StepInput
+from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling.sampler import Route, Sampler, vocab_shard_sample
 from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.structured.grammar_option import GrammarRows
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 EOS = (7,)
@@ -76,8 +78,9 @@ class CountingGraphs:
 
 def test_a_step_awaiting_its_bitmask_samples_the_logits_its_launch_computed():
     sampler = Sampler(OneRankHead(), 0, 1, CPU)
-    args = tensors(temperature=0)
-    args.grammar_rows = torch.tensor([1])
+    plan = build_sampling_plan([FakeSeq(SamplingParams(temperature=0))] * 2, 32, EOS)
+    plan.options = [GrammarRows([1], None)]  # (row 1's mask: after the launch)
+    args = SamplingTensors.from_plan(plan, CPU)
     logits = torch.zeros(2, 32)
     logits[:, 5] = 1.0  # the argmax, which row 1's grammar forbids: it gets 9, the best it allows
     logits[:, 9] = 0.5

@@ -12,6 +12,7 @@ import torch
 
 from nanoinfer.sampling.pipeline import logprobs_to_host, sample_logits
 from nanoinfer.sampling.tensors import SamplingTensors
+from nanoinfer.sampling_options import default_options
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -78,10 +79,11 @@ def main():
     print(f"{'config':<24}{'device ms':>12}{'build ms':>12}{'total ms':>12}")
     for name, params in configs.items():
         seqs = [FakeSeq(sp, half, args.history - half, V, gen) for sp in params]
-        t = SamplingTensors.build(seqs, V, eos, device)
+        options = default_options(ephemeral=True)
+        t = SamplingTensors.build(seqs, V, eos, device, options)
         device_ms = timeit(lambda: sample_logits(logits, t), device, iters)
-        build_ms = timeit(lambda: SamplingTensors.build(seqs, V, eos, device), device, iters)
-        total_ms = timeit(lambda: to_host(logits, SamplingTensors.build(seqs, V, eos, device)), device, iters)
+        build_ms = timeit(lambda: SamplingTensors.build(seqs, V, eos, device, options), device, iters)
+        total_ms = timeit(lambda: to_host(logits, SamplingTensors.build(seqs, V, eos, device, options)), device, iters)
         print(f"{name:<24}{device_ms:>12.3f}{build_ms:>12.3f}{total_ms:>12.3f}")
 
 

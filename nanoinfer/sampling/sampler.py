@@ -28,7 +28,6 @@ from nanoinfer.step.step_message import (PlainSample, PromptLogprobs, PromptLogp
                                            StepInput, TokenLogprobs)
 from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
 from nanoinfer.sampling.column_cache import ColumnCache
-from nanoinfer.sampling.constraint_store import TokenConstraintStore
 from nanoinfer.sampling.pipeline import logprobs_to_host, sample_logits
 from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.utils.device_copy import to_device
@@ -92,7 +91,7 @@ class Sampler:
         self.lm_head = lm_head  # gathers the logits' vocabulary shards; knows this rank's first column
         self.rank, self.world_size, self.device = rank, world_size, device
         self.columns = ColumnCache(device)  # the last step's per-row option tensors
-        self.constraints = TokenConstraintStore(device)  # the requests' token constraints, by key
+        self.option_states: dict = {}  # the sampling options' state on this rank (sampling/option.py)
         # one rank on CUDA: decode steps may sample inside the graphs (which then capture it)
         self.samples_in_graphs = world_size == 1 and device.type == "cuda"
 
@@ -101,7 +100,7 @@ class Sampler:
         late penalty entries read."""
         if sample is None:
             return None
-        return SamplingTensors.from_plan(sample.plan, self.device, prev_tokens, self.columns, self.constraints)
+        return SamplingTensors.from_plan(sample.plan, self.device, prev_tokens, self.columns, self.option_states)
 
     # ---- the dispatch ---------------------------------------------------------------------------
     def route(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None) -> Route:

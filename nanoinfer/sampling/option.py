@@ -1,0 +1,97 @@
+"""The seam of the per-request logits options, as vLLM V1 attaches its built-in logits processors
+(min_tokens, logit_bias, ...): penalties, token constraints, suppressed tokens, user logits
+processors and grammar masks each live in their feature's folder and are registered by the
+composition place (Composition.sampling_options). A plain request uses none of them.
+
+    the engine, every step    SamplingOption.uses(sp), once per SamplingParams object; then
+                              SamplingOption.plan(rows, ctx) for the rows that use it: a payload
+    the step message          SamplingPlan.options: the step's payloads (picklable, one per option)
+    the sampling rank         OptionPayload.to_device(t, rank): its tensors into SamplingTensors
+    the logits pipeline       OptionPayload.stages: its Stages (sampling/stage.py), placed by order
+
+A payload's class carries its device side, so a rank that unpickles a plan (tensor parallelism)
+needs no registry: unpickling imports the option's module.
+"""
+import torch
+
+from nanoinfer.sampling.column_cache import ColumnCache
+from nanoinfer.utils.device_copy import to_device
+
+
+class PlanRows:
+    """What an option's host part reads of the step (one per step that some option plans)."""
+    __slots__ = ("seqs", "samples", "counted", "prev_row_of", "eos", "vocab_size", "masks_later")
+
+    def __init__(self, seqs, samples, counted, prev_row_of, eos, vocab_size, masks_later):
+        self.seqs, self.samples, self.counted, self.prev_row_of = seqs, samples, counted, prev_row_of
+        self.eos, self.vocab_size, self.masks_later = eos, vocab_size, masks_later
+
+    def generated(self, i: int) -> int:
+        """Tokens generated before row i's sample (on the host and in flight, its own excluded)."""
+        seq = self.seqs[i]
+        return seq.num_completion_tokens + seq.num_inflight - self.counted[i]
+
+    def sampled(self, i: int) -> bool:
+        """Whether row i samples a token (a row of a prompt's earlier chunk does not)."""
+        return self.samples is None or self.samples[i]
+
+    def check_host_tokens(self, i: int) -> None:
+        """An option that reads row i's tokens on the host: none may be in flight."""
+        if self.generated(i) != self.seqs[i].num_completion_tokens:
+            raise RuntimeError("a request whose sampling options read its tokens on the host (logits processors, "
+                               "bad words, a grammar) was scheduled before the host saw its previous token")
+
+
+class SamplingOption:
+    """An option's host side, one per engine (it may keep state: what the sampling rank holds)."""
+    name = ""
+    stages = ()  # its Stages, as its payloads bring them (a full pipeline lists them: pipeline_of)
+    pending = False  # True: plan() is called even when no row uses the option (its state to send)
+
+    def uses(self, sp) -> bool:
+        """Whether rows of this SamplingParams need the option (it does not depend on progress)."""
+        raise NotImplementedError
+
+    def plan(self, rows: list[int], ctx: PlanRows):
+        """The step's payload for `rows` (those that use it), or None."""
+        raise NotImplementedError
+
+    def unschedule(self) -> None:
+        """The plan last built was not launched."""
+
+
+class OptionPayload:
+    """A step's part of an option in the plan: plain lists and C arrays (it pickles cheaply)."""
+    __slots__ = ()
+    stages = ()  # the Stages that edit the logits (each runs when it applies)
+    before_fused = False  # its edit is a token mask the fused kernel may follow (SamplingPlan.fused)
+    eager = False  # it runs user code: the step samples (and may fail) at once
+
+    @property
+    def edits(self) -> bool:
+        """Whether it edits this step's logits (False: it only updates what the rank holds)."""
+        return True
+
+    def to_device(self, t, rank: "RankTensors") -> None:
+        """Its tensors into SamplingTensors `t` (t.options[name], or the fields it fills)."""
+        raise NotImplementedError
+
+
+class RankTensors:
+    """Where a step's option tensors are made on the sampling rank: `columns`, the per-row columns
+    kept from the last step (None: made anew); `states`, the options' state on this rank, by name
+    (the Sampler's: an option keeps there what the rank holds for it from step to step, as the
+    token constraints' store); `prev_tokens`, the tokens of the step in flight, on the device."""
+    __slots__ = ("device", "columns", "states", "prev_tokens")
+
+    def __init__(self, device: torch.device, columns: ColumnCache | None, states: dict | None, prev_tokens):
+        self.device, self.columns, self.prev_tokens = device, columns, prev_tokens
+        self.states = {} if states is None else states
+
+    def tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return to_device(data, dtype, self.device)
+
+    def column(self, name: str, data: list, dtype: torch.dtype) -> torch.Tensor:
+        """A per-row column, usually the same as the last step's."""
+        return self.columns.get(name, data, dtype) if self.columns is not None else self.tensor(data, dtype)
+

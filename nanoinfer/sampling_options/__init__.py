@@ -1,0 +1,34 @@
+"""The per-request logits options of SamplingParams, each a SamplingOption (sampling/option.py)
+that the composition place registers (nanoinfer/features.py), as vLLM V1 attaches its built-in
+logits processors. A plain request (temperature, top-k, top-p, min-p, seed, logprobs) uses none.
+
+    logits_processors.py    user callables, on the host (order 10)
+    token_constraints.py    allowed_token_ids (20), logit_bias (50) and one-token bad words, kept on
+                            the sampling rank by key (constraint_registry.py, constraint_store.py)
+    suppression.py          min_tokens and bad words (40)
+    penalties.py            repetition, frequency, presence (60)
+
+The grammar masks of structured outputs are one more option, in structured/grammar_option.py (30).
+"""
+from nanoinfer.sampling.draw import SAMPLE
+from nanoinfer.sampling.stage import Stage
+from nanoinfer.sampling_options.logits_processors import LogitsProcessors
+from nanoinfer.sampling_options.penalties import Penalties
+from nanoinfer.sampling_options.suppression import Suppression
+from nanoinfer.sampling_options.token_constraints import TokenConstraintsOption
+
+
+def default_options(ephemeral: bool = False, store=None) -> list:
+    """The options, new (one engine's: their registry is its own). `ephemeral`: for one plan at a
+    time (tests, benchmarks); `store`: the sampling rank's token constraint store when it is in this
+    process (a draft model's; token_constraints.rank_store)."""
+    constraints = TokenConstraintsOption(ephemeral, store)
+    # (suppression first: it indexes a request's bad words before the constraints' plan ends)
+    return [LogitsProcessors(), Suppression(constraints.registry), constraints, Penalties()]
+
+
+def pipeline_of(options) -> tuple[Stage, ...]:
+    """The whole logits pipeline of these options: their stages in order, then SAMPLE (a step runs
+    those of the options its rows use: SamplingTensors.stages)."""
+    stages = dict.fromkeys(s for option in options for s in option.stages)
+    return (*sorted(stages, key=lambda s: s.order), SAMPLE)
