@@ -7,6 +7,7 @@ from nanoinfer.step.step_message import PlainSample, PromptLogprobsRequest, Samp
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling.sampler import Route, Sampler, vocab_shard_sample
 from nanoinfer.sampling.tensors import SamplingTensors
+from nanoinfer.sampling_options import tensors_for
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.structured.grammar_option import GrammarRows
 
@@ -28,7 +29,7 @@ def decode_step(**fields) -> StepInput:
 
 
 def tensors(**params) -> SamplingTensors:
-    return SamplingTensors.build([FakeSeq(SamplingParams(**params))] * 2, 32, EOS, CPU)
+    return tensors_for([FakeSeq(SamplingParams(**params))] * 2, 32, EOS, CPU)
 
 
 def test_each_step_takes_one_route():

@@ -16,13 +16,13 @@ from nanoinfer.sampling.column_cache import ColumnCache
 from nanoinfer.sampling.pipeline import sample_logits
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling.tensors import SamplingTensors
-from nanoinfer.sampling_options import default_options
+from nanoinfer.sampling_options import default_options, tensors_for
 from nanoinfer.sampling_options.constraint_registry import banned_after, bad_word_index
 from nanoinfer.sampling_options.constraint_store import CONSTRAINTS, TokenConstraintStore
 from nanoinfer.sampling_options.token_constraints import ConstraintRows, TokenConstraintsOption
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
-from test_sampler import OPTIONS, FakeSeq
+from test_sampler import FakeSeq
 
 CPU = torch.device("cpu")
 EOS = (7,)
@@ -95,7 +95,7 @@ def test_the_plan_carries_a_requests_constraints_once():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_constraints_match_the_plan_that_sent_them_all(device):
     """Tokens sampled with a registry's keys equal those of a plan that sends everything
-    (SamplingTensors.build), step after step, as rows join and leave, seeded rows included."""
+    (tensors_for), step after step, as rows join and leave, seeded rows included."""
     device = torch.device(device)
     torch.manual_seed(0)
     sps = [SamplingParams(temperature=0, logit_bias={5: 30.0, 9: -100.0}),
@@ -107,7 +107,7 @@ def test_constraints_match_the_plan_that_sent_them_all(device):
         seqs = [FakeSeq(sps[i], output=[4] * (step % 2)) for i in range(len(sps)) if (i + step) % 3]
         logits = torch.randn(len(seqs), 40, device=device)
         logits[:, 11:14] += 20.0
-        want, _ = sample_logits(logits, SamplingTensors.build(seqs, 40, EOS, device, OPTIONS))
+        want, _ = sample_logits(logits, tensors_for(seqs, 40, EOS, device))
         got, _ = sample_logits(logits, SamplingTensors.from_plan(
             build_sampling_plan(seqs, 40, EOS, options=options), device, None, columns, states))
         assert got.tolist() == want.tolist()
@@ -185,7 +185,7 @@ def test_rows_left_without_a_token_are_marked_and_the_others_sample():
     logits = torch.randn(3, 20)
     seqs = [FakeSeq(banned), FakeSeq(SamplingParams(temperature=0)),
             FakeSeq(SamplingParams(temperature=0, logits_processors=[boom]))]
-    tokens, _ = sample_logits(logits, SamplingTensors.build(seqs, 20, EOS, CPU, OPTIONS))
+    tokens, _ = sample_logits(logits, tensors_for(seqs, 20, EOS, CPU))
     assert tokens.tolist() == [NON_FINITE, int(logits[1].argmax()), NON_FINITE]
 
 

@@ -9,7 +9,7 @@ import torch
 
 from nanoinfer.sampling.noise import hashed_exponential
 from nanoinfer.sampling.plan import TOP_K_OFF
-from nanoinfer.sampling.stage import Stage
+from nanoinfer.sampling.option import Stage
 from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.sampling_params import SAMPLING_EPS
 

@@ -7,15 +7,33 @@ composition place (Composition.sampling_options). A plain request uses none of t
                               SamplingOption.plan(rows, ctx) for the rows that use it: a payload
     the step message          SamplingPlan.options: the step's payloads (picklable, one per option)
     the sampling rank         OptionPayload.to_device(t, rank): its tensors into SamplingTensors
-    the logits pipeline       OptionPayload.stages: its Stages (sampling/stage.py), placed by order
+    the logits pipeline       OptionPayload.stages: its Stages, placed by their order
 
 A payload's class carries its device side, so a rank that unpickles a plan (tensor parallelism)
-needs no registry: unpickling imports the option's module.
+needs no registry: unpickling imports the option's module. A Stage is one entry of the logits
+pipeline (sampling/pipeline.py): an option's edit of the logits, or the end that picks the tokens.
 """
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from nanoinfer.sampling.column_cache import ColumnCache
-from nanoinfer.utils.device_copy import to_device
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """`applies(t)`: whether this step's rows use the stage, read from SamplingTensors' host-side
+    fields (None where no row uses a feature), so that deciding costs no device sync.
+    `run(logits, t)`: edits the [B, V] float32 logits in place, only the rows that use it.
+    An end (`end=True`) picks the tokens instead: `run` returns them, [B] on the device, and leaves
+    the logits alone; the pipeline stops at the first end that applies. `order`: its place in
+    vLLM's order, among the stages of a step's options."""
+    name: str
+    applies: Callable[..., bool]                        # (SamplingTensors)
+    run: Callable[..., torch.Tensor | None]             # (logits, SamplingTensors)
+    end: bool = False
+    order: int = 0
 
 
 class PlanRows:
@@ -47,6 +65,9 @@ class SamplingOption:
     name = ""
     stages = ()  # its Stages, as its payloads bring them (a full pipeline lists them: pipeline_of)
     pending = False  # True: plan() is called even when no row uses the option (its state to send)
+    # the SamplingParams fields uses() reads, and values with which it is False: a SamplingParams
+    # whose fields all have them (a plain request) is not asked (one C-level read for all options)
+    off: dict = {}
 
     def uses(self, sp) -> bool:
         """Whether rows of this SamplingParams need the option (it does not depend on progress)."""
@@ -79,19 +100,12 @@ class OptionPayload:
 
 class RankTensors:
     """Where a step's option tensors are made on the sampling rank: `columns`, the per-row columns
-    kept from the last step (None: made anew); `states`, the options' state on this rank, by name
-    (the Sampler's: an option keeps there what the rank holds for it from step to step, as the
-    token constraints' store); `prev_tokens`, the tokens of the step in flight, on the device."""
+    kept from the last step (ColumnCache.get: a column usually equals the last step's); `states`,
+    the options' state on this rank, by name (the Sampler's: an option keeps there what the rank
+    holds for it from step to step, as the token constraints' store); `prev_tokens`, the tokens of
+    the step in flight, on the device."""
     __slots__ = ("device", "columns", "states", "prev_tokens")
 
-    def __init__(self, device: torch.device, columns: ColumnCache | None, states: dict | None, prev_tokens):
+    def __init__(self, device: torch.device, columns: ColumnCache, states: dict | None, prev_tokens):
         self.device, self.columns, self.prev_tokens = device, columns, prev_tokens
         self.states = {} if states is None else states
-
-    def tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(data, dtype, self.device)
-
-    def column(self, name: str, data: list, dtype: torch.dtype) -> torch.Tensor:
-        """A per-row column, usually the same as the last step's."""
-        return self.columns.get(name, data, dtype) if self.columns is not None else self.tensor(data, dtype)
-

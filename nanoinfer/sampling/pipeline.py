@@ -1,6 +1,6 @@
 """The logits pipeline: one step's logits [B, V] -> its tokens [B], all batched, on the device.
 
-A step's pipeline is one ordered list of Stages (sampling/stage.py): the per-request edits of the
+A step's pipeline is one ordered list of Stages (sampling/option.py): the per-request edits of the
 options its rows use (SamplingTensors.stages: each registered option's payload brings its own,
 placed in vLLM's order; sampling/option.py), each run only when some row uses it, then the end
 that picks the tokens. With every option registered (sampling_options/ and structured/):
@@ -19,7 +19,7 @@ import torch
 from nanoinfer.kernels.sampling import NON_FINITE, sample_gumbel_argmax
 from nanoinfer.sampling.draw import SAMPLE
 from nanoinfer.sampling.logprobs import gather_logprobs, logprobs_to_host, raw_logprobs
-from nanoinfer.sampling.stage import Stage
+from nanoinfer.sampling.option import Stage
 from nanoinfer.sampling.tensors import SamplingTensors
 
 __all__ = ["sample_logits", "logprobs_to_host"]

@@ -8,6 +8,8 @@ per-request options (sampling/option.py: penalties, token constraints, ...) are 
 SamplingParams object, whether its rows use them; each then plans the rows that do, in one call.
 """
 import random
+from functools import lru_cache
+from operator import attrgetter
 
 from nanoinfer.step.step_message import SamplingPlan
 from nanoinfer.sampling.noise import seed_keys
@@ -35,12 +37,12 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
     # the options that do not depend on a row's progress, once per SamplingParams object (the
     # rows of one request, or of one generate() call, share theirs); the loop after visits only
     # the rows whose options do depend on it
-    memo, rows = {}, []
+    memo, rows, off = {}, [], _off_fields(tuple(options))
     for seq in seqs:
         sp = seq.sampling_params
         row = memo.get(id(sp))
         if row is None:
-            row = memo[id(sp)] = _static_options(sp, vocab_size, options)
+            row = memo[id(sp)] = _static_options(sp, vocab_size, options, off)
         rows.append(row)
     temps, top_ks, top_ps, min_ps, uses_top_k, uses_top_p, uses_min_p, dynamic, used = map(list, zip(*rows)) \
         if rows else ([] for _ in range(9))
@@ -76,14 +78,27 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
     return p
 
 
-def _static_options(sp, vocab_size: int, options) -> tuple:
+@lru_cache(maxsize=16)
+def _off_fields(options: tuple):
+    """A getter of every SamplingParams field the options read and what it returns when every
+    option is off (SamplingOption.off); None: each option is asked (one declares none), if any."""
+    if not options or not all(o.off for o in options):
+        return None
+    off = {name: value for o in options for name, value in o.off.items()}
+    values = tuple(off.values())
+    return attrgetter(*off), values if len(values) > 1 else values[0]
+
+
+def _static_options(sp, vocab_size: int, options, off) -> tuple:
     """A row's temperature (0.0: greedy), top-k (TOP_K_OFF: off), top-p and min-p; whether it uses
     top-k, top-p, min-p (a greedy row uses none); whether it needs the per-row pass (seeds,
     logprobs); and the registered options its rows use (None: none)."""
     greedy = sp.temperature < SAMPLING_EPS
     k = sp.top_k if 0 < sp.top_k < vocab_size else TOP_K_OFF
     dynamic = (not greedy and sp.seed is not None) or sp.logprobs is not None
-    used = tuple(o for o in options if o.uses(sp)) or None
+    used = None
+    if options and (off is None or off[0](sp) != off[1]):
+        used = [o for o in options if o.uses(sp)] or None
     return (0.0 if greedy else float(sp.temperature), k, float(sp.top_p), float(sp.min_p),
             not greedy and k != TOP_K_OFF, not greedy and sp.top_p < 1.0, not greedy and sp.min_p > 0.0, dynamic, used)
 

@@ -14,7 +14,7 @@ import torch
 from nanoinfer.step.step_message import SamplingPlan
 from nanoinfer.sampling.column_cache import ColumnCache
 from nanoinfer.sampling.option import RankTensors
-from nanoinfer.sampling.plan import build_sampling_plan
+from nanoinfer.utils.device_copy import to_device
 
 
 @dataclass
@@ -44,34 +44,30 @@ class SamplingTensors:
     seed: int | None = None                    # SamplingPlan.seed
 
     @classmethod
-    def build(cls, seqs, vocab_size: int, eos_token_ids, device: torch.device, options=()) -> "SamplingTensors":
-        """build_sampling_plan, then from_plan, for a batch with no step in flight (tests, benchmarks;
-        `options`: made for one plan, as sampling_options.default_options(ephemeral=True))."""
-        return cls.from_plan(build_sampling_plan(seqs, vocab_size, eos_token_ids, options=options), device)
-
-    @classmethod
     def from_plan(cls, plan: SamplingPlan, device: torch.device, prev_tokens=None,
                   columns: ColumnCache | None = None, states: dict | None = None) -> "SamplingTensors":
         """The plan's lists as device tensors (rank 0). `prev_tokens`: the tokens of the step in
         flight, on the device, which the options may read. `columns`: where the per-row option
         columns of the last step are kept (the runner's; None: made anew). `states`: the options'
         state on this rank, by name (the runner's; None: new, for a plan that sends all it names)."""
-        p, rank = plan, RankTensors(device, columns, states, prev_tokens)
-        t = cls(rank.column("temperatures", p.temperatures, torch.float32), all_greedy=p.all_greedy,
+        p, columns = plan, ColumnCache(device) if columns is None else columns
+        t = cls(columns.get("temperatures", p.temperatures, torch.float32), all_greedy=p.all_greedy,
                 any_greedy=p.any_greedy, plain=p.fused, seed=p.seed)
         if p.top_k is not None:
-            t.top_k, t.max_top_k = rank.column("top_k", p.top_k, torch.int64), p.max_top_k
+            t.top_k, t.max_top_k = columns.get("top_k", p.top_k, torch.int64), p.max_top_k
         if p.top_p is not None:
-            t.top_p = rank.column("top_p", p.top_p, torch.float32)
+            t.top_p = columns.get("top_p", p.top_p, torch.float32)
         if p.min_p is not None:
-            t.min_p = rank.column("min_p", p.min_p, torch.float32)
+            t.min_p = columns.get("min_p", p.min_p, torch.float32)
         if p.seeded_rows:
-            t.seeded_rows, t.seed_keys = rank.tensor(p.seeded_rows, torch.int64), rank.tensor(p.seed_keys, torch.int64)
+            t.seeded_rows = to_device(p.seeded_rows, torch.int64, device)
+            t.seed_keys = to_device(p.seed_keys, torch.int64, device)
         if p.lp_counts:
-            t.lp_rows = None if p.lp_rows is None else rank.tensor(p.lp_rows, torch.int64)
+            t.lp_rows = None if p.lp_rows is None else to_device(p.lp_rows, torch.int64, device)
             t.lp_rows_list = list(range(len(p.temperatures))) if p.lp_rows is None else p.lp_rows
             t.lp_counts, t.lp_max = p.lp_counts, p.lp_max
         if p.options:
+            rank = RankTensors(device, columns, states, prev_tokens)
             for payload in p.options:
                 payload.to_device(t, rank)
             stages = dict.fromkeys(s for payload in p.options if payload.edits for s in payload.stages)

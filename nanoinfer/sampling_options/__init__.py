@@ -11,7 +11,9 @@ logits processors. A plain request (temperature, top-k, top-p, min-p, seed, logp
 The grammar masks of structured outputs are one more option, in structured/grammar_option.py (30).
 """
 from nanoinfer.sampling.draw import SAMPLE
-from nanoinfer.sampling.stage import Stage
+from nanoinfer.sampling.option import Stage
+from nanoinfer.sampling.plan import build_sampling_plan
+from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.sampling_options.logits_processors import LogitsProcessors
 from nanoinfer.sampling_options.penalties import Penalties
 from nanoinfer.sampling_options.suppression import Suppression
@@ -32,3 +34,10 @@ def pipeline_of(options) -> tuple[Stage, ...]:
     those of the options its rows use: SamplingTensors.stages)."""
     stages = dict.fromkeys(s for option in options for s in option.stages)
     return (*sorted(stages, key=lambda s: s.order), SAMPLE)
+
+
+def tensors_for(seqs, vocab_size: int, eos_token_ids, device, options=None) -> SamplingTensors:
+    """A batch's SamplingTensors with no step in flight, every option made for this plan alone
+    (tests, benchmarks; `options`: others)."""
+    options = default_options(ephemeral=True) if options is None else options
+    return SamplingTensors.from_plan(build_sampling_plan(seqs, vocab_size, eos_token_ids, options=options), device)

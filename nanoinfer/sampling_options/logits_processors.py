@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoinfer.sampling.option import OptionPayload, PlanRows, RankTensors, SamplingOption
-from nanoinfer.sampling.stage import Stage
+from nanoinfer.sampling.option import OptionPayload, PlanRows, RankTensors, SamplingOption, Stage
 
 logger = logging.getLogger("nanoinfer")
 NAME = "logits_processors"
@@ -57,6 +56,7 @@ class ProcessorRows(OptionPayload):
 
 class LogitsProcessors(SamplingOption):
     name, stages = NAME, (PROCESSORS,)
+    off = {"has_token_constraints": False}  # (SamplingParams' flag: any per-token-id option)
 
     def uses(self, sp) -> bool:
         return bool(sp.logits_processors)

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoinfer.sampling.option import OptionPayload, PlanRows, RankTensors, SamplingOption
-from nanoinfer.sampling.stage import Stage
-from nanoinfer.utils.device_copy import tensor_to_device
+from nanoinfer.sampling.option import OptionPayload, PlanRows, RankTensors, SamplingOption, Stage
+from nanoinfer.utils.device_copy import tensor_to_device, to_device
 
 NAME = "penalties"
 
@@ -73,18 +72,19 @@ class PenaltyRows(OptionPayload):
         padded = torch.frombuffer(self.tokens, dtype=torch.int64).view(len(self.prompt_lens), -1)
         tokens = tensor_to_device(padded, rank.device) if rank.device.type == "cuda" else padded.clone()
         if self.late:  # a row's token still in flight goes after its host tokens
-            r, c, src = (rank.tensor(list(x), torch.int64) for x in zip(*self.late))
+            r, c, src = (to_device(list(x), torch.int64, rank.device) for x in zip(*self.late))
             tokens[r, c] = rank.prev_tokens.index_select(0, src).to(torch.int64)
         t.options[NAME] = PenaltyTensors(
-            None if self.rows is None else rank.tensor(self.rows, torch.int64), tokens,
-            rank.column("pen_prompt_lens", self.prompt_lens, torch.int64),
-            rank.column("presence", self.presence, torch.float32),
-            rank.column("frequency", self.frequency, torch.float32),
-            rank.column("repetition", self.repetition, torch.float32))
+            None if self.rows is None else to_device(self.rows, torch.int64, rank.device), tokens,
+            rank.columns.get("pen_prompt_lens", self.prompt_lens, torch.int64),
+            rank.columns.get("presence", self.presence, torch.float32),
+            rank.columns.get("frequency", self.frequency, torch.float32),
+            rank.columns.get("repetition", self.repetition, torch.float32))
 
 
 class Penalties(SamplingOption):
     name, stages = NAME, (PENALTIES,)
+    off = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
     def uses(self, sp) -> bool:
         return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0

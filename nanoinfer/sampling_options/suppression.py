@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoinfer.sampling.option import OptionPayload, PlanRows, RankTensors, SamplingOption
-from nanoinfer.sampling.stage import Stage
+from nanoinfer.sampling.option import OptionPayload, PlanRows, RankTensors, SamplingOption, Stage
 from nanoinfer.sampling_options.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling_options.constraint_store import CONSTRAINTS
+from nanoinfer.utils.device_copy import to_device
 
 NAME = "suppression"
 
@@ -43,12 +43,14 @@ class SuppressedTokens(OptionPayload):
     tokens: list[int]
 
     def to_device(self, t, rank: RankTensors) -> None:
-        t.options[NAME] = (rank.tensor(self.rows, torch.int64), rank.tensor(self.tokens, torch.int64))
+        t.options[NAME] = (to_device(self.rows, torch.int64, rank.device),
+                           to_device(self.tokens, torch.int64, rank.device))
 
 
 class Suppression(SamplingOption):
     """`registry`: the token constraints' (it indexes each request's bad words once)."""
     name, stages = NAME, (SUPPRESSION,)
+    off = {"min_tokens": 0, "has_token_constraints": False}  # (the flag: bad words among others)
 
     def __init__(self, registry: TokenConstraintRegistry):
         self.registry = registry

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoinfer.sampling.option import OptionPayload, PlanRows, RankTensors, SamplingOption
-from nanoinfer.sampling.stage import Stage
+from nanoinfer.sampling.option import OptionPayload, PlanRows, RankTensors, SamplingOption, Stage
 from nanoinfer.sampling_options.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling_options.constraint_store import CONSTRAINTS, StepConstraints, TokenConstraintStore
 from nanoinfer.sampling_options.suppression import SUPPRESSION
@@ -71,6 +70,7 @@ class TokenConstraintsOption(SamplingOption):
     """`ephemeral`: for one plan at a time (tests, benchmarks); `store`: the rank's store, when it
     is in this process (a draft model's: constraint_registry.py)."""
     name, stages = CONSTRAINTS, ConstraintRows.stages
+    off = {"has_token_constraints": False}  # (SamplingParams' flag: any per-token-id option)
 
     def __init__(self, ephemeral: bool = False, store: TokenConstraintStore | None = None):
         self.registry = TokenConstraintRegistry(ephemeral, store)

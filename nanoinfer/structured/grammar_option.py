@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoinfer.sampling.option import OptionPayload, PlanRows, RankTensors, SamplingOption
-from nanoinfer.sampling.stage import Stage
+from nanoinfer.sampling.option import OptionPayload, PlanRows, RankTensors, SamplingOption, Stage
 from nanoinfer.structured.grammar_state import fill_bitmasks
 from nanoinfer.structured.token_mask import apply_token_bitmask
-from nanoinfer.utils.device_copy import tensor_to_device
+from nanoinfer.utils.device_copy import tensor_to_device, to_device
 
 NAME = "structured_outputs"
 
@@ -39,7 +38,7 @@ class GrammarRows(OptionPayload):
     bitmask: bytes | None
 
     def to_device(self, t, rank: RankTensors) -> None:
-        t.grammar_rows = rank.tensor(self.rows, torch.int64)
+        t.grammar_rows = to_device(self.rows, torch.int64, rank.device)
         if self.bitmask is not None:  # (None: set_grammar_bitmask, after the forward's launch)
             words = torch.frombuffer(bytearray(self.bitmask), dtype=torch.int32).view(len(self.rows), -1)
             t.grammar_bitmask = tensor_to_device(words, rank.device)
@@ -47,6 +46,7 @@ class GrammarRows(OptionPayload):
 
 class GrammarOption(SamplingOption):
     name, stages = NAME, (GRAMMAR,)
+    off = {"has_token_constraints": False}  # (SamplingParams' flag: any per-token-id option)
 
     def uses(self, sp) -> bool:
         return sp.structured_outputs is not None
