@@ -63,7 +63,7 @@ class PlanRows:
 class SamplingOption:
     """An option's host side, one per engine (it may keep state: what the sampling rank holds)."""
     name = ""
-    stages = ()  # its Stages, as its payloads bring them (a full pipeline lists them: pipeline_of)
+    stages = ()  # its Stages, as its payloads bring them (the whole pipeline of a registered set)
     pending = False  # True: plan() is called even when no row uses the option (its state to send)
     # the SamplingParams fields uses() reads, and values with which it is False: a SamplingParams
     # whose fields all have them (a plain request) is not asked (one C-level read for all options)

@@ -2,8 +2,8 @@
 
 A step's pipeline is one ordered list of Stages (sampling/option.py): the per-request edits of the
 options its rows use (SamplingTensors.stages: each registered option's payload brings its own,
-placed in vLLM's order; sampling/option.py), each run only when some row uses it, then the end
-that picks the tokens. With every option registered (sampling_options/ and structured/):
+placed in vLLM's order), each run only when some row uses it, then the end that picks the tokens.
+With every option registered (sampling_options/ and structured/):
 
     raw logits --(logprobs of the rows that ask: log_softmax of the raw logits)
       -> logits_processors -> allowed_token_ids -> grammar bitmask -> bad words, min_tokens
