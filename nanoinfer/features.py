@@ -13,7 +13,7 @@ chosen here which waiting sequence may run.
     speculative    speculative/row_planner.py     with speculative_config
     statistics     metrics/stats.py        disable_log_stats=False (logged, LLM.stats, get_metrics)
     sampling       sampling_options/       always: logits processors, bad words and min_tokens, allowed
-                   structured/grammar_option.py   ids and logit_bias, penalties, grammar masks
+                                           ids and logit_bias, penalties, grammar masks
     priority       priority/order.py       the scheduler's order: by priority with
                                            scheduling_policy="priority" (else fcfs, refusing a priority)
 """
@@ -26,10 +26,10 @@ from nanoinfer.multimodal.feature import ImageFeature, ImageRankFeature
 from nanoinfer.priority.order import order_for
 from nanoinfer.pooling.feature import PoolingFeature, PoolingRankFeature, PoolingRefused
 from nanoinfer.sampling_options import default_options
+from nanoinfer.sampling_options.grammar import GrammarOption
 from nanoinfer.speculative.row_planner import SpeculativeRows
 from nanoinfer.speculative.speculator import build_speculator
 from nanoinfer.structured.feature import StructuredFeature
-from nanoinfer.structured.grammar_option import GrammarOption
 
 
 class FeatureComposition(Composition):

@@ -9,7 +9,7 @@ from nanoinfer.sampling.sampler import Route, Sampler, vocab_shard_sample
 from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.sampling_options import tensors_for
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.structured.grammar_option import GrammarRows
+from nanoinfer.sampling_options.grammar import GrammarRows
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 EOS = (7,)

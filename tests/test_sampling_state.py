@@ -32,7 +32,7 @@ BIG = 150_000
 
 def constraints(plan) -> ConstraintRows:
     """The plan's token constraints part (an empty one when it has none)."""
-    return plan.payload(ConstraintRows) or ConstraintRows([], [], None, None)
+    return plan.payload(CONSTRAINTS) or ConstraintRows([], [], None, None)
 
 
 class Rank:

@@ -14,7 +14,7 @@ import time
 from nanoinfer import LLM
 from nanoinfer.bench.random_model import make_random_model_dir
 from nanoinfer.bench.structured import params_for, workload
-import nanoinfer.structured.grammar_option as grammar_option
+import nanoinfer.sampling_options.grammar as grammar_option
 import nanoinfer.structured.step_masks as step_masks
 
 FRACTIONS = (0.0, 0.125, 1.0)

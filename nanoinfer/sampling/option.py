@@ -84,6 +84,7 @@ class SamplingOption:
 class OptionPayload:
     """A step's part of an option in the plan: plain lists and C arrays (it pickles cheaply)."""
     __slots__ = ()
+    name = ""  # its option's name (SamplingPlan.payload finds it by this)
     stages = ()  # the Stages that edit the logits (each runs when it applies)
     before_fused = False  # its edit is a token mask the fused kernel may follow (SamplingPlan.fused)
     eager = False  # it runs user code: the step samples (and may fail) at once

@@ -8,7 +8,7 @@ logits processors. A plain request (temperature, top-k, top-p, min-p, seed, logp
     suppression.py          min_tokens and bad words (40)
     penalties.py            repetition, frequency, presence (60)
 
-The grammar masks of structured outputs are one more option, in structured/grammar_option.py (30).
+    grammar.py              structured outputs' grammar masks (30), applied by token_mask.py
 """
 from nanoinfer.sampling.draw import SAMPLE
 from nanoinfer.sampling.option import Stage

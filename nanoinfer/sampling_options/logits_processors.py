@@ -45,7 +45,7 @@ PROCESSORS = Stage(NAME, lambda t: NAME in t.options, apply_processors, order=10
 @dataclass(slots=True)
 class ProcessorRows(OptionPayload):
     """(row, callables, prompt token ids, output token ids) per row that runs them."""
-    stages = (PROCESSORS,)
+    name, stages = NAME, (PROCESSORS,)
     eager = True
 
     rows: list[tuple]

@@ -58,7 +58,7 @@ PENALTIES = Stage(NAME, lambda t: NAME in t.options, apply_penalties, order=60)
 
 @dataclass(slots=True)
 class PenaltyRows(OptionPayload):
-    stages = (PENALTIES,)
+    name, stages = NAME, (PENALTIES,)
 
     rows: list[int] | None                 # None: every row
     tokens: array                          # [P, L] int64 ('q'), row-major, padded with -1

@@ -37,7 +37,7 @@ SUPPRESSION = Stage("bad_words, min_tokens", lambda t: NAME in t.options or _ban
 @dataclass(slots=True)
 class SuppressedTokens(OptionPayload):
     """logits[rows[j], tokens[j]] = -inf."""
-    stages = (SUPPRESSION,)
+    name, stages = NAME, (SUPPRESSION,)
 
     rows: list[int]
     tokens: list[int]

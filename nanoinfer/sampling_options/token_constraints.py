@@ -47,7 +47,7 @@ def rank_store(states: dict, device: torch.device) -> TokenConstraintStore:
 class ConstraintRows(OptionPayload):
     """Rows `rows` under keys `keys`; `new`: key -> TokenConstraints the rank has not got yet;
     `dropped`: keys no request uses any more (freed after this step)."""
-    stages = (ALLOWED_TOKENS, SUPPRESSION, LOGIT_BIAS)
+    name, stages = CONSTRAINTS, (ALLOWED_TOKENS, SUPPRESSION, LOGIT_BIAS)
 
     rows: list[int]
     keys: list[int]

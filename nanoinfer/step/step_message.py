@@ -102,9 +102,9 @@ class SamplingPlan:
         """An option runs user code (logits processors): the step samples, and reports, at once."""
         return self.options is not None and any(p.eager for p in self.options)
 
-    def payload(self, kind: type):
-        """The step's payload of this class, or None."""
-        return next((p for p in self.options or () if type(p) is kind), None)
+    def payload(self, name: str):
+        """The step's payload of the option named `name`, or None."""
+        return next((p for p in self.options or () if p.name == name), None)
 
 
 @dataclass(slots=True)

@@ -6,8 +6,6 @@ of strings or a grammar, and the OpenAI-server helpers around them (response_for
     compiler.py       one GrammarCompiler per engine, compiled grammars cached by spec digest (bounded in bytes)
     intake.py         a request's grammar: a cache hit at once, else compiled in an intake thread
     grammar_state.py  one GrammarMatcher per sequence, advanced when a step's masks are filled
-    grammar_option.py the sampling option: a step's grammar rows and masks, applied to the logits
-    token_mask.py     a packed token bitmask applied to logits
     step_masks.py     a step's masks filled while its forward runs
     feature.py        the engine hooks: intake, and a step's masks between its launch and its sampling
     openai.py         response_format / vLLM extra fields / tools + tool_choice -> StructuredOutputsParams

@@ -3,9 +3,10 @@ or compiled in an intake thread (intake.py); a step whose sampling plan leaves i
 to the engine (one rank: `masks_later`) is launched up to its logits, its masks filled once the step
 before it is processed, and it samples before the next forward or its collect (step_masks.py)."""
 from nanoinfer.step.feature import EngineFeature, Intake
-from nanoinfer.structured.grammar_option import GrammarRows
 from nanoinfer.structured.intake import GrammarIntake
 from nanoinfer.structured.step_masks import AwaitingMasks, StepMasks
+
+GRAMMAR_OPTION = "structured_outputs"  # the sampling option of the grammar masks (sampling_options/grammar.py)
 
 
 class StructuredFeature(EngineFeature):
@@ -30,7 +31,7 @@ class StructuredFeature(EngineFeature):
                 intake.work.append(grammar)
 
     def encode(self, batch, step, sample, sampling_seqs):
-        grammar = sample.plan.payload(GrammarRows)
+        grammar = sample.plan.payload(GRAMMAR_OPTION)
         if grammar is not None and grammar.bitmask is None:
             return AwaitingMasks([sampling_seqs[i] for i in grammar.rows], sample.plan.eager)
         return None

@@ -6,7 +6,7 @@ lives exactly as long as the sequence: a finished or aborted sequence that the e
 its matcher with it. It advances lazily, when its next token's bitmask is filled: by the engine
 once the step is launched up to its logits and the step before it has been processed
 (structured/step_masks.py), so the host has every earlier token; with tensor parallelism, when
-the sampling plan is built (grammar_option.py), the scheduler running a structured request only
+the sampling plan is built (sampling_options/grammar.py), the scheduler running a structured request only
 with no token in flight. It is fed the tokens it has not seen. Preemption (recompute) keeps the
 tokens, so it keeps the state.
 """

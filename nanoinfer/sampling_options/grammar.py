@@ -1,9 +1,12 @@
 """Structured outputs' part of sampling, a per-request option (sampling/option.py): the rows a
 grammar constrains and their next-token bitmasks, applied to the logits after allowed_token_ids.
+(Here, not in structured/, which the API's SamplingParams imports: so structured/ needs nothing of
+the sampling core, and the feature finds the plan's rows by the option's name.)
 
-Each row's matcher advances over its new tokens, then fills its mask (grammar_state.py): when the
-plan is built (tensor parallelism), or, with `masks_later` (one rank), by the engine once the
-forward is launched (step_masks.py): the plan then names the rows and leaves the bitmask None. The
+Each row's matcher advances over its new tokens, then fills its mask (structured/grammar_state.py):
+when the plan is built (tensor parallelism), or, with `masks_later` (one rank), by the engine once
+the forward is launched (structured/step_masks.py): the plan then names the rows and leaves the
+bitmask None. The
 masks are the sampling rank's token mask (SamplingTensors.grammar_rows, grammar_bitmask), which the
 fused kernel may follow.
 """
@@ -12,11 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from nanoinfer.sampling.option import OptionPayload, PlanRows, RankTensors, SamplingOption, Stage
+from nanoinfer.sampling_options.token_mask import apply_token_bitmask
+from nanoinfer.structured.feature import GRAMMAR_OPTION
 from nanoinfer.structured.grammar_state import fill_bitmasks
-from nanoinfer.structured.token_mask import apply_token_bitmask
 from nanoinfer.utils.device_copy import tensor_to_device, to_device
 
-NAME = "structured_outputs"
+NAME = GRAMMAR_OPTION
 
 
 def apply_grammar(logits: torch.Tensor, t) -> None:
@@ -31,7 +35,7 @@ GRAMMAR = Stage(NAME, lambda t: t.grammar_rows is not None, apply_grammar, order
 class GrammarRows(OptionPayload):
     """The rows a grammar constrains; their next-token bitmasks, [G, ceil(V / 32)] int32 words
     (None: given after the forward's launch)."""
-    stages = (GRAMMAR,)
+    name, stages = NAME, (GRAMMAR,)
     before_fused = True
 
     rows: list[int]
