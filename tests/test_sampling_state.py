@@ -151,6 +151,19 @@ def test_a_registry_beside_its_store_reads_what_it_holds():
     assert not store.held
 
 
+def test_one_token_bad_words_need_no_host_tokens():
+    """A row with min_tokens and a one-token bad word (a constraint kept on the sampling rank) is
+    planned while its previous token is still in flight: EOS and the word are suppressed."""
+    sp = SamplingParams(temperature=0, min_tokens=5, bad_words=["w"])
+    sp.bad_words_token_ids = [[4]]
+    seq = FakeSeq(sp, output=[1])
+    seq.num_inflight = 2  # this step's sample and the previous step's token
+    plan = build_sampling_plan([seq], 20, EOS, samples=[True], options=default_options(ephemeral=True))
+    logits = torch.zeros(1, 20)
+    logits[0, [4, 7]], logits[0, 9] = 10.0, 5.0
+    assert sample_logits(logits, SamplingTensors.from_plan(plan, CPU))[0].tolist() == [9]
+
+
 def test_bad_word_index_follows_vllms_rule():
     """A word's last token is banned when the output ends with the tokens before it (a one-token
     word always: those are sent as constraints), compared with the rule written out per word."""

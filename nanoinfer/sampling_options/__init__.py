@@ -7,8 +7,8 @@ logits processors. A plain request (temperature, top-k, top-p, min-p, seed, logp
                             the sampling rank by key (constraint_registry.py, constraint_store.py)
     suppression.py          min_tokens and bad words (40)
     penalties.py            repetition, frequency, presence (60)
-
-    grammar.py              structured outputs' grammar masks (30), applied by token_mask.py
+    grammar.py              structured outputs' grammar masks (30), applied by token_mask.py;
+                            registered beside default_options (features.py)
 """
 from nanoinfer.sampling.draw import SAMPLE
 from nanoinfer.sampling.option import Stage

@@ -6,9 +6,8 @@ the sampling core, and the feature finds the plan's rows by the option's name.)
 Each row's matcher advances over its new tokens, then fills its mask (structured/grammar_state.py):
 when the plan is built (tensor parallelism), or, with `masks_later` (one rank), by the engine once
 the forward is launched (structured/step_masks.py): the plan then names the rows and leaves the
-bitmask None. The
-masks are the sampling rank's token mask (SamplingTensors.grammar_rows, grammar_bitmask), which the
-fused kernel may follow.
+bitmask None. The masks are the sampling rank's token mask (SamplingTensors.grammar_rows,
+grammar_bitmask), which the fused kernel may follow.
 """
 from dataclasses import dataclass
 

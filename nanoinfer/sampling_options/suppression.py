@@ -66,7 +66,7 @@ class Suppression(SamplingOption):
             ids = ()
             if sp.min_tokens and ctx.generated(i) < sp.min_tokens:
                 ids = sp.stop_token_ids if sp.ignore_eos else ctx.eos + sp.stop_token_ids
-            if sp.bad_words_token_ids:
+            if sp._has_multi_token_bad_words():  # (one-token words are token constraints)
                 ctx.check_host_tokens(i)
                 ids = [*ids, *self.registry.banned_after(sp, seq.token_ids, seq.num_prompt_tokens)]
             out_rows.extend([i] * len(ids))
