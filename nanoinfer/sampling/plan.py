@@ -99,7 +99,8 @@ def _static_options(sp, vocab_size: int, options, off) -> tuple:
     used = None
     if options and (off is None or off[0](sp) != off[1]):
         used = [o for o in options if o.uses(sp)] or None
-    return (0.0 if greedy else float(sp.temperature), k, float(sp.top_p), float(sp.min_p),
+    # (SamplingParams stores temperature, top_p and min_p as floats)
+    return (0.0 if greedy else sp.temperature, k, sp.top_p, sp.min_p,
             not greedy and k != TOP_K_OFF, not greedy and sp.top_p < 1.0, not greedy and sp.min_p > 0.0, dynamic, used)
 
 
