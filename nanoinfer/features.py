@@ -13,6 +13,8 @@ chosen here which waiting sequence may run.
     prompt logprobs  prompt_logprobs/feature.py  always (a request may ask), on the ranks too
     speculative    speculative/row_planner.py     with speculative_config
     statistics     metrics/stats.py        disable_log_stats=False (logged, LLM.stats, get_metrics)
+    sampling       sampling_options/       always: logits processors, bad words and min_tokens, allowed
+                                           ids and logit_bias, penalties, grammar masks
     priority       priority/order.py       the scheduler's order: by priority with
                                            scheduling_policy="priority" (else fcfs, refusing a priority)
 """
@@ -25,6 +27,8 @@ from nanoinfer.multimodal.feature import ImageFeature, ImageRankFeature
 from nanoinfer.priority.order import order_for
 from nanoinfer.pooling.feature import PoolingFeature, PoolingRankFeature, PoolingRefused
 from nanoinfer.prompt_logprobs.feature import PromptLogprobsFeature, PromptLogprobsRankFeature
+from nanoinfer.sampling_options import default_options
+from nanoinfer.sampling_options.grammar import GrammarOption
 from nanoinfer.speculative.row_planner import SpeculativeRows
 from nanoinfer.speculative.speculator import build_speculator
 from nanoinfer.structured.feature import StructuredFeature
@@ -48,6 +52,9 @@ class FeatureComposition(Composition):
         if not config.disable_log_stats:
             features.append(StatLogger())  # logged every few seconds
         return features
+
+    def sampling_options(self) -> list:
+        return default_options() + [GrammarOption()]
 
     def admission(self, config):
         return AdapterAdmission(config.max_loras) if config.enable_lora else None

@@ -9,7 +9,8 @@ from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.features import FeatureComposition
 
 FEATURE_PACKAGES = ("lora", "spec", "speculative", "structured", "pooling", "multimodal", "quant", "prompt_logprobs",
-                    "data_parallel", "serve", "priority", "metrics", "expert_parallel")
+                    "data_parallel", "serve", "priority", "metrics", "expert_parallel", "sampling_options",
+                    "batch_invariant")
 
 
 def test_the_core_imports_no_feature_package():

@@ -7,18 +7,21 @@ import torch
 from nanoinfer.step.step_message import TokenLogprobs
 from nanoinfer.sampling.draw import SAMPLE
 from nanoinfer.sampling.noise import hashed_exponential, seed_keys
-from nanoinfer.sampling.pipeline import PIPELINE, logprobs_to_host, sample_logits
-from nanoinfer.sampling.stage import Stage
-from nanoinfer.sampling.stages import ALLOWED_TOKENS, apply_penalties
-from nanoinfer.sampling.tensors import SamplingTensors
+from nanoinfer.features import FeatureComposition
+from nanoinfer.sampling.pipeline import logprobs_to_host, sample_logits
+from nanoinfer.sampling.option import Stage
+from nanoinfer.sampling_options import pipeline_of, tensors_for
+from nanoinfer.sampling_options.penalties import apply_penalties
+from nanoinfer.sampling_options.token_constraints import ALLOWED_TOKENS
 from nanoinfer.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 EOS = (7,)
+PIPELINE = pipeline_of(FeatureComposition().sampling_options())  # every registered option's stages, then SAMPLE
 
 
 class FakeSeq:
-    """What SamplingTensors.build reads from a Sequence."""
+    """What tensors_for (the sampling plan) reads from a Sequence."""
 
     def __init__(self, sp, prompt=(1, 2, 3), output=()):
         self.sampling_params = sp
@@ -38,7 +41,7 @@ def sample(logits, seqs, eos=EOS):
 
 def sample_with_logprobs(logits, seqs, eos=EOS, pipeline=PIPELINE):
     """(token ids, per row its TokenLogprobs or None; None when no row asked)."""
-    t = SamplingTensors.build(seqs, logits.shape[1], eos, CPU)
+    t = tensors_for(seqs, logits.shape[1], eos, CPU)
     tokens, lp = sample_logits(logits, t, pipeline)
     return tokens.tolist(), None if lp is None else logprobs_to_host(t, len(seqs), lp)
 
@@ -185,9 +188,9 @@ def test_fast_path_leaves_logits_alone():
     before = logits.clone()
     sample(logits, [FakeSeq(SamplingParams(repetition_penalty=1.5, min_tokens=3, top_k=4))] * 4)
     assert torch.equal(logits, before)
-    t = SamplingTensors.build([FakeSeq(SamplingParams())] * 4, 50, EOS, CPU)
-    assert t.top_k is None and t.top_p is None and t.min_p is None and t.pen_tokens is None
-    assert t.seeded_rows is None and t.suppress_rows is None and t.lp_max is None
+    t = tensors_for([FakeSeq(SamplingParams())] * 4, 50, EOS, CPU)
+    assert t.top_k is None and t.top_p is None and t.min_p is None and not t.options  # (no penalties)
+    assert t.seeded_rows is None and not t.stages and t.lp_max is None  # (nothing suppressed)
 
 
 def test_penalties_match_direct_computation():
@@ -201,7 +204,7 @@ def test_penalties_match_direct_computation():
     outputs = [[3, 20, 20, 21], [5, 5], [6, 30, 30, 30, 31], [8]]
     seqs = [FakeSeq(sp, p, o) for sp, p, o in zip(params, prompts, outputs)]
     logits = torch.randn(4, Vp) * 3
-    t = SamplingTensors.build(seqs, Vp, EOS, CPU)
+    t = tensors_for(seqs, Vp, EOS, CPU)
     got = logits.clone()
     apply_penalties(got, t)
     want = logits.clone()
@@ -257,12 +260,12 @@ def test_logprobs_are_raw_log_softmax():
 def test_plain_fast_path_only_without_token_constraints():
     """The fused CUDA kernel serves plain batches; each token-id feature turns it off."""
     plain = [FakeSeq(SamplingParams(temperature=0.7)), FakeSeq(SamplingParams(temperature=0))]
-    assert SamplingTensors.build(plain, 50, EOS, CPU).plain
+    assert tensors_for(plain, 50, EOS, CPU).plain
     sp_bad = SamplingParams(bad_words=["x"])
     sp_bad.bad_words_token_ids = [[4]]
     for sp in (SamplingParams(logit_bias={3: 1.0}), SamplingParams(allowed_token_ids=[3]), sp_bad,
                SamplingParams(logits_processors=[lambda ids, row: row])):
-        assert not SamplingTensors.build(plain + [FakeSeq(sp)], 50, EOS, CPU).plain, sp
+        assert not tensors_for(plain + [FakeSeq(sp)], 50, EOS, CPU).plain, sp
 
 
 def test_logit_bias_allowed_and_bad_words_on_synthetic_logits():
@@ -404,7 +407,7 @@ def test_which_steps_sample_inside_the_decode_graphs():
     def decision(step=None, args=None, prompt_logprobs=None, world_size=1, device=cuda, **params):
         step = step or StepInput(2, [5, 9], [1, 1], [3, 4], [[0], [1]])
         seqs = [FakeSeq(SamplingParams(**params)), FakeSeq(SamplingParams(**params))]
-        args = args or SamplingTensors.build(seqs, 32, EOS, CPU)
+        args = args or tensors_for(seqs, 32, EOS, CPU)
         sample = SampleInput(None, prompt_logprobs)
         return Sampler(None, 0, world_size, device).fused_in_graph(step, sample, args)
 
@@ -416,6 +419,6 @@ def test_which_steps_sample_inside_the_decode_graphs():
     short = StepInput(2, [5, 9], [1, 1], [3, 4], [[0], [1]], sample_rows=[1])
     assert not decision(step=short, temperature=0.7)
     assert not decision(temperature=0.7, prompt_logprobs=PromptLogprobsRequest([], [], 0))
-    grammar = SamplingTensors.build([FakeSeq(SamplingParams(temperature=0.7))] * 2, 32, EOS, CPU)
+    grammar = tensors_for([FakeSeq(SamplingParams(temperature=0.7))] * 2, 32, EOS, CPU)
     grammar.grammar_rows = torch.tensor([0])
     assert not decision(args=grammar)

@@ -5,9 +5,12 @@ import torch
 from nanoinfer.engine.graph_runner import StepForward
 from nanoinfer.prompt_logprobs.rows import PromptLogprobsRequest
 from nanoinfer.step.step_message import PlainSample, SampleInput, SamplingPlan, StepInput
+from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling.sampler import Route, Sampler, vocab_shard_sample
 from nanoinfer.sampling.tensors import SamplingTensors
+from nanoinfer.sampling_options import tensors_for
 from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_options.grammar import GrammarRows
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 EOS = (7,)
@@ -27,7 +30,7 @@ def decode_step(**fields) -> StepInput:
 
 
 def tensors(**params) -> SamplingTensors:
-    return SamplingTensors.build([FakeSeq(SamplingParams(**params))] * 2, 32, EOS, CPU)
+    return tensors_for([FakeSeq(SamplingParams(**params))] * 2, 32, EOS, CPU)
 
 
 def test_each_step_takes_one_route():
@@ -77,8 +80,9 @@ class CountingGraphs:
 
 def test_a_step_awaiting_its_bitmask_samples_the_logits_its_launch_computed():
     sampler = Sampler(OneRankHead(), 0, 1, CPU)
-    args = tensors(temperature=0)
-    args.grammar_rows = torch.tensor([1])
+    plan = build_sampling_plan([FakeSeq(SamplingParams(temperature=0))] * 2, 32, EOS)
+    plan.options = [GrammarRows([1], None)]  # (row 1's mask: after the launch)
+    args = SamplingTensors.from_plan(plan, CPU)
     logits = torch.zeros(2, 32)
     logits[:, 5] = 1.0  # the argmax, which row 1's grammar forbids: it gets 9, the best it allows
     logits[:, 9] = 0.5

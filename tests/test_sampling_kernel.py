@@ -10,7 +10,7 @@ import triton.language as tl
 from nanoinfer.kernels.sampling import _log_exponential, sample_gumbel_argmax
 from nanoinfer.sampling import pipeline as pipeline_mod
 from nanoinfer.sampling.pipeline import sample_logits
-from nanoinfer.sampling.tensors import SamplingTensors
+from nanoinfer.sampling_options import tensors_for
 from nanoinfer.sampling_params import SamplingParams
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,7 +172,7 @@ class FakeSeq:
 
 
 def build(params, output=()):
-    return SamplingTensors.build([FakeSeq(sp, output) for sp in params], 100, (7,), torch.device("cpu"))
+    return tensors_for([FakeSeq(sp, output) for sp in params], 100, (7,), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("params, plain", [
@@ -211,13 +211,13 @@ def test_pipeline_uses_the_kernel_on_cuda_only(monkeypatch):
     if DEV != "cuda":
         return
     seqs = [FakeSeq(SamplingParams(temperature=0 if i % 2 else 0.8)) for i in range(4)]
-    plain = SamplingTensors.build(seqs, 100, (7,), torch.device(DEV))
+    plain = tensors_for(seqs, 100, (7,), torch.device(DEV))
     tokens, lp = sample_logits(logits.to(DEV), plain)
     assert len(calls) == 1 and lp is None and tokens[1::2].tolist() == logits[1::2].argmax(-1).tolist()
     again = sample_logits(logits.to(DEV), plain)[0]  # (the plan's seed, drawn when it was built: reproducible)
     assert torch.equal(again, sample_logits(logits.to(DEV), plain)[0])
     calls.clear()
-    filtered = SamplingTensors.build([FakeSeq(SamplingParams(top_k=3))] * 4, 100, (7,), torch.device(DEV))
+    filtered = tensors_for([FakeSeq(SamplingParams(top_k=3))] * 4, 100, (7,), torch.device(DEV))
     sample_logits(logits.to(DEV), filtered)
     assert not calls
 

@@ -1,5 +1,5 @@
-"""Per-request token constraints kept on the sampling rank's device (sampling/constraint_registry.py,
-sampling/constraint_store.py): built once, sent once, named by key, freed with their request; and
+"""Per-request token constraints kept on the sampling rank's device (sampling_options/
+constraint_registry.py, constraint_store.py): built once, sent once, named by key, freed with their request; and
 rows that cannot sample (every token masked, a raising logits processor) fail their request alone."""
 import copy
 import gc
@@ -13,11 +13,13 @@ import torch
 from nanoinfer import LLM
 from nanoinfer.kernels.sampling import NON_FINITE
 from nanoinfer.sampling.column_cache import ColumnCache
-from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry, banned_after, bad_word_index
-from nanoinfer.sampling.constraint_store import TokenConstraintStore
 from nanoinfer.sampling.pipeline import sample_logits
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling.tensors import SamplingTensors
+from nanoinfer.sampling_options import default_options, tensors_for
+from nanoinfer.sampling_options.constraint_registry import banned_after, bad_word_index
+from nanoinfer.sampling_options.constraint_store import CONSTRAINTS, TokenConstraintStore
+from nanoinfer.sampling_options.token_constraints import ConstraintRows, TokenConstraintsOption
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 from test_sampler import FakeSeq
@@ -28,17 +30,28 @@ V = 151936
 BIG = 150_000
 
 
+def constraints(plan) -> ConstraintRows:
+    """The plan's token constraints part (an empty one when it has none)."""
+    return plan.payload(CONSTRAINTS) or ConstraintRows([], [], None, None)
+
+
 class Rank:
-    """The engine's registry and the sampling rank's store and columns, as a runner pairs them."""
+    """The engine's options (their registry) and the sampling rank's store and columns, as a runner
+    pairs them."""
 
     def __init__(self):
-        self.registry, self.store, self.columns = TokenConstraintRegistry(), TokenConstraintStore(CPU), ColumnCache(CPU)
+        self.options, self.states, self.columns = default_options(), {}, ColumnCache(CPU)
+        self.registry = next(o.registry for o in self.options if isinstance(o, TokenConstraintsOption))
+
+    @property
+    def store(self) -> TokenConstraintStore:
+        return self.states[CONSTRAINTS]
 
     def plan(self, seqs):
-        return build_sampling_plan(seqs, V, EOS, constraints=self.registry)
+        return build_sampling_plan(seqs, V, EOS, options=self.options)
 
     def tensors(self, plan):
-        return SamplingTensors.from_plan(plan, CPU, None, self.columns, self.store)
+        return SamplingTensors.from_plan(plan, CPU, None, self.columns, self.states)
 
 
 def batch(bias: dict, requests: int = 16, n: int = 2) -> list[FakeSeq]:
@@ -74,29 +87,29 @@ def test_the_plan_carries_a_requests_constraints_once():
     first = rank.plan(seqs)
     rank.tensors(first)
     second = rank.plan(seqs)
-    assert len(first.new_constraints) == 2 and second.new_constraints is None
-    assert second.constraint_rows == [0, 1, 2, 3] and second.constraint_keys == first.constraint_keys
+    assert len(constraints(first).new) == 2 and constraints(second).new is None
+    assert constraints(second).rows == [0, 1, 2, 3] and constraints(second).keys == constraints(first).keys
     assert len(pickle.dumps(second)) < 2000 < BIG < len(pickle.dumps(first))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_constraints_match_the_plan_that_sent_them_all(device):
     """Tokens sampled with a registry's keys equal those of a plan that sends everything
-    (SamplingTensors.build), step after step, as rows join and leave, seeded rows included."""
+    (tensors_for), step after step, as rows join and leave, seeded rows included."""
     device = torch.device(device)
     torch.manual_seed(0)
     sps = [SamplingParams(temperature=0, logit_bias={5: 30.0, 9: -100.0}),
            SamplingParams(temperature=0.9, seed=4, allowed_token_ids=[2, 4, 6, 8], logit_bias={4: 0.3}),
            SamplingParams(temperature=0), SamplingParams(temperature=0, bad_words=["w"])]
     sps[3].bad_words_token_ids = [[11], [12], [4, 13]]
-    registry, store, columns = TokenConstraintRegistry(), TokenConstraintStore(device), ColumnCache(device)
+    options, states, columns = default_options(), {}, ColumnCache(device)
     for step in range(6):
         seqs = [FakeSeq(sps[i], output=[4] * (step % 2)) for i in range(len(sps)) if (i + step) % 3]
         logits = torch.randn(len(seqs), 40, device=device)
         logits[:, 11:14] += 20.0
-        want, _ = sample_logits(logits, SamplingTensors.build(seqs, 40, EOS, device))
+        want, _ = sample_logits(logits, tensors_for(seqs, 40, EOS, device))
         got, _ = sample_logits(logits, SamplingTensors.from_plan(
-            build_sampling_plan(seqs, 40, EOS, constraints=registry), device, None, columns, store))
+            build_sampling_plan(seqs, 40, EOS, options=options), device, None, columns, states))
         assert got.tolist() == want.tolist()
 
 
@@ -104,15 +117,15 @@ def test_constraints_are_freed_with_their_params_and_resent_after_an_unscheduled
     rank = Rank()
     sp = SamplingParams(logit_bias={3: 1.0})
     plan = rank.plan([FakeSeq(sp)])
-    [key] = plan.new_constraints
+    [key] = constraints(plan).new
     rank.registry.unschedule()  # the step was not launched: the next plan sends them again
     plan = rank.plan([FakeSeq(sp)])
-    assert list(plan.new_constraints) == [key]
+    assert list(constraints(plan).new) == [key]
     rank.tensors(plan)
     assert key in rank.store.held
     sp.logit_bias = {4: 1.0}  # a field replaced: a new key, the old one dropped
     plan = rank.plan([FakeSeq(sp)])
-    assert plan.dropped_constraints == [key] and list(plan.new_constraints) != [key]
+    assert constraints(plan).dropped == [key] and list(constraints(plan).new) != [key]
     rank.tensors(plan)
     del sp, plan
     gc.collect()
@@ -124,18 +137,31 @@ def test_a_registry_beside_its_store_reads_what_it_holds():
     """A draft model's registry reads its in-process store: a plan whose launch failed before the
     store got it is sent again without unschedule(); a dropped key is freed at once."""
     store = TokenConstraintStore(CPU)
-    registry = TokenConstraintRegistry(store=store)
+    options = default_options(store=store)
     sp = SamplingParams(allowed_token_ids=[3, 4])
-    plan = build_sampling_plan([FakeSeq(sp)], V, EOS, constraints=registry)  # (never launched)
-    plan = build_sampling_plan([FakeSeq(sp)], V, EOS, constraints=registry)
-    [key] = plan.new_constraints
-    SamplingTensors.from_plan(plan, CPU, None, None, store)
-    assert build_sampling_plan([FakeSeq(sp)], V, EOS, constraints=registry).new_constraints is None
+    plan = build_sampling_plan([FakeSeq(sp)], V, EOS, options=options)  # (never launched)
+    plan = build_sampling_plan([FakeSeq(sp)], V, EOS, options=options)
+    [key] = constraints(plan).new
+    SamplingTensors.from_plan(plan, CPU, None, None, {CONSTRAINTS: store})
+    assert constraints(build_sampling_plan([FakeSeq(sp)], V, EOS, options=options)).new is None
     del sp, plan
     gc.collect()
     assert key in store.held
-    assert build_sampling_plan([FakeSeq(SamplingParams())], V, EOS, constraints=registry).dropped_constraints is None
+    assert constraints(build_sampling_plan([FakeSeq(SamplingParams())], V, EOS, options=options)).dropped is None
     assert not store.held
+
+
+def test_one_token_bad_words_need_no_host_tokens():
+    """A row with min_tokens and a one-token bad word (a constraint kept on the sampling rank) is
+    planned while its previous token is still in flight: EOS and the word are suppressed."""
+    sp = SamplingParams(temperature=0, min_tokens=5, bad_words=["w"])
+    sp.bad_words_token_ids = [[4]]
+    seq = FakeSeq(sp, output=[1])
+    seq.num_inflight = 2  # this step's sample and the previous step's token
+    plan = build_sampling_plan([seq], 20, EOS, samples=[True], options=default_options(ephemeral=True))
+    logits = torch.zeros(1, 20)
+    logits[0, [4, 7]], logits[0, 9] = 10.0, 5.0
+    assert sample_logits(logits, SamplingTensors.from_plan(plan, CPU))[0].tolist() == [9]
 
 
 def test_bad_word_index_follows_vllms_rule():
@@ -172,7 +198,7 @@ def test_rows_left_without_a_token_are_marked_and_the_others_sample():
     logits = torch.randn(3, 20)
     seqs = [FakeSeq(banned), FakeSeq(SamplingParams(temperature=0)),
             FakeSeq(SamplingParams(temperature=0, logits_processors=[boom]))]
-    tokens, _ = sample_logits(logits, SamplingTensors.build(seqs, 20, EOS, CPU))
+    tokens, _ = sample_logits(logits, tensors_for(seqs, 20, EOS, CPU))
     assert tokens.tolist() == [NON_FINITE, int(logits[1].argmax()), NON_FINITE]
 
 
@@ -201,7 +227,7 @@ def test_the_engine_frees_constraints_of_finished_and_aborted_requests(llm):
     del outs, params
     gc.collect()
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
-    assert not llm.model_runner.sampler.constraints.held
+    assert not llm.model_runner.sampler.option_states[CONSTRAINTS].held
 
 
 def test_allowed_ids_that_exclude_the_grammar_fail_the_request(llm):

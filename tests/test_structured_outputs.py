@@ -360,6 +360,7 @@ def test_plan_carries_bitmasks_of_sampling_rows_only(engines):
 
     from nanoinfer.step.sequence import Sequence
     from nanoinfer.sampling.plan import build_sampling_plan
+    from nanoinfer.sampling_options.grammar import NAME, GrammarOption
     from nanoinfer.structured.grammar_state import BATCH_FILL_MIN_ROWS, GrammarState, bitmask_width, fill_bitmasks
 
     llm = engines()
@@ -372,12 +373,14 @@ def test_plan_carries_bitmasks_of_sampling_rows_only(engines):
     samples = [True, False, True, True]
     for seq, sampled in zip(seqs, samples):
         seq.num_inflight = int(sampled)  # (as the scheduler counts a scheduled sample)
-    plan = build_sampling_plan(seqs, vocab, llm.eos_token_ids, samples=samples)
+    options = [GrammarOption()]
+    plan = build_sampling_plan(seqs, vocab, llm.eos_token_ids, samples=samples, options=options)
+    grammar = plan.payload(NAME)
     # not plain (rank 0 alone has the bitmask), fused: on CUDA the fused kernel samples after it
-    assert plan.grammar_rows == [0, 2] and not plan.plain and plan.fused and plan.seed is not None
-    assert len(plan.grammar_bitmask) == 2 * bitmask_width(vocab) * 4
-    assert pickle.loads(pickle.dumps(plan)).grammar_bitmask == plan.grammar_bitmask
-    assert build_sampling_plan(seqs[3:], vocab, llm.eos_token_ids).grammar_rows is None
+    assert grammar.rows == [0, 2] and not plan.plain and plan.fused and plan.seed is not None
+    assert len(grammar.bitmask) == 2 * bitmask_width(vocab) * 4
+    assert pickle.loads(pickle.dumps(plan)).payload(NAME).bitmask == grammar.bitmask
+    assert build_sampling_plan(seqs[3:], vocab, llm.eos_token_ids, options=options).payload(NAME) is None
     # many rows at different places in several grammars: the threaded fill equals one by one
     prefixes = {"json": ['', '{"name": "ab', '{"name": "a", "age": 1'], "regex": ['', 'ab', 'ab@cd.c'],
                 "choice": ['', 'Pa', 'São'], "grammar": ['', 'yes', 'no 1']}
@@ -429,7 +432,7 @@ def test_tensor_parallel_structured(tiny_qwen3):
 def test_bitmask_matches_xgrammar(vocab, width):
     """Our torch unpack (any device) against xgrammar's own apply on CPU; logits wider than the
     bitmask's vocabulary (padded) lose the extra columns."""
-    from nanoinfer.sampling.token_mask import apply_token_bitmask
+    from nanoinfer.sampling_options.token_mask import apply_token_bitmask
     from nanoinfer.structured.grammar_state import bitmask_width
 
     g = torch.Generator().manual_seed(0)
@@ -452,7 +455,7 @@ def test_bitmask_kernel_matches_the_torch_path(vocab, width, dtype):
     """The Triton kernel (the interpreter on CPU) equals the torch path: rows in any order, a row
     stride wider than the row, logits narrower or wider than the bitmask's vocabulary."""
     from nanoinfer.kernels.token_bitmask import apply_token_bitmask_triton
-    from nanoinfer.sampling.token_mask import apply_token_bitmask
+    from nanoinfer.sampling_options.token_mask import apply_token_bitmask
     from nanoinfer.structured.grammar_state import bitmask_width
 
     g = torch.Generator().manual_seed(1)
@@ -474,7 +477,7 @@ def test_bitmask_kernel_matches_the_torch_path(vocab, width, dtype):
 def test_structured_outputs_on_cuda(make_checkpoint, make_llm):
     """On the GPU (the bitmask copied and unpacked on the device, every sampling path): every kind
     matches in a batch mixed with unconstrained rows, sampled and greedy."""
-    from nanoinfer.sampling.token_mask import apply_token_bitmask
+    from nanoinfer.sampling_options.token_mask import apply_token_bitmask
 
     words = torch.randint(-2**31, 2**31 - 1, (3, 13), dtype=torch.int32)
     logits = torch.randn(4, 400)

@@ -1,7 +1,7 @@
 """Sampling micro-benchmark: the logits pipeline (sampling/pipeline.py) on 256 sequences x 151,936
 vocabulary (Qwen3), plain temperature sampling versus every feature on (penalties over 1k-token
 histories, top-k, top-p, min-p, min_tokens, seeds, logprobs). Times the device work
-(SamplingTensors.build on the host is timed separately).
+(the plan and its tensors, sampling_options.tensors_for, on the host are timed separately).
 
     python3 -m nanoinfer.bench.sampler [--batch 256] [--vocab 151936] [--history 1024] [--device cuda|cpu]
 """
@@ -11,7 +11,7 @@ import time
 import torch
 
 from nanoinfer.sampling.pipeline import logprobs_to_host, sample_logits
-from nanoinfer.sampling.tensors import SamplingTensors
+from nanoinfer.sampling_options import default_options, tensors_for
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -78,10 +78,11 @@ def main():
     print(f"{'config':<24}{'device ms':>12}{'build ms':>12}{'total ms':>12}")
     for name, params in configs.items():
         seqs = [FakeSeq(sp, half, args.history - half, V, gen) for sp in params]
-        t = SamplingTensors.build(seqs, V, eos, device)
+        options = default_options(ephemeral=True)
+        t = tensors_for(seqs, V, eos, device, options)
         device_ms = timeit(lambda: sample_logits(logits, t), device, iters)
-        build_ms = timeit(lambda: SamplingTensors.build(seqs, V, eos, device), device, iters)
-        total_ms = timeit(lambda: to_host(logits, SamplingTensors.build(seqs, V, eos, device)), device, iters)
+        build_ms = timeit(lambda: tensors_for(seqs, V, eos, device, options), device, iters)
+        total_ms = timeit(lambda: to_host(logits, tensors_for(seqs, V, eos, device, options)), device, iters)
         print(f"{name:<24}{device_ms:>12.3f}{build_ms:>12.3f}{total_ms:>12.3f}")
 
 

@@ -14,8 +14,7 @@ import time
 from nanoinfer import LLM
 from nanoinfer.bench.random_model import make_random_model_dir
 from nanoinfer.bench.structured import params_for, workload
-import nanoinfer.sampling.stages as stages
-import nanoinfer.structured.grammar_state as grammar_state
+import nanoinfer.sampling_options.grammar as grammar_option
 import nanoinfer.structured.step_masks as step_masks
 
 FRACTIONS = (0.0, 0.125, 1.0)
@@ -43,9 +42,9 @@ def main():
     args = p.parse_args()
 
     totals = {"fill": 0.0, "apply": 0.0}
-    _timed(grammar_state, "fill_bitmasks", totals, "fill")              # masks filled with the plan (tensor parallel)
+    _timed(grammar_option, "fill_bitmasks", totals, "fill")              # masks filled with the plan (tensor parallel)
     _timed(step_masks, "fill_bitmask_rows", totals, "fill")    # masks filled after the forward's launch
-    _timed(stages, "apply_token_bitmask", totals, "apply")
+    _timed(grammar_option, "apply_token_bitmask", totals, "apply")
     n = args.num_seqs
     llm = LLM(make_random_model_dir("tiny"), load_format="dummy", max_model_len=1024, max_num_seqs=n)
     try:

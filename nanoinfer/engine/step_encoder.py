@@ -6,7 +6,6 @@ import random
 from nanoinfer.engine.scheduler import ScheduledBatch
 from nanoinfer.step.row_planner import RowPlanner
 from nanoinfer.step.step_message import SampleInput, StepInput
-from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.plan import build_sampling_plan
 from nanoinfer.sampling.sampler import vocab_shard_sample
 
@@ -30,11 +29,12 @@ class StepEncoder:
     can sample their vocabulary shards (tensor parallelism on CUDA). features: the registered
     EngineFeatures, which add their parts to each step. masks_later: a plan leaves its token masks
     to the engine, which fills them after the forward's launch. rows: the step's row planner, which
-    expands its rows of several tokens into sampling rows."""
+    expands its rows of several tokens into sampling rows. sampling_options: the registered per-request
+    logits options (sampling/option.py), which plan their rows of each step."""
 
     def __init__(self, vocab_size: int, eos_token_ids, seeds: random.Random | None = None,
                  sample_on_shards: bool = False, features=(), masks_later: bool = False,
-                 rows: RowPlanner | None = None):
+                 rows: RowPlanner | None = None, sampling_options=()):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.seeds = seeds
@@ -44,14 +44,15 @@ class StepEncoder:
         self.rows = rows or RowPlanner()
         self.awaits: dict = {}  # the last step's: feature -> its state to complete before the step samples
         self.encoded: list = []  # the features that added their parts to the last step
-        self.constraints = TokenConstraintRegistry()  # the token constraints the sampling rank holds
+        self.sampling_options = sampling_options
 
     def unschedule(self):
         """The step last encoded was not launched."""
         for feature in self.encoded:
             feature.unschedule()
         self.encoded = []
-        self.constraints.unschedule()
+        for option in self.sampling_options:
+            option.unschedule()
 
     def encode(self, batch: ScheduledBatch, prev_rows: dict[int, int] | None) -> tuple[StepInput, SampleInput]:
         """The step's messages. `prev_rows`: sampled_rows() of the step still in flight, if any."""
@@ -61,7 +62,7 @@ class StepEncoder:
         if batch.drafts:  # rows of several tokens: one sampling row per query position
             seqs, samples, step.sample_rows = self.rows.sampling_rows(batch)
         plan = build_sampling_plan(seqs, self.vocab_size, self.eos_token_ids, samples, prev_rows, self.seeds,
-                                   self.masks_later, self.constraints)
+                                   self.masks_later, self.sampling_options)
         sample = SampleInput(plan)
         for feature in self.features:
             self.encoded.append(feature)

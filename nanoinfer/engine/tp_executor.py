@@ -164,7 +164,7 @@ class TensorParallelExecutor:
         plan = pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
         self._settle()
         self._launched = k = self._launched + 1
-        report_now = sample.plan.processors is not None
+        report_now = sample.plan.eager
         step_span, sample_span = (0, len(data)), (len(data), len(plan))
         self._call([Launch(k, prev, step_span, sample_span if rank == 0 else None, report_now)
                     for rank in range(self.world_size)], data + plan)

@@ -9,7 +9,7 @@ import torch
 
 from nanoinfer.sampling.noise import hashed_exponential
 from nanoinfer.sampling.plan import TOP_K_OFF
-from nanoinfer.sampling.stage import Stage, run_stages
+from nanoinfer.sampling.option import Stage
 from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.sampling_params import SAMPLING_EPS
 
@@ -44,18 +44,15 @@ def apply_top_k_top_p(x: torch.Tensor, t: SamplingTensors) -> None:
     x.masked_fill_(x < kth, neg_inf)
 
 
-# On logits / temperature, in this order.
-FILTERS = (
-    Stage("min_p", lambda t: t.min_p is not None, apply_min_p),
-    Stage("top_k, top_p", lambda t: t.top_k is not None or t.top_p is not None, apply_top_k_top_p),
-)
-
-
 def filtered_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """A new [B, V] tensor: logits / temperature (greedy rows at 1), then FILTERS (-inf = dropped)."""
+    """A new [B, V] tensor: logits / temperature (greedy rows at 1), then the filters the rows use,
+    in vLLM's order (-inf = dropped)."""
     temps = torch.where(t.temperatures < SAMPLING_EPS, 1.0, t.temperatures)
     x = logits / temps[:, None]
-    run_stages(FILTERS, x, t)
+    if t.min_p is not None:
+        apply_min_p(x, t)
+    if t.top_k is not None or t.top_p is not None:
+        apply_top_k_top_p(x, t)
     return x
 
 

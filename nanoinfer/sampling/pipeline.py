@@ -1,9 +1,9 @@
 """The logits pipeline: one step's logits [B, V] -> its tokens [B], all batched, on the device.
 
-PIPELINE is one ordered list of Stages (sampling/stage.py): the per-request edits in vLLM's order,
-each run only when some row uses it, then the end that picks the tokens. A feature adds an entry:
-a grammar bitmask (GRAMMAR, structured outputs) after ALLOWED_TOKENS. Speculative decoding needs no
-entry: each proposal position is a sampling row of its own (speculative/rows.py) and the host compares.
+A step's pipeline is one ordered list of Stages (sampling/option.py): the per-request edits of the
+options its rows use (SamplingTensors.stages: each registered option's payload brings its own,
+placed in vLLM's order), each run only when some row uses it, then the end that picks the tokens.
+With every option registered (sampling_options/ and structured/):
 
     raw logits --(logprobs of the rows that ask: log_softmax of the raw logits)
       -> logits_processors -> allowed_token_ids -> grammar bitmask -> bad words, min_tokens
@@ -12,28 +12,17 @@ entry: each proposal position is a sampling row of its own (speculative/rows.py)
 
 A step whose rows use temperature alone (SamplingTensors.plain) skips the list on CUDA: a fused
 Triton kernel (kernels/sampling.py) reads the logits once for temperature, noise and argmax, its
-noise seeded per step from the engine's generator; a grammar bitmask is applied just before it.
+noise seeded per step from the engine's generator; a token mask is applied just before it.
 """
 import torch
 
 from nanoinfer.kernels.sampling import NON_FINITE, sample_gumbel_argmax
 from nanoinfer.sampling.draw import SAMPLE
 from nanoinfer.sampling.logprobs import gather_logprobs, logprobs_to_host, raw_logprobs
-from nanoinfer.sampling.stage import Stage
-from nanoinfer.sampling.stages import ALLOWED_TOKENS, GRAMMAR, LOGIT_BIAS, PENALTIES, PROCESSORS, SUPPRESSION
+from nanoinfer.sampling.option import Stage
 from nanoinfer.sampling.tensors import SamplingTensors
 
-__all__ = ["PIPELINE", "sample_logits", "logprobs_to_host"]
-
-PIPELINE: tuple[Stage, ...] = (
-    PROCESSORS,
-    ALLOWED_TOKENS,
-    GRAMMAR,
-    SUPPRESSION,
-    LOGIT_BIAS,
-    PENALTIES,
-    SAMPLE,
-)
+__all__ = ["sample_logits", "logprobs_to_host"]
 
 
 def _stages_for(t: SamplingTensors, pipeline) -> list[Stage]:
@@ -62,25 +51,25 @@ def mark_non_finite_rows(logits: torch.Tensor, tokens: torch.Tensor,
 
 
 @torch.inference_mode()
-def sample_logits(logits: torch.Tensor, t: SamplingTensors, pipeline=PIPELINE) -> tuple[torch.Tensor, tuple | None]:
+def sample_logits(logits: torch.Tensor, t: SamplingTensors, pipeline=None) -> tuple[torch.Tensor, tuple | None]:
     """The sampled token ids [B] on the device (an int dtype), NON_FINITE for a row whose logits
-    hold a NaN or +inf (in the fused kernel: where the row's grammar allows) or nothing above -inf
-    (before or after the per-request edits), and the logprob tensors for logprobs_to_host (None when no row asked). The caller's logits are
-    left as they were."""
-    if logits.is_cuda and t.plain:
-        if t.grammar_rows is not None:  # the fused kernel samples what the grammar allows
-            logits = logits.clone()
-            GRAMMAR.run(logits, t)
-        return sample_gumbel_argmax(logits, t.temperatures, t.seed), None
-    todo = _stages_for(t, pipeline)
+    hold a NaN or +inf (in the fused kernel: where the row's token mask allows) or nothing above
+    -inf (before or after the per-request edits), and the logprob tensors for logprobs_to_host (None
+    when no row asked). `pipeline`: the stages (None: the step's, t.stages, then SAMPLE). The
+    caller's logits are left as they were."""
+    todo = _stages_for(t, pipeline or (*t.stages, SAMPLE))
+    fused = logits.is_cuda and t.plain  # (its only edit, if any: a token mask, applied first)
     raw = logits
-    logits = logits.float()
+    logits = logits if fused else logits.float()
     if logits is raw and len(todo) > 1:
         logits = logits.clone()  # edited in place by the stages: leave the caller's tensor alone
     lp = raw_logprobs(logits, t)
     for stage in todo[:-1]:
         stage.run(logits, t)
+    if fused:
+        return sample_gumbel_argmax(logits, t.temperatures, t.seed), None
     tokens = todo[-1].run(logits, t)
     logprobs = None if lp is None else gather_logprobs(lp, tokens, t)
     edited = logits if len(todo) > 1 else None
     return mark_non_finite_rows(raw, tokens.to(torch.int64), edited), logprobs
+

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from nanoinfer.step.step_message import PlainSample, SampleInput, StepInput
 from nanoinfer.kernels.sampling import gumbel_argmax_partials, pick_token
 from nanoinfer.sampling.column_cache import ColumnCache
-from nanoinfer.sampling.constraint_store import TokenConstraintStore
 from nanoinfer.sampling.pipeline import logprobs_to_host, sample_logits
 from nanoinfer.sampling.tensors import SamplingTensors
 
@@ -91,7 +90,7 @@ class Sampler:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.features = features
         self.columns = ColumnCache(device)  # the last step's per-row option tensors
-        self.constraints = TokenConstraintStore(device)  # the requests' token constraints, by key
+        self.option_states: dict = {}  # the sampling options' state on this rank (sampling/option.py)
         # one rank on CUDA: decode steps may sample inside the graphs (which then capture it)
         self.samples_in_graphs = world_size == 1 and device.type == "cuda"
 
@@ -100,7 +99,7 @@ class Sampler:
         late penalty entries read."""
         if sample is None:
             return None
-        return SamplingTensors.from_plan(sample.plan, self.device, prev_tokens, self.columns, self.constraints)
+        return SamplingTensors.from_plan(sample.plan, self.device, prev_tokens, self.columns, self.option_states)
 
     # ---- the dispatch ---------------------------------------------------------------------------
     def route(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None) -> Route:

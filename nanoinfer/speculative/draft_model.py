@@ -21,8 +21,9 @@ import torch
 from nanoinfer.config import Config
 from nanoinfer.engine.model_runner import ModelRunner
 from nanoinfer.step.step_message import SampleInput, SamplingPlan, StepInput
-from nanoinfer.sampling.constraint_registry import TokenConstraintRegistry
 from nanoinfer.sampling.plan import build_sampling_plan
+from nanoinfer.sampling_options import default_options
+from nanoinfer.sampling_options.token_constraints import rank_store
 from nanoinfer.sampling_params import SAMPLING_EPS
 from nanoinfer.speculative.device_inputs import DeviceTokens
 from nanoinfer.speculative.draft_chain import GreedyDraftChain
@@ -82,7 +83,8 @@ class DraftModelProposer(Proposer):
         self.vocab_size, self.eos_token_ids = config.hf_config.vocab_size, eos_token_ids  # (for sampling plans)
         self.seeds = random.Random(config.seed + 1)  # fused plans' noise seeds: not the target's
         self.runner = ModelRunner(dconf)
-        self.constraints = TokenConstraintRegistry(store=self.runner.sampler.constraints)  # (sampled proposals')
+        # (sampled proposals': their token constraints read the draft runner's store, in this process)
+        self.sampling_options = default_options(store=rank_store(self.runner.sampler.option_states, self.runner.device))
         self.chain = GreedyDraftChain(self.runner, spec.num_speculative_tokens - 1)
         self.block_size = config.kvcache_block_size
         self.num_blocks = self._share(config, target_runner, num_blocks)
@@ -239,7 +241,7 @@ class DraftModelProposer(Proposer):
             return SampleInput(SamplingPlan([0.0] * len(rows), all_greedy=True, any_greedy=True, seed=0))
         views = [DraftView(seqs[i], proposals[i]) for i in rows]
         return SampleInput(build_sampling_plan(views, self.vocab_size, self.eos_token_ids, [True] * len(rows),
-                                               None, self.seeds, constraints=self.constraints))
+                                               None, self.seeds, options=self.sampling_options))
 
     def _collect(self, launched: list, proposals: list[list[int]]) -> list:
         for rows, inflight in launched:

@@ -119,6 +119,11 @@ class Composition:
         None: first come, first served)."""
         return None
 
+    def sampling_options(self) -> list:
+        """The per-request logits options each step's sampling plan asks (sampling/option.py), new
+        for one engine, in order (none: a plain request's temperature, top-k/p, min-p, seed, logprobs)."""
+        return []
+
     def rank_features(self, config) -> list:
         """Factories of the RankFeatures every rank builds (each called with its ModelRunner)."""
         return []

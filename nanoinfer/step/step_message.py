@@ -10,7 +10,6 @@ held in StepInput.parts under the feature's key.
 Every rank gets the StepInput; the rank that samples (rank 0) also gets the SampleInput, and it
 answers with a StepResult.
 """
-from array import array
 from dataclasses import dataclass, field
 
 
@@ -66,22 +65,11 @@ class StepInput:
 
 
 @dataclass(slots=True)
-class TokenConstraints:
-    """A request's token constraints that do not depend on its progress, as C arrays (they pickle
-    as bytes): allowed_token_ids, logit_bias (ids and float32 values) and the one-token bad words.
-    Sent once to the rank that samples, which keeps them on its device under a key
-    (sampling/constraint_store.py); a step then names them by key. None: the request has none."""
-    allowed: array | None = None       # 'q'
-    bias_ids: array | None = None      # 'q'
-    bias_values: array | None = None   # 'f'
-    banned: array | None = None        # 'q'
-
-
-@dataclass(slots=True)
 class SamplingPlan:
     """A step's sampling options as plain lists, one entry per row (or per row that uses the
     option): built on the engine's side (nanoinfer/sampling/plan.py), turned into device tensors
-    by the rank that samples (nanoinfer/sampling/tensors.py)."""
+    by the rank that samples (nanoinfer/sampling/tensors.py). The per-request options a feature
+    registers (sampling/option.py) each add one payload to `options`."""
     temperatures: list[float]
     all_greedy: bool
     any_greedy: bool
@@ -91,41 +79,34 @@ class SamplingPlan:
     min_p: list[float] | None = None
     seeded_rows: list[int] | None = None
     seed_keys: list[list[int]] | None = None
-    pen_rows: list[int] | None = None          # None: every row
-    pen_tokens: array | None = None            # [P, L] int64 ('q'), row-major, padded with -1
-    pen_late: list[tuple[int, int, int]] | None = None  # (pen row, column, previous step's row)
-    pen_prompt_lens: list[int] | None = None
-    presence: list[float] | None = None
-    frequency: list[float] | None = None
-    repetition: list[float] | None = None
-    suppress_rows: list[int] | None = None
-    suppress_tokens: list[int] | None = None
     lp_rows: list[int] | None = None           # None: every row (when lp_counts is set)
     lp_counts: list[int] | None = None
     lp_max: int | None = None
-    constraint_rows: list[int] | None = None   # rows whose request has TokenConstraints
-    constraint_keys: list[int] | None = None   # their keys on the sampling rank
-    new_constraints: dict | None = None        # key -> TokenConstraints the sampling rank has not got yet
-    dropped_constraints: list[int] | None = None  # keys no request uses any more (after this step)
-    processors: list | None = None             # (row, callables, prompt ids, output ids)
-    grammar_rows: list[int] | None = None      # structured outputs: the rows a grammar constrains
-    grammar_bitmask: bytes | None = None       # their next-token bitmasks, [G, ceil(V / 32)] int32 words
-    #                                            (None with grammar rows: given after the forward's launch)
+    options: list | None = None                # the registered options' payloads (OptionPayload), in order
     seed: int | None = None                    # fused plans: the fused kernel's noise seed, in [0, 2^31)
 
     @property
     def fused(self) -> bool:
-        """Only temperature / greedy rows, after any grammar bitmask: what the fused kernel does on
-        its own (kernels/sampling.py) once the bitmask is applied."""
-        return (self.top_k is None and self.top_p is None and self.min_p is None and self.pen_tokens is None
-                and not self.suppress_rows and not self.seeded_rows and self.lp_counts is None
-                and not self.constraint_rows and not self.processors)
+        """Only temperature / greedy rows, after any token mask: what the fused kernel does on its
+        own (kernels/sampling.py) once the mask is applied."""
+        return (self.top_k is None and self.top_p is None and self.min_p is None and not self.seeded_rows
+                and self.lp_counts is None
+                and (self.options is None or all(p.before_fused or not p.edits for p in self.options)))
 
     @property
     def plain(self) -> bool:
-        """Fused and without a grammar bitmask (only rank 0 gets the bitmask): every rank can sample
-        its vocabulary shard alone."""
-        return self.fused and not self.grammar_rows
+        """Fused and without a token mask (only rank 0 gets the plan): every rank can sample its
+        vocabulary shard alone."""
+        return self.fused and (self.options is None or not any(p.edits for p in self.options))
+
+    @property
+    def eager(self) -> bool:
+        """An option runs user code (logits processors): the step samples, and reports, at once."""
+        return self.options is not None and any(p.eager for p in self.options)
+
+    def payload(self, name: str):
+        """The step's payload of the option named `name`, or None."""
+        return next((p for p in self.options or () if p.name == name), None)
 
 
 @dataclass(slots=True)

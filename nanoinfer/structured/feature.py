@@ -6,6 +6,8 @@ from nanoinfer.step.feature import EngineFeature, Intake
 from nanoinfer.structured.intake import GrammarIntake
 from nanoinfer.structured.step_masks import AwaitingMasks, StepMasks
 
+GRAMMAR_OPTION = "structured_outputs"  # the sampling option of the grammar masks (sampling_options/grammar.py)
+
 
 class StructuredFeature(EngineFeature):
     def __init__(self, config, tokenizer, vocab_size: int, eos_token_ids, runner, masks_later: bool):
@@ -29,9 +31,9 @@ class StructuredFeature(EngineFeature):
                 intake.work.append(grammar)
 
     def encode(self, batch, step, sample, sampling_seqs):
-        plan = sample.plan
-        if plan.grammar_rows and plan.grammar_bitmask is None:
-            return AwaitingMasks([sampling_seqs[i] for i in plan.grammar_rows], plan.processors is not None)
+        grammar = sample.plan.payload(GRAMMAR_OPTION)
+        if grammar is not None and grammar.bitmask is None:
+            return AwaitingMasks([sampling_seqs[i] for i in grammar.rows], sample.plan.eager)
         return None
 
     def launched(self, launched, masks: AwaitingMasks) -> bool:

@@ -6,7 +6,7 @@ lives exactly as long as the sequence: a finished or aborted sequence that the e
 its matcher with it. It advances lazily, when its next token's bitmask is filled: by the engine
 once the step is launched up to its logits and the step before it has been processed
 (structured/step_masks.py), so the host has every earlier token; with tensor parallelism, when
-the sampling plan is built (sampling/plan.py), the scheduler running a structured request only
+the sampling plan is built (sampling_options/grammar.py), the scheduler running a structured request only
 with no token in flight. It is fed the tokens it has not seen. Preemption (recompute) keeps the
 tokens, so it keeps the state.
 """
@@ -53,11 +53,6 @@ class GrammarState:
                 self.broken = True
                 logger.warning("structured outputs: the grammar refused token %d; only stop tokens are "
                                "allowed from here", tok)
-
-    @staticmethod
-    def fill_bitmasks(seqs: list, vocab_size: int) -> bytes:
-        """The sampling plan's call: the module's fill_bitmasks, for these sequences' states."""
-        return fill_bitmasks(seqs, vocab_size)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """The next token's allowed set into `bitmask[row]` (a CPU int32 tensor of words)."""

@@ -1,4 +1,4 @@
-"""The sampling rank's side of the token constraints (sampling/constraint_registry.py): each
+"""The sampling rank's side of the token constraints (constraint_registry.py): each
 request's allowed_token_ids, logit_bias and one-token bad words, kept on the device under a key.
 
 A plan sends a request's TokenConstraints once; every step after names it by key. A step's tensors
@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoinfer.step.step_message import TokenConstraints
+from nanoinfer.sampling_options.constraint_registry import TokenConstraints
 from nanoinfer.utils.device_copy import to_device
+
+CONSTRAINTS = "token_constraints"  # the option's name: its StepConstraints in SamplingTensors.options
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ a step needs them for each of its rows. So they are read once per SamplingParams
 samples of a request share theirs, and so may the prompts of one generate() call) into
 TokenConstraints, sent to the rank that samples with the first step that uses them, and from then
 on named by an integer key: a step's host cost is a key per row, whatever the sizes (the rank's
-side: sampling/constraint_store.py). When the SamplingParams object is garbage collected (every
+side: constraint_store.py). When the SamplingParams object is garbage collected (every
 sequence using it is gone: finished, aborted), its key goes out with the next plan as dropped, and
 the rank frees its tensors. A SamplingParams whose constraint fields were replaced since gets a new
 key. Multi-token bad words depend on the tokens just generated: they are indexed once per object
@@ -14,11 +14,22 @@ comparing every word.
 """
 import weakref
 from array import array
+from dataclasses import dataclass
 from itertools import count
 
-from nanoinfer.step.step_message import TokenConstraints
-
 _keys = count(1)  # one counter for every registry of the process: a key is never reused
+
+
+@dataclass(slots=True)
+class TokenConstraints:
+    """A request's token constraints that do not depend on its progress, as C arrays (they pickle
+    as bytes): allowed_token_ids, logit_bias (ids and float32 values) and the one-token bad words.
+    Sent once to the rank that samples, which keeps them on its device under a key
+    (constraint_store.py); a step then names them by key. None: the request has none."""
+    allowed: array | None = None       # 'q'
+    bias_ids: array | None = None      # 'q'
+    bias_values: array | None = None   # 'f'
+    banned: array | None = None        # 'q'
 
 
 def token_constraints(sp) -> TokenConstraints | None:
@@ -100,6 +111,11 @@ class TokenConstraintRegistry:
             self._forget(id(sp))
             e = self._entries[id(sp)] = _Entry(sp)
         return e
+
+    @property
+    def pending(self) -> bool:
+        """Keys to drop are waiting for the next plan."""
+        return bool(self._dropped)
 
     def start_plan(self) -> None:
         """A plan is being built (the last one may have raised before take_updates)."""

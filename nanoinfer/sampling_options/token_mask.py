@@ -1,5 +1,4 @@
-"""A packed token bitmask applied to logits, in place (the pipeline's GRAMMAR stage; structured outputs
-fill the masks).
+"""A packed token bitmask applied to logits, in place (the GRAMMAR stage: grammar.py).
 
 Rows are int32 words, bit j of word i allowing token 32 * i + j (xgrammar's layout). On CUDA a
 Triton kernel stores -inf where a bit is clear (kernels/token_bitmask.py). Elsewhere (CPU) each
