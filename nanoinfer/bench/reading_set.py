@@ -15,7 +15,8 @@ SEEDS = ["nanoinfer/llm.py", "nanoinfer/models/qwen3.py"]  # qwen3 is imported b
 FEATURE_DIRS = ("nanoinfer/lora/", "nanoinfer/speculative/", "nanoinfer/structured/", "nanoinfer/pooling/",
                 "nanoinfer/multimodal/", "nanoinfer/quant/", "nanoinfer/priority/", "nanoinfer/metrics/",
                 "nanoinfer/data_parallel/", "nanoinfer/serve/", "nanoinfer/process/", "nanoinfer/kernels/",
-                "nanoinfer/bench/")
+                "nanoinfer/bench/", "nanoinfer/prompt_logprobs/", "nanoinfer/sampling_options/",
+                "nanoinfer/expert_parallel/", "nanoinfer/batch_invariant/")
 OTHER_FILES = {"nanoinfer/features.py", "nanoinfer/models/llama.py", "nanoinfer/models/mixtral.py",
                "nanoinfer/models/qwen3_moe.py", "nanoinfer/models/qwen2_5_vl.py", "nanoinfer/models/qwen3_vl.py",
                "nanoinfer/models/qwen2_5_vision.py", "nanoinfer/models/qwen3_vl_vision.py",
