@@ -17,6 +17,11 @@ __all__ = ["SamplingParams", "StructuredOutputsParams", "SAMPLING_EPS"]
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by them could overflow.
 SAMPLING_EPS = 1e-5
+# The fields a request sets only through a per-request logits option (sampling/option.py), with
+# their off values: an engine whose registered options serve none of a field set here refuses the
+# request instead of ignoring it. (has_token_constraints: any per-token-id option or a grammar.)
+LOGITS_OPTION_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                        "min_tokens": 0, "has_token_constraints": False}
 
 
 def _is_int(v) -> bool:

@@ -3,6 +3,8 @@ the engine calls in order at fixed points, with the composition chosen above it.
 import ast
 import pathlib
 
+import pytest
+
 from nanoinfer import SamplingParams
 from nanoinfer.step.feature import EngineFeature
 from nanoinfer.engine.llm_engine import LLMEngine
@@ -93,3 +95,19 @@ def test_registered_hooks_run_in_order_and_leave_results_unchanged(tiny_qwen3):
     for i, call in enumerate(steps):  # a step completes after it is encoded and before it is processed
         if call == "process":
             assert steps[:i].count("complete") >= steps[:i + 1].count("process")
+
+
+def test_an_engine_without_sampling_options_refuses_what_they_would_serve(tiny_qwen3):
+    """A bare composition registers no sampling option: a penalty or a logit bias is refused at intake
+    (a ValueError naming the field), never silently ignored; a plain request runs."""
+    engine = LLMEngine(tiny_qwen3, kvcache_block_size=16, max_model_len=64, max_num_seqs=2)
+    try:
+        for params in (SamplingParams(presence_penalty=0.5), SamplingParams(logit_bias={3: 1.0}),
+                       SamplingParams(min_tokens=2, max_tokens=4)):
+            with pytest.raises(ValueError, match="presence_penalty|logit_bias|min_tokens"):
+                engine.add_request([1, 2, 3], params)
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+        while not engine.is_finished():
+            engine.step()
+    finally:
+        engine.exit()

@@ -23,7 +23,7 @@ from nanoinfer.config import Config
 from nanoinfer.engine.detokenizer import encode
 from nanoinfer.step.feature import Intake
 from nanoinfer.step.sequence import Sequence
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_params import LOGITS_OPTION_FIELDS, SamplingParams
 
 INTAKE_WORKERS = min(4, os.cpu_count() or 1)  # threads for heavy intake work (they release the GIL in C)
 
@@ -37,7 +37,8 @@ class PreparedRequest:
 
 
 class InputProcessor:
-    def __init__(self, config: Config, tokenizer, vocab_size: int, kv_capacity_tokens: int, features=()):
+    def __init__(self, config: Config, tokenizer, vocab_size: int, kv_capacity_tokens: int, features=(),
+                 sampling_options=()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = config.max_model_len
@@ -47,6 +48,7 @@ class InputProcessor:
         self.features = features  # the registered EngineFeatures, asked in order
         self.prompt_keys = frozenset(k for f in features for k in f.prompt_keys)  # a prompt dict's keys they read
         self._workers: ThreadPoolExecutor | None = None  # made for the first heavy intake work
+        self.claimed = frozenset(k for o in sampling_options for k in o.off)  # the fields their options serve
 
     def process_all(self, prompts: list, sampling_params: list, max_tokens_must_fit: bool = False,
                     lora_requests: list | None = None) -> list[PreparedRequest]:
@@ -87,6 +89,12 @@ class InputProcessor:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         sp = sampling_params.for_vocabulary(self.vocab_size, self.tensor_parallel)
+        for name, off in LOGITS_OPTION_FIELDS.items():
+            if name not in self.claimed and getattr(sp, name) != off:
+                field = ("allowed_token_ids / logit_bias / bad_words / logits_processors / structured_outputs"
+                         if name == "has_token_constraints" else name)
+                raise ValueError(f"{field}: this engine runs no sampling option that serves it (its composition "
+                                 "registers none: nanoinfer.features.FeatureComposition does)")
         token_ids = self._fit_length(intake.token_ids, sp, max_tokens_must_fit, intake.generates)
         intake.truncated = len(token_ids) != len(intake.token_ids)
         if sp.bad_words:  # (encoded once, here)

@@ -92,9 +92,9 @@ class LLMEngine(EngineRequests, EngineThreads):
                                    composition.admission(config), masks_later, composition.order(config))
         self.step_encoder = StepEncoder(self.vocab_size, eos_token_ids, self._seeds,
                                         config.tensor_parallel_size > 1 and config.device == "cuda",
-                                        self.features, masks_later, self.rows, composition.sampling_options())
+                                        self.features, masks_later, self.rows, options := composition.sampling_options())
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size,
-                                              num_blocks * config.kvcache_block_size, self.features)
+                                              num_blocks * config.kvcache_block_size, self.features, options)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[int, Request] = {}
         self.overlap = config.async_scheduling
