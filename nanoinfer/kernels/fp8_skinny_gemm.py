@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from nanoinfer.kernels.pdl import pdl_options
-from nanoinfer.kernels.skinny_gemm import _WORKSPACE, _input_tile_t, _rows_rstd
+from nanoinfer.kernels.skinny_gemm import _WORKSPACE, _input_tile_t, _rows_rstd, check_prologue
 
 MAX_ROWS = 128
 # bfloat16 activations on CUDA: the FP8 weight converted by moving bits (_e4m3_to_bf16), not by Triton's
@@ -290,16 +290,7 @@ def fp8_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     if not supports(group_k, kb):
         raise ValueError(f"fp8_skinny_gemm: block scales over group_k={group_k} features need a power-of-two "
                          "divisor >= 16")
-    if norm_weight is not None and norm_weight.shape != (K,):
-        raise ValueError(f"fp8_skinny_gemm: norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
-    if residual is not None:
-        if norm_weight is None or residual_out is None:
-            raise ValueError("fp8_skinny_gemm: a residual needs norm_weight and residual_out")
-        if residual.shape != (M, K) or residual_out.shape != (M, K) or residual.stride(1) != 1 \
-                or not residual_out.is_contiguous():
-            raise ValueError(f"fp8_skinny_gemm: residual and residual_out must be [{M}, {K}] with contiguous rows")
-        if any(residual_out.data_ptr() == t.data_ptr() for t in (x, residual)):
-            raise ValueError("fp8_skinny_gemm: residual_out must not share memory with x or residual")
+    check_prologue("fp8_skinny_gemm", x, M, K, norm_weight, residual, residual_out)
     if out is not None and (out.shape != (M, N) or out.stride(1) != 1 or out.dtype != x.dtype):
         raise ValueError(f"fp8_skinny_gemm: out must be [{M}, {N}] of {x.dtype} with contiguous rows, got "
                          f"{tuple(out.shape)} of {out.dtype}")

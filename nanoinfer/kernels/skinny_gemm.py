@@ -177,6 +177,21 @@ class _Workspace:
 _WORKSPACE = _Workspace()
 
 
+def check_prologue(name: str, x: torch.Tensor, M: int, K: int, norm_weight, residual, residual_out) -> None:
+    """The RMSNorm prologue's arguments (this kernel's and the FP8 one's): a [K] norm weight, and a
+    residual only with it and with a separate contiguous [M, K] residual_out."""
+    if norm_weight is not None and norm_weight.shape != (K,):
+        raise ValueError(f"{name}: norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
+    if residual is not None:
+        if norm_weight is None or residual_out is None:
+            raise ValueError(f"{name}: a residual needs norm_weight and residual_out")
+        if residual.shape != (M, K) or residual_out.shape != (M, K) or residual.stride(1) != 1 \
+                or not residual_out.is_contiguous():
+            raise ValueError(f"{name}: residual and residual_out must be [{M}, {K}] with contiguous rows")
+        if any(residual_out.data_ptr() == t.data_ptr() for t in (x, residual)):
+            raise ValueError(f"{name}: residual_out must not share memory with x or residual")
+
+
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
                 residual_out: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None,
@@ -192,16 +207,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                          f"{tuple(x.shape)}, weight {tuple(weight.shape)}")
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"skinny_gemm takes 1 to {MAX_ROWS} rows, got {M}")
-    if norm_weight is not None and norm_weight.shape != (K,):
-        raise ValueError(f"skinny_gemm: norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
-    if residual is not None:
-        if norm_weight is None or residual_out is None:
-            raise ValueError("skinny_gemm: a residual needs norm_weight and residual_out")
-        if residual.shape != (M, K) or residual_out.shape != (M, K) or residual.stride(1) != 1 \
-                or not residual_out.is_contiguous():
-            raise ValueError(f"skinny_gemm: residual and residual_out must be [{M}, {K}] with contiguous rows")
-        if any(residual_out.data_ptr() == t.data_ptr() for t in (x, residual)):
-            raise ValueError("skinny_gemm: residual_out must not share memory with x or residual")
+    check_prologue("skinny_gemm", x, M, K, norm_weight, residual, residual_out)
     if out is not None and (out.shape != (M, N) or out.stride(1) != 1 or out.dtype != weight.dtype):
         raise ValueError(f"skinny_gemm: out must be [{M}, {N}] of {weight.dtype} with contiguous rows, got "
                          f"{tuple(out.shape)} of {out.dtype}")
