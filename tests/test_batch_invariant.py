@@ -1,8 +1,8 @@
-"""Batch-invariant mode (nanoinfer/batch_invariant) on CPU (device="cpu" on any machine), float32: a
-request's tokens and logprobs are bitwise the same alone, in a batch of mixed lengths, after a
-prefix-cache hit and with its prompt chunked; sampled with a seed and greedy. The same runs with the
-mode off must differ somewhere, or the comparison proves nothing. (CUDA graphs: not applicable on
-CPU; the CUDA path is refused until its kernels exist.)"""
+"""Batch-invariant mode (nanoinfer/batch_invariant) on CPU (device="cpu" on any machine, float32) and
+on CUDA (bfloat16, CUDA graphs on): a request's tokens and logprobs are bitwise the same alone, in a
+batch of mixed lengths, after a prefix-cache hit and with its prompt chunked; sampled with a seed
+and greedy. The same runs with the mode off must differ somewhere, or the comparison proves
+nothing."""
 import random
 
 import pytest
@@ -38,16 +38,16 @@ def _generate(llm, prompts, params):
     return [_result(o) for o in outs]
 
 
-def _engine(path, invariant, **options):
-    return LLM(path, batch_invariant=invariant, device="cpu", kvcache_block_size=BS, max_model_len=256,
-               num_kvcache_blocks=96,
-               **options)
+def _engine(path, invariant, device, **options):
+    dtype = "bfloat16" if device == "cuda" else "auto"
+    return LLM(path, batch_invariant=invariant, device=device, dtype=dtype, kvcache_block_size=BS, max_model_len=256,
+               num_kvcache_blocks=96, **{"max_num_seqs": 16, **options})
 
 
-def _runs(path, invariant: bool) -> dict:
+def _runs(path, invariant: bool, device: str = "cpu") -> dict:
     """Each target's result per case: alone, in a batch, after a prefix hit, chunked."""
     runs = {}
-    llm = _engine(path, invariant, enable_prefix_caching=False)
+    llm = _engine(path, invariant, device, enable_prefix_caching=False)
     try:
         runs["alone"] = [_generate(llm, [t], p)[0] for t, p in zip(TARGETS, PARAMS)]
         batch = [TARGETS[0], *OTHERS[:6], TARGETS[1], *OTHERS[6:], TARGETS[2]]
@@ -56,7 +56,7 @@ def _runs(path, invariant: bool) -> dict:
         runs["batch"] = [results[0], results[7], results[-1]]
     finally:
         llm.exit()
-    llm = _engine(path, invariant)
+    llm = _engine(path, invariant, device)
     try:  # other prompts sharing the targets' first two blocks go first
         _generate(llm, [t[:2 * BS] + [5, 6, 7] for t in TARGETS], OTHER_PARAMS)
         hits = llm.scheduler.block_manager.num_hits
@@ -64,7 +64,7 @@ def _runs(path, invariant: bool) -> dict:
         assert llm.scheduler.block_manager.num_hits - hits == 2 * len(TARGETS)  # (their first two blocks)
     finally:
         llm.exit()
-    llm = _engine(path, invariant, enable_prefix_caching=False, max_num_batched_tokens=BS, max_num_seqs=4)
+    llm = _engine(path, invariant, device, enable_prefix_caching=False, max_num_batched_tokens=BS, max_num_seqs=4)
     try:
         runs["chunked"] = [_generate(llm, [t], p)[0] for t, p in zip(TARGETS, PARAMS)]
     finally:
@@ -102,6 +102,28 @@ def test_default_mode_differs_somewhere(runs_off):
     assert any(differences.values())
 
 
+@pytest.fixture(scope="module")
+def cuda_model(make_checkpoint):
+    """Wide enough that cuBLAS splits K for a few rows, as it does for real models."""
+    return make_checkpoint(hidden_size=1024, intermediate_size=3072, num_heads=8, num_kv_heads=4, head_dim=128)
+
+
+@pytest.mark.cuda
+def test_cuda_invariant_mode_is_bitwise_equal_in_every_case(cuda_model):
+    runs = _runs(cuda_model, True, "cuda")
+    print("CUDA bf16, batch_invariant=True, differing targets per case:", _differences(runs))
+    assert all(len(tokens) == 6 for tokens, _ in runs["alone"])
+    for case, got in runs.items():
+        assert got == runs["alone"], case
+
+
+@pytest.mark.cuda
+def test_cuda_default_mode_differs_somewhere(cuda_model):
+    differences = _differences(_runs(cuda_model, False, "cuda"))
+    print("CUDA bf16, batch_invariant=False, differing targets per case:", differences)
+    assert any(differences.values())
+
+
 def test_option_from_env_and_bad_values(tiny_qwen3, monkeypatch):
     assert Config(tiny_qwen3, device="cpu").batch_invariant is False
     monkeypatch.setenv("NANOINFER_BATCH_INVARIANT", "1")
@@ -130,12 +152,13 @@ def test_refused_for_moe(tmp_path):
         Config(path, batch_invariant=True, device="cpu")
 
 
-def test_refused_on_cuda(tiny_qwen3, monkeypatch):
-    """CUDA is refused until its kernels exist: never silently non-invariant."""
+def test_refused_for_quantized_weights_on_cuda(tiny_qwen3, monkeypatch):
+    """The FP8 GEMMs split K by the number of rows: refused on CUDA, never silently non-invariant."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ValueError, match="batch_invariant.*CUDA.*not built yet"):
-        Config(tiny_qwen3, batch_invariant=True, device="cuda")
+    with pytest.raises(ValueError, match="batch_invariant.*quantized weights on CUDA"):
+        Config(tiny_qwen3, batch_invariant=True, device="cuda", quantization="fp8")
+    assert Config(tiny_qwen3, batch_invariant=True, device="cuda").batch_invariant
 
 
 def test_row_chunks_and_row_reductions_do_not_depend_on_the_rows_beside():

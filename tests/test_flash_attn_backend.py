@@ -142,8 +142,8 @@ def test_greedy_through_the_flash_attn_backend_matches_hf(flash_attn, make_check
     prefix, next to running sequences."""
     from hf_reference import assert_greedy_matches_hf
     from nanoinfer import LLM, SamplingParams
-    from nanoinfer.engine import model_runner
-    monkeypatch.setattr(model_runner, "select_attention_backend",
+    from nanoinfer.models import build
+    monkeypatch.setattr(build, "select_attention_backend",
                         lambda device, block_size, kv_cache_dtype="auto": FlashAttnBackend(block_size, kv_cache_dtype))
     path = make_checkpoint()
     llm = LLM(path, device="cpu", kvcache_block_size=BLOCK, max_model_len=512, max_num_batched_tokens=128)

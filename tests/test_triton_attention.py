@@ -412,3 +412,36 @@ def test_cuda_decode_graph_capture():
                                     [ctx_lens[i] for i in keep], bt[keep], D ** -0.5)
         assert torch.isfinite(out).all() and rel_err(out[keep], ref) < 1.5e-2
         assert torch.equal(out[3], torch.zeros_like(out[3])) and counters_are_zero()
+
+
+# ------------------------------------------------------------- batch-invariant use (both devices)
+def _invariant_config(pack: bool) -> dict:
+    return {"block_m": 16 if DEV == "cpu" else 64, "block_n": 32, "num_warps": 4,
+            "num_stages": 1 if DEV == "cpu" else 3, "pack_gqa": pack, "mask_every_tile": True}
+
+
+@pytest.mark.parametrize("heads,pack", [((4, 2), True), ((4, 4), False)])
+def test_prefill_one_query_rows_and_chunks_equal_whole_prompt_rows_bitwise(heads, pack):
+    """cu_seqlens_q=None (decode rows) and prompt chunks after a cached prefix give a position the
+    bits its row of the whole prompt gets, with every key tile masked alike (mask_every_tile);
+    the whole prompts against the torch reference."""
+    torch.manual_seed(5)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    ctx = [70, 101, 40, 133]
+    config = _invariant_config(pack)
+    assert run_prefill(ctx, ctx, heads[0], heads[1], 32, 16, dtype, config=config) < tol(dtype)
+    k_cache, v_cache = make_cache(64, 16, heads[1], 32, dtype)
+    tables = make_block_tables(ctx, 16, 64)
+    context_lens = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(ctx), heads[0], 32, dtype=dtype, device=DEV)
+    ends = torch.tensor(ctx, device=DEV).cumsum(0)
+    cu = torch.cat([torch.zeros(1, device=DEV), ends]).to(torch.int32)
+    full = prefill_attention(q, k_cache, v_cache, cu, context_lens, tables, max(ctx), 0.3, config=config)
+    last = (ends - 1).long()
+    one = prefill_attention(q[last].contiguous(), k_cache, v_cache, None, context_lens, tables, 1, 0.3,
+                            config=config)
+    rows = torch.cat([torch.arange(int(e) - 37, int(e), device=DEV) for e in ends])
+    cu37 = (torch.arange(len(ctx) + 1, device=DEV) * 37).to(torch.int32)
+    chunk = prefill_attention(q[rows].contiguous(), k_cache, v_cache, cu37, context_lens, tables, 37, 0.3,
+                              config=config)
+    assert torch.equal(one, full[last]) and torch.equal(chunk, full[rows])

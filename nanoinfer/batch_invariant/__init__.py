@@ -4,15 +4,17 @@ alone or in any batch, after a prefix-cache hit or not, however its prompt is ch
 
 Chosen once when the model is built (models/build.py):
     options.py     the option, its environment variable, and what it refuses
-    linear.py      every linear layer and the LM head multiply in fixed-size row chunks
-    attention.py   attention over the paged cache in fixed KV blocks at absolute positions
+    linear.py      every linear layer and the LM head: fixed-size row chunks on CPU, the
+                   no-split-K GEMM on CUDA (kernels/invariant_matmul.py)
+    attention.py   attention over the paged cache in fixed KV blocks at absolute positions (on
+                   CUDA the Triton prefill kernel with one config for every step)
 
-RMSNorm, the activation and the logits' log-softmax reduce within one row, which torch already
-does the same way whatever the number of rows (tests/test_batch_invariant.py checks it), so they
-are left as they are. CPU only for now: CUDA needs kernels of its own (docs/batch-invariant.md).
+RMSNorm, the activation, q/k norm with RoPE, the sampling kernel and the logits' log-softmax
+reduce within one row, the same way whatever the number of rows (tests/test_batch_invariant.py
+checks the whole engine), so they are left as they are.
 """
-from nanoinfer.batch_invariant.attention import BatchInvariantAttentionBackend
-from nanoinfer.batch_invariant.linear import FixedRowsLinearMethod, fixed_rows_chooser
+from nanoinfer.batch_invariant.attention import invariant_attention_backend
+from nanoinfer.batch_invariant.linear import InvariantLinearMethod, invariant_chooser
 from nanoinfer.batch_invariant.options import resolve_batch_invariant
 
-__all__ = ["BatchInvariantAttentionBackend", "FixedRowsLinearMethod", "fixed_rows_chooser", "resolve_batch_invariant"]
+__all__ = ["InvariantLinearMethod", "invariant_attention_backend", "invariant_chooser", "resolve_batch_invariant"]

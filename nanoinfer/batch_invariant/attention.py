@@ -11,10 +11,16 @@ sequence (the last one padded) against one whole block: every matmul has the sam
 tile's batch of such products gives each the same result whatever the batch's size. A block that
 is wholly masked for a query (past its position) adds exact zeros and leaves its running maximum,
 so a tile may read blocks some of its rows do not need.
+
+On CUDA (`TritonInvariantAttentionBackend`) every step, decode included, runs the Triton prefill
+kernel (kernels/triton_attention.py) with one tile config: key tiles of BLOCK_N at absolute
+positions, in order, each through the same masked code path, and a decode row computed as the same
+row of a prompt would be. The split-KV decode kernel, whose splits follow the batch, is not used.
 """
 import torch
 
-from nanoinfer.layers.attention_backend import TorchAttentionBackend
+from nanoinfer.kernels.triton_attention import prefill_attention
+from nanoinfer.layers.attention_backend import FusedEpilogueBackend, TorchAttentionBackend
 from nanoinfer.utils.context import get_context
 
 TILE_ROWS = 16
@@ -109,3 +115,32 @@ class BatchInvariantAttentionBackend(TorchAttentionBackend):
         query_lens = ctx.query_lens_cpu if ctx.is_prefill else [1] * q.shape[0]
         return paged_attention_fixed_blocks(q, layer.k_cache, layer.v_cache, query_lens, ctx.context_lens_cpu,
                                             ctx.block_tables, layer.scale, layer.k_scale, layer.v_scale)
+
+
+def invariant_prefill_config(head_dim: int) -> dict:
+    """The one tile config of every step (a GQA group a program where it fits)."""
+    block_n = 64 if head_dim <= 128 else 32
+    return {"block_m": 64, "block_n": block_n, "num_warps": 4, "num_stages": 3 if head_dim <= 128 else 2,
+            "pack_gqa": True, "mask_every_tile": True}
+
+
+class TritonInvariantAttentionBackend(FusedEpilogueBackend):
+    """The CUDA backends' fused q/k norm + RoPE + K/V store (row-wise), and the prefill kernel with
+    one config for every step: one launch whatever the mix, so mixed steps replay CUDA graphs."""
+    name = "batch_invariant_triton"
+    mixed_step_graphs = True
+
+    def attend(self, layer, q):
+        ctx = get_context()
+        config = invariant_prefill_config(q.shape[-1])
+        if ctx.is_prefill:
+            return prefill_attention(q, layer.k_cache, layer.v_cache, ctx.cu_seqlens_q, ctx.context_lens,
+                                     ctx.block_tables, ctx.max_seqlen_q, layer.scale, config=config,
+                                     k_scale=layer.k_scale, v_scale=layer.v_scale)
+        return prefill_attention(q, layer.k_cache, layer.v_cache, None, ctx.context_lens, ctx.block_tables, 1,
+                                 layer.scale, config=config, k_scale=layer.k_scale, v_scale=layer.v_scale)
+
+
+def invariant_attention_backend(device: str):
+    """The batch-invariant backend for `device` ("cuda" or "cpu")."""
+    return TritonInvariantAttentionBackend() if device == "cuda" else BatchInvariantAttentionBackend()

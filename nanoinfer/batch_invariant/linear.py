@@ -1,13 +1,19 @@
-"""Linear layers whose rows do not depend on the other rows of the step. A CPU GEMM (MKL, oneDNN)
-picks its blocking and code path by the number of rows, so a token's product alone (one or two
-rows) differs bitwise from the same token's inside a larger step. Multiplying in chunks of
-CHUNK_ROWS rows, the last one zero-padded, gives every call the same shape, and a row's result
-does not depend on where in its chunk it sits."""
+"""Linear layers whose rows do not depend on the other rows of the step.
+
+On CPU a GEMM (MKL, oneDNN) picks its blocking and code path by the number of rows, so a token's
+product alone (one or two rows) differs bitwise from the same token's inside a larger step.
+Multiplying in chunks of CHUNK_ROWS rows, the last one zero-padded, gives every call the same
+shape, and a row's result does not depend on where in its chunk it sits.
+
+On CUDA cuBLAS splits K for few rows; the product runs in kernels/invariant_matmul.py instead (no
+split-K: every element summed over K in one order), which also takes the place of the GEMV and
+few-row kernels (and of their fused RMSNorm / SiLU prologue: `takes_deferred` is False)."""
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from nanoinfer.kernels.invariant_matmul import invariant_matmul
 from nanoinfer.layers.linear_method import Deferred, LinearMethod
 
 CHUNK_ROWS = 16
@@ -22,8 +28,9 @@ def fixed_rows(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor)
     return torch.cat([product(chunk) for chunk in x.split(CHUNK_ROWS)])[:rows]
 
 
-class FixedRowsLinearMethod(LinearMethod):
-    """Another method's weights and loading; its product taken in fixed row chunks."""
+class InvariantLinearMethod(LinearMethod):
+    """Another method's weights and loading; its product made batch-invariant. On CUDA the inner
+    method must hold a dense `weight` (options.py refuses quantized weights there)."""
 
     def __init__(self, inner: LinearMethod):
         self.inner = inner
@@ -40,6 +47,8 @@ class FixedRowsLinearMethod(LinearMethod):
     def apply(self, layer, x, bias=None, out=None):
         if isinstance(x, Deferred):  # (never made: takes_deferred is False)
             x = x.materialize()
+        if x.is_cuda:
+            return invariant_matmul(x, layer.weight, bias, out=out)
         y = fixed_rows(lambda chunk: self.inner.apply(layer, chunk, bias), x)
         return y if out is None else out.copy_(y)
 
@@ -47,6 +56,6 @@ class FixedRowsLinearMethod(LinearMethod):
         return False
 
 
-def fixed_rows_chooser(choose: Callable[[str], LinearMethod]) -> Callable[[str], LinearMethod]:
-    """ModelBuild.linear_method: `choose`'s method for each layer, in fixed row chunks."""
-    return lambda prefix: FixedRowsLinearMethod(choose(prefix))
+def invariant_chooser(choose: Callable[[str], LinearMethod]) -> Callable[[str], LinearMethod]:
+    """ModelBuild.linear_method: `choose`'s method for each layer, made batch-invariant."""
+    return lambda prefix: InvariantLinearMethod(choose(prefix))

@@ -24,9 +24,10 @@ def resolve_batch_invariant(config) -> None:
     if not config.batch_invariant:
         return
     hf = config.hf_config
+    quantized = config.quantization is not None or bool(getattr(hf, "quantization_config", None))
     refusals = [
-        (config.device == "cuda", "device='cuda': the CUDA batch-invariant kernels are not built yet "
-                                  "(CPU only for now)"),
+        (config.device == "cuda" and quantized,
+         "quantized weights on CUDA: the FP8 GEMMs split K by the number of rows"),
         (config.tensor_parallel_size > 1, f"tensor_parallel_size={config.tensor_parallel_size}: the all-reduce's "
                                           "summation order is not fixed (gloo's ring reduces each chunk from a "
                                           "different rank; chunks follow the step's size); use 1"),

@@ -21,7 +21,6 @@ from nanoinfer.engine.kv_cache import KVCache
 from nanoinfer.step.step_message import SampleInput, StepInput, StepResult
 from nanoinfer.engine.warm_up import warm_up
 from nanoinfer.layers.all_reduce import use_symmetric_memory
-from nanoinfer.layers.attention_backend import select_attention_backend
 from nanoinfer.layers.fused_moe import FusedMoE
 from nanoinfer.models.build import build_model, model_attention_backend
 from nanoinfer.sampling.sampler import Sampled, Sampler
@@ -56,8 +55,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         else:  # torch's default (a thread per core, all waiting on each other) crawls on a busy machine
             torch.set_num_threads(cpu_threads(self.world_size))
-        self.attention = model_attention_backend(
-            config, select_attention_backend(config.device, config.kvcache_block_size, config.kv_cache_dtype))
+        self.attention = model_attention_backend(config)
         self.model = build_model(config, rank, self.world_size, self.device, self.attention)
         self.one_shot_all_reduce = self.world_size > 1 and self.device.type == "cuda" and \
             use_symmetric_memory(self.model, config.max_num_seqs, config.torch_dtype, self.device)

@@ -42,6 +42,11 @@ the heads that share a KV head run together and reuse it from L2. Sequence i's q
 last q_len of its context_len positions, which covers plain prefill, a cached prefix and chunked
 prefill alike. Two loops: the key tiles wholly below the tile's first query position (no masks at
 all), then the diagonal tiles (causal and length masks). q may be a strided view (of a fused qkv).
+Batch-invariant attention (nanoinfer/batch_invariant) is this kernel with one config for every step:
+`mask_every_tile` sends every key tile through the masked loop (the two loops' arithmetic may round
+differently: the compiler fuses the scale into the exponent where no mask sits between them), and
+cu_seqlens_q=None runs a decode step as one-query rows. A row's result then depends only on its
+sequence: key tiles at absolute positions, in order, the same dots whatever rows share its tile.
 
 FP8 cache (float8_e4m3fn k_cache/v_cache, kv_cache_dtype="fp8"): the kernels load the fp8 tiles,
 widen them in registers to float16 (exact: every e4m3 value is a float16 value; one instruction
@@ -402,7 +407,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
                     stride_ot, stride_oh, qk_scale, k_scale_ptr, v_scale_ptr,
                     GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    FP32: tl.constexpr, KV_FP8: tl.constexpr):
+                    FP32: tl.constexpr, KV_FP8: tl.constexpr, ONE_QUERY: tl.constexpr,
+                    MASK_EVERY_TILE: tl.constexpr):
     # A program takes PACK query heads that share one KV head (PACK = 1 or GROUP) over TOK query
     # tokens: its BLOCK_M rows are (token, head) pairs, token-major, so each K/V tile it loads
     # serves every head of the group.
@@ -410,8 +416,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
     head_group = tl.program_id(0)
     seq = tl.program_id(1)
     m_tile = tl.num_programs(2) - 1 - tl.program_id(2)  # heaviest (latest) query tiles first
-    q_start = tl.load(cu_ptr + seq)
-    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    if ONE_QUERY:  # a decode step: query row i is sequence i's last position
+        q_start = seq
+        q_len = 1
+    else:
+        q_start = tl.load(cu_ptr + seq)
+        q_len = tl.load(cu_ptr + seq + 1) - q_start
     if m_tile * TOK >= q_len:
         return
     ctx = tl.load(ctx_ptr + seq)
@@ -445,6 +455,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, ctx_ptr, out_ptr,
 
     first_q = prefix + m_tile * TOK
     full_end = (first_q // BLOCK_N) * BLOCK_N           # keys below: visible to every row, all < ctx
+    if MASK_EVERY_TILE:  # one code path for every tile: a row's arithmetic then never depends on its tile
+        full_end = 0
     hi = tl.minimum(ctx, first_q + TOK)                # keys at or past hi: visible to no row
 
     # phase 1: fully visible key tiles, no masks
@@ -552,14 +564,15 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [total_q, num_heads, head_dim] (last dim contiguous; may be a strided view). Sequence i owns
     rows cu_seqlens_q[i]:cu_seqlens_q[i+1], the last q_len_i of its context_lens[i] positions (their
-    K/V already stored). Causal. k_scale, v_scale: float32 scalar tensors, read for an FP8 cache
+    K/V already stored). Causal. cu_seqlens_q None: one query a sequence (a decode step; row i at
+    position context_lens[i] - 1), computed as the same row of a prompt would be. k_scale, v_scale: float32 scalar tensors, read for an FP8 cache
     only (None: 1.0). Returns [total_q, num_heads, head_dim] contiguous."""
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and k_cache.dtype == v_cache.dtype
     out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    batch = cu_seqlens_q.shape[0] - 1
+    batch = total_q if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
     if total_q == 0 or batch == 0 or max_seqlen_q == 0:
         return out
     cfg = dict(prefill_config(head_dim, q.device, max_seqlen_q, total_q), **(config or {}))
@@ -569,11 +582,11 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     pack = prefill_heads_per_program(group, block_m, cfg["pack_gqa"])
     grid = (num_heads // pack, batch, triton.cdiv(max_seqlen_q, block_m // pack))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        q, k_cache, v_cache, block_tables, context_lens if cu_seqlens_q is None else cu_seqlens_q, context_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
         scale_or_unit(k_scale, q.device), scale_or_unit(v_scale, q.device),
         GROUP=group, PACK=pack, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, FP32=q.dtype == torch.float32, KV_FP8=is_fp8_cache(k_cache),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        ONE_QUERY=cu_seqlens_q is None, MASK_EVERY_TILE=cfg.get("mask_every_tile", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

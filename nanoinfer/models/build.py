@@ -2,8 +2,8 @@
 import torch
 from torch import nn
 
-from nanoinfer.batch_invariant import BatchInvariantAttentionBackend, FixedRowsLinearMethod, fixed_rows_chooser
-from nanoinfer.layers.attention_backend import AttentionBackend
+from nanoinfer.batch_invariant import InvariantLinearMethod, invariant_attention_backend, invariant_chooser
+from nanoinfer.layers.attention_backend import AttentionBackend, select_attention_backend
 from nanoinfer.layers.linear import LinearBase
 from nanoinfer.layers.linear_method import DenseLinearMethod
 from nanoinfer.layers.model_build import ModelBuild, TensorParallel
@@ -22,7 +22,7 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
     (nanoinfer/quant; with enable_lora, wrapped by the LoRA method of nanoinfer/lora), then its
     weights loaded, or drawn at random for load_format="dummy", then each weight method (and each
     module that has one, as FP8 experts) told the weights are in. With batch_invariant, every
-    product (the LM head's too) runs in fixed row chunks (nanoinfer/batch_invariant)."""
+    product (the LM head's too) is batch-invariant (nanoinfer/batch_invariant)."""
     hf = config.hf_config
     scheme = fp8_scheme(config.quantization, hf)
     model_class = get_model_class(hf)
@@ -35,7 +35,7 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
         choose = lora_method_chooser(choose, packed, config.max_loras, config.max_lora_rank)
     lm_head_method = DenseLinearMethod()
     if getattr(config, "batch_invariant", False):
-        choose, lm_head_method = fixed_rows_chooser(choose), FixedRowsLinearMethod(lm_head_method)
+        choose, lm_head_method = invariant_chooser(choose), InvariantLinearMethod(lm_head_method)
     build = ModelBuild(TensorParallel(rank, world_size), attention_backend, linear_method=choose,
                        lm_head_method=lm_head_method,
                        max_model_len=config.max_model_len,  # sizes the RoPE cache
@@ -63,7 +63,9 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
     return model
 
 
-def model_attention_backend(config, chosen: AttentionBackend) -> AttentionBackend:
-    """The attention backend the engine's model runs with: the device's (`chosen`, from
-    layers/attention_backend.py), or the batch-invariant one with config.batch_invariant."""
-    return BatchInvariantAttentionBackend() if getattr(config, "batch_invariant", False) else chosen
+def model_attention_backend(config) -> AttentionBackend:
+    """The attention backend the engine's model runs with: the device's (select_attention_backend),
+    or the batch-invariant one with config.batch_invariant."""
+    if getattr(config, "batch_invariant", False):
+        return invariant_attention_backend(config.device)
+    return select_attention_backend(config.device, config.kvcache_block_size, config.kv_cache_dtype)

@@ -1,0 +1,88 @@
+"""y = x @ W^T (+ bias) whose every row is bitwise the same whatever the other rows: the GEMM of the
+batch-invariant mode (nanoinfer/batch_invariant) on CUDA.
+
+cuBLAS splits K across programs for few rows (and sums the partials), so a token's product alone
+differs in its last bits from the same token's inside a larger step. Here an output element is
+always one program's sum over all of K, the tensor-core dots chained through one float32
+accumulator in order of K: no split-K. The tile shape does not change that order (each dot adds its
+16-wide slices of K into the accumulator in turn, whatever BLOCK_M, BLOCK_N or BLOCK_K;
+tests/test_invariant_matmul.py checks it bitwise), so the tiles may follow the number of rows
+(`invariant_config`): narrow weight tiles for a few rows, where the weight's stream is the cost,
+wide ones for prompts. M is never specialised on (Triton would compile another variant for M == 1
+or M % 16 == 0).
+
+The programs walk the output tiles in groups of GROUP_M row tiles (the weight tiles of a group stay
+in L2 while its row tiles use them).
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["M"])
+def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, stride_y,
+                             N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * K
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + rk) < K
+        x = tl.load(x_rows + (k0 + rk)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if FP32:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def invariant_config(m: int, dtype: torch.dtype) -> dict:
+    """The tiles for m rows (nanoinfer.bench.invariant_matmul measured them on an H100)."""
+    if dtype == torch.float32:
+        return {"block_m": 32, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 8}
+    if m <= 128:
+        return {"block_m": 64, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4, "group_m": 8}
+    if m <= 512:
+        return {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "group_m": 8}
+    return {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8}
+
+
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype (into `out`, [M, N] with
+    contiguous rows, when given). `config`: tiles other than invariant_config's (benchmarks)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"invariant_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not multiply")
+    m, k = x.shape
+    n = weight.shape[0]
+    x, weight = x.contiguous(), weight.contiguous()
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or invariant_config(m, x.dtype)
+    grid = (triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"]),)
+    _invariant_matmul_kernel[grid](
+        x, weight, bias if bias is not None else x, out, m, out.stride(0), N=n, K=k, HAS_BIAS=bias is not None,
+        FP32=x.dtype == torch.float32, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
