@@ -119,8 +119,7 @@ class BatchInvariantAttentionBackend(TorchAttentionBackend):
 
 def invariant_prefill_config(head_dim: int) -> dict:
     """The one tile config of every step (a GQA group a program where it fits)."""
-    block_n = 64 if head_dim <= 128 else 32
-    return {"block_m": 64, "block_n": block_n, "num_warps": 4, "num_stages": 3 if head_dim <= 128 else 2,
+    return {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3 if head_dim <= 128 else 2,
             "pack_gqa": True, "mask_every_tile": True}
 
 
