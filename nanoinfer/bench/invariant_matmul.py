@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoinfer.bench.kernels import bench_graph
-from nanoinfer.kernels.invariant_matmul import invariant_config, invariant_matmul
+from nanoinfer.kernels.invariant_matmul import invariant_matmul
 
 SHAPES = {"0.6B": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
                    "lm_head": (151936, 1024)},
@@ -23,7 +23,7 @@ SHAPES = {"0.6B": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 102
 
 
 def grid():
-    for bm, bn, bk, stages in itertools.product((64, 128), (32, 64, 128, 256), (64, 128), (3, 4)):
+    for bm, bn, bk, stages in itertools.product((64, 128), (16, 32, 64, 128, 256), (64, 128), (3, 4)):
         if bm * bn <= 128 * 256 and not (bm == 128 and bn < 128):
             yield {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": 8 if bm * bn >= 128 * 128 else 4,
                    "num_stages": stages, "group_m": 8}
@@ -33,10 +33,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="1,64,256,4096")
     p.add_argument("--sweep", action="store_true", help="also time a grid of tiles")
+    p.add_argument("--only", nargs="+", help="model:projection pairs, e.g. 0.6B:o 8B:down")
     args = p.parse_args()
     dtype = torch.bfloat16
     for model, projections in SHAPES.items():
         for name, (n, k) in projections.items():
+            if args.only and f"{model}:{name}" not in args.only:
+                continue
             copies = 2 if n * k > 200_000_000 else 4
             weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
             for m in (int(r) for r in args.rows.split(",")):
@@ -59,8 +62,7 @@ def main():
                     if not all(s for _, s, _ in timed):
                         line += "  (some configs differ bitwise!)"
                 print(line, flush=True)
-    tiles = {m: tuple(invariant_config(m, dtype).values())[:5] for m in (1, 128, 129, 512, 513)}
-    print("default tiles (block_m, block_n, block_k, warps, stages) by rows:", tiles)
+    print("tiles: (block_m, block_n, block_k, warps, stages)")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer.kernels.triton_attention import _num_sms
+
+FEW_ROWS_MAX = 128
+
 
 @triton.jit(do_not_specialize=["M"])
 def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, stride_y,
@@ -55,15 +59,27 @@ def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, stride_y,
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def invariant_config(m: int, dtype: torch.dtype) -> dict:
-    """The tiles for m rows (nanoinfer.bench.invariant_matmul measured them on an H100)."""
+# (block_m, block_n, block_k, num_warps, num_stages), widest first
+_FEW_ROWS = (64, 32, 128, 4, 4)
+_BY_WIDTH = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (64, 64, 128, 4, 3), (64, 32, 128, 4, 4))
+
+
+def _as_config(tiles: tuple) -> dict:
+    return dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), tiles), group_m=8)
+
+
+def invariant_config(m: int, n: int, dtype: torch.dtype, num_sms: int = 132) -> dict:
+    """The tiles for m rows of a weight with n output features: for up to FEW_ROWS_MAX rows narrow
+    weight tiles (the weight's stream is the cost), else the widest tiles that still give every SM
+    a program (nanoinfer.bench.invariant_matmul measured them on an H100)."""
     if dtype == torch.float32:
-        return {"block_m": 32, "block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 2, "group_m": 8}
-    if m <= 128:
-        return {"block_m": 64, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4, "group_m": 8}
-    if m <= 512:
-        return {"block_m": 64, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "group_m": 8}
-    return {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3, "group_m": 8}
+        return _as_config((32, 32, 32, 4, 2))
+    if m <= FEW_ROWS_MAX:
+        return _as_config(_FEW_ROWS)
+    for tiles in _BY_WIDTH:
+        if triton.cdiv(m, tiles[0]) * triton.cdiv(n, tiles[1]) >= num_sms:
+            return _as_config(tiles)
+    return _as_config(_BY_WIDTH[-1])
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -79,7 +95,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or invariant_config(m, x.dtype)
+    cfg = config or invariant_config(m, n, x.dtype, _num_sms(x.device))
     grid = (triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"]),)
     _invariant_matmul_kernel[grid](
         x, weight, bias if bias is not None else x, out, m, out.stride(0), N=n, K=k, HAS_BIAS=bias is not None,
