@@ -1,68 +1,115 @@
 """The batch-invariant GEMM (kernels/invariant_matmul.py) against cuBLAS at Qwen3-0.6B and 8B shapes.
 
-    PYTHONPATH=. python3 -m nanoinfer.bench.invariant_matmul [--rows 1,64,256,4096] [--sweep]
+    PYTHONPATH=. python3 -m nanoinfer.bench.invariant_matmul [--rows 1,64,256,2048]
+    PYTHONPATH=. python3 -m nanoinfer.bench.invariant_matmul --tune [--write]
 
 Each line: one projection at M rows, microseconds per call from a CUDA graph (bench_graph: distinct
-weights cycled, no L2 reuse), cuBLAS next to invariant_config's tiles, and with --sweep the best
-three of a small grid of tiles, each checked for the default config's bits (the property that lets
-the tiles follow the number of rows).
+weights cycled, no L2 reuse), cuBLAS next to the kernel's chosen tiles. --tune times a grid of tiles
+for each shape at 64, 256 and 4096 rows (one per row bucket of kernels/invariant_matmul.py), checks
+that each gives the same bits (what lets the tiles follow the number of rows), and prints the best
+as the kernel's TUNED table; --write puts that table into kernels/invariant_matmul.py.
 """
 import argparse
 import itertools
+import pathlib
+import re
 
 import torch
 import torch.nn.functional as F
 
 from nanoinfer.bench.kernels import bench_graph
-from nanoinfer.kernels.invariant_matmul import invariant_matmul
+from nanoinfer.kernels import invariant_matmul as kernel
+from nanoinfer.kernels.invariant_matmul import invariant_matmul, rows_bucket
 
 SHAPES = {"0.6B": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
                    "lm_head": (151936, 1024)},
           "8B": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
                  "lm_head": (151936, 4096)}}
+TUNE_ROWS = (64, 256, 4096)
 
 
-def grid():
-    for bm, bn, bk, stages in itertools.product((64, 128), (16, 32, 64, 128, 256), (64, 128), (3, 4)):
-        if bm * bn <= 128 * 256 and not (bm == 128 and bn < 128):
-            yield {"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": 8 if bm * bn >= 128 * 128 else 4,
-                   "num_stages": stages, "group_m": 8}
+def grid(rows: int):
+    """Candidate tiles (block_m, block_n, block_k, warps, stages) for `rows` rows."""
+    if rows <= kernel.FEW_ROWS_MAX:
+        space = itertools.product((64,), (16, 32, 64), (64, 128, 256), (3, 4))
+    else:
+        space = itertools.product((64, 128), (32, 64, 128, 256), (64, 128), (3, 4))
+    for bm, bn, bk, stages in space:
+        if stages * (bm + bn) * bk * 2 <= 200_000 and not (bm == 128 and bn == 32):
+            yield bm, bn, bk, 8 if bm * bn >= 128 * 128 else 4, stages
+
+
+def weights_for(n, k):
+    copies = 2 if n * k > 100_000_000 else 4
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+
+
+def timed(x, weights, config=None):
+    return bench_graph([lambda w=w: invariant_matmul(x, w, config=config) for w in weights]) * 1000
+
+
+def tune() -> dict:
+    table = {}
+    for model, projections in SHAPES.items():
+        for name, (n, k) in projections.items():
+            weights = weights_for(n, k)
+            for rows in TUNE_ROWS:
+                if rows * n > 600_000_000:
+                    continue
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                ref = invariant_matmul(x, weights[0])
+                results = []
+                for tiles in grid(rows):
+                    config = kernel._as_config(tiles)
+                    if not torch.equal(invariant_matmul(x, weights[0], config=config), ref):
+                        raise SystemExit(f"{model} {name} rows={rows} tiles {tiles}: different bits")
+                    results.append((timed(x, weights, config), tiles))
+                results.sort()
+                rule = timed(x, weights)
+                cublas = bench_graph([lambda w=w: F.linear(x, w) for w in weights]) * 1000
+                best_t, best = results[0]
+                print(f"{model:5} {name:8} rows={rows:<5} cuBLAS {cublas:7.1f} us  rules {rule:7.1f}  "
+                      f"best {best_t:7.1f} {best} ({best_t / cublas:.2f}x cuBLAS)", flush=True)
+                table[(rows_bucket(rows), n, k)] = best
+    return table
+
+
+def write(table: dict):
+    path = pathlib.Path(kernel.__file__)
+    text = path.read_text()
+    body = "".join(f"    {key}: {tiles},\n" for key, tiles in sorted(table.items()))
+    text = re.sub(r"TUNED: dict = \{[^}]*\}", "TUNED: dict = {\n" + body + "}", text, count=1)
+    path.write_text(text)
+    print(f"wrote {len(table)} entries into {path}")
+
+
+def compare(rows_list):
+    for model, projections in SHAPES.items():
+        for name, (n, k) in projections.items():
+            weights = weights_for(n, k)
+            for m in rows_list:
+                if m * n > 600_000_000:
+                    continue
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                cublas = bench_graph([lambda w=w: F.linear(x, w) for w in weights]) * 1000
+                ours = timed(x, weights)
+                print(f"{model:5} {name:8} M={m:<5} cuBLAS {cublas:8.1f} us  invariant {ours:8.1f} us "
+                      f"({ours / cublas:.2f}x)", flush=True)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default="1,64,256,4096")
-    p.add_argument("--sweep", action="store_true", help="also time a grid of tiles")
-    p.add_argument("--only", nargs="+", help="model:projection pairs, e.g. 0.6B:o 8B:down")
+    p.add_argument("--rows", default="1,64,256,2048")
+    p.add_argument("--tune", action="store_true", help="time a grid of tiles per shape and row bucket")
+    p.add_argument("--write", action="store_true", help="with --tune: write the TUNED table into the kernel")
     args = p.parse_args()
-    dtype = torch.bfloat16
-    for model, projections in SHAPES.items():
-        for name, (n, k) in projections.items():
-            if args.only and f"{model}:{name}" not in args.only:
-                continue
-            copies = 2 if n * k > 200_000_000 else 4
-            weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
-            for m in (int(r) for r in args.rows.split(",")):
-                if m * n > 600_000_000:
-                    continue
-                x = torch.randn(m, k, device="cuda", dtype=dtype)
-                cublas = bench_graph([lambda w=w: F.linear(x, w) for w in weights]) * 1000
-                ours = bench_graph([lambda w=w: invariant_matmul(x, w) for w in weights]) * 1000
-                line = (f"{model:5} {name:8} M={m:<5} cuBLAS {cublas:8.1f} us  invariant {ours:8.1f} us "
-                        f"({ours / cublas:.2f}x)")
-                if args.sweep:
-                    ref = invariant_matmul(x, weights[0])
-                    timed = []
-                    for cfg in grid():
-                        same = torch.equal(invariant_matmul(x, weights[0], config=cfg), ref)
-                        t = bench_graph([lambda w=w, c=cfg: invariant_matmul(x, w, config=c) for w in weights]) * 1000
-                        timed.append((t, same, tuple(cfg.values())[:5]))
-                    timed.sort()
-                    line += "  best " + " ".join(f"{t:.1f}{c}{'' if s else ' DIFFERENT BITS'}" for t, s, c in timed[:3])
-                    if not all(s for _, s, _ in timed):
-                        line += "  (some configs differ bitwise!)"
-                print(line, flush=True)
-    print("tiles: (block_m, block_n, block_k, warps, stages)")
+    if args.tune:
+        table = tune()
+        print("TUNED =", table)
+        if args.write:
+            write(table)
+        return
+    compare([int(r) for r in args.rows.split(",")])
 
 
 if __name__ == "__main__":
