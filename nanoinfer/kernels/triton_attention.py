@@ -43,9 +43,9 @@ last q_len of its context_len positions, which covers plain prefill, a cached pr
 prefill alike. Two loops: the key tiles wholly below the tile's first query position (no masks at
 all), then the diagonal tiles (causal and length masks). q may be a strided view (of a fused qkv).
 Batch-invariant attention (nanoinfer/batch_invariant) is this kernel with one config for every step:
-`mask_every_tile` sends every key tile through the masked loop (the two loops' arithmetic may round
-differently: the compiler fuses the scale into the exponent where no mask sits between them), and
-cu_seqlens_q=None runs a decode step as one-query rows. A row's result then depends only on its
+`mask_every_tile` sends every key tile through the masked loop (the two loops round differently on
+the GPU: a prompt chunk's rows, whose tiles split the loops elsewhere, differed from the whole
+prompt's), and cu_seqlens_q=None runs a decode step as one-query rows. A row's result then depends only on its
 sequence: key tiles at absolute positions, in order, the same dots whatever rows share its tile.
 
 FP8 cache (float8_e4m3fn k_cache/v_cache, kv_cache_dtype="fp8"): the kernels load the fp8 tiles,
