@@ -48,29 +48,36 @@ def timed(x, weights, config=None):
     return bench_graph([lambda w=w: invariant_matmul(x, w, config=config) for w in weights]) * 1000
 
 
-def tune() -> dict:
-    table = {}
+def cases(rows_list):
+    """(label, n, k, rows, input, weights) for each shape at each row count (no output over 600M values)."""
     for model, projections in SHAPES.items():
         for name, (n, k) in projections.items():
             weights = weights_for(n, k)
-            for rows in TUNE_ROWS:
-                if rows * n > 600_000_000:
-                    continue
-                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-                ref = invariant_matmul(x, weights[0])
-                results = []
-                for tiles in grid(rows):
-                    config = kernel._as_config(tiles)
-                    if not torch.equal(invariant_matmul(x, weights[0], config=config), ref):
-                        raise SystemExit(f"{model} {name} rows={rows} tiles {tiles}: different bits")
-                    results.append((timed(x, weights, config), tiles))
-                results.sort()
-                rule = timed(x, weights)
-                cublas = bench_graph([lambda w=w: F.linear(x, w) for w in weights]) * 1000
-                best_t, best = results[0]
-                print(f"{model:5} {name:8} rows={rows:<5} cuBLAS {cublas:7.1f} us  rules {rule:7.1f}  "
-                      f"best {best_t:7.1f} {best} ({best_t / cublas:.2f}x cuBLAS)", flush=True)
-                table[(rows_bucket(rows), n, k)] = best
+            for rows in rows_list:
+                if rows * n <= 600_000_000:
+                    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                    yield f"{model:5} {name:8} M={rows:<5}", n, k, rows, x, weights
+
+
+def cublas_us(x, weights):
+    return bench_graph([lambda w=w: F.linear(x, w) for w in weights]) * 1000
+
+
+def tune() -> dict:
+    table = {}
+    for label, n, k, rows, x, weights in cases(TUNE_ROWS):
+        ref = invariant_matmul(x, weights[0])
+        results = []
+        for tiles in grid(rows):
+            config = kernel._as_config(tiles)
+            if not torch.equal(invariant_matmul(x, weights[0], config=config), ref):
+                raise SystemExit(f"{label} tiles {tiles}: different bits")
+            results.append((timed(x, weights, config), tiles))
+        best_t, best = min(results)
+        cublas = cublas_us(x, weights)
+        print(f"{label} cuBLAS {cublas:7.1f} us  rules {timed(x, weights):7.1f}  best {best_t:7.1f} {best} "
+              f"({best_t / cublas:.2f}x cuBLAS)", flush=True)
+        table[(rows_bucket(rows), n, k)] = best
     return table
 
 
@@ -84,17 +91,9 @@ def write(table: dict):
 
 
 def compare(rows_list):
-    for model, projections in SHAPES.items():
-        for name, (n, k) in projections.items():
-            weights = weights_for(n, k)
-            for m in rows_list:
-                if m * n > 600_000_000:
-                    continue
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                cublas = bench_graph([lambda w=w: F.linear(x, w) for w in weights]) * 1000
-                ours = timed(x, weights)
-                print(f"{model:5} {name:8} M={m:<5} cuBLAS {cublas:8.1f} us  invariant {ours:8.1f} us "
-                      f"({ours / cublas:.2f}x)", flush=True)
+    for label, _, _, _, x, weights in cases(rows_list):
+        cublas, ours = cublas_us(x, weights), timed(x, weights)
+        print(f"{label} cuBLAS {cublas:8.1f} us  invariant {ours:8.1f} us ({ours / cublas:.2f}x)", flush=True)
 
 
 def main():
