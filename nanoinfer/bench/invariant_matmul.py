@@ -48,9 +48,11 @@ def timed(x, weights, config=None):
     return bench_graph([lambda w=w: invariant_matmul(x, w, config=config) for w in weights]) * 1000
 
 
-def cases(rows_list):
+def cases(rows_list, models=tuple(SHAPES)):
     """(label, n, k, rows, input, weights) for each shape at each row count (no output over 600M values)."""
     for model, projections in SHAPES.items():
+        if model not in models:
+            continue
         for name, (n, k) in projections.items():
             weights = weights_for(n, k)
             for rows in rows_list:
@@ -63,9 +65,9 @@ def cublas_us(x, weights):
     return bench_graph([lambda w=w: F.linear(x, w) for w in weights]) * 1000
 
 
-def tune() -> dict:
+def tune(rows_list=TUNE_ROWS, models=tuple(SHAPES)) -> dict:
     table = {}
-    for label, n, k, rows, x, weights in cases(TUNE_ROWS):
+    for label, n, k, rows, x, weights in cases(rows_list, models):
         ref = invariant_matmul(x, weights[0])
         results = []
         for tiles in grid(rows):
@@ -90,25 +92,26 @@ def write(table: dict):
     print(f"wrote {len(table)} entries into {path}")
 
 
-def compare(rows_list):
-    for label, _, _, _, x, weights in cases(rows_list):
+def compare(rows_list, models):
+    for label, _, _, _, x, weights in cases(rows_list, models):
         cublas, ours = cublas_us(x, weights), timed(x, weights)
         print(f"{label} cuBLAS {cublas:8.1f} us  invariant {ours:8.1f} us ({ours / cublas:.2f}x)", flush=True)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", default="1,64,256,2048")
+    p.add_argument("--rows", help="row counts, e.g. 1,64,256,2048 (the default; --tune: 64,256,4096)")
     p.add_argument("--tune", action="store_true", help="time a grid of tiles per shape and row bucket")
     p.add_argument("--write", action="store_true", help="with --tune: write the TUNED table into the kernel")
+    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = p.parse_args()
     if args.tune:
-        table = tune()
+        table = tune([int(r) for r in (args.rows or ",".join(map(str, TUNE_ROWS))).split(",")], args.models)
         print("TUNED =", table)
         if args.write:
             write(table)
         return
-    compare([int(r) for r in args.rows.split(",")])
+    compare([int(r) for r in (args.rows or "1,64,256,2048").split(",")], args.models)
 
 
 if __name__ == "__main__":
