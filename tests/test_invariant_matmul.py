@@ -23,13 +23,12 @@ def test_rows_do_not_depend_on_the_rows_beside_and_match_f_linear():
 
 
 def test_tiles_follow_the_rows_and_fill_the_sms():
-    """(An untuned shape: the rules.)"""
-    few = invariant_config(128, 4000, 1000, torch.bfloat16)
-    assert invariant_config(1, 4000, 1000, torch.bfloat16) == few and few["block_n"] == 32
-    assert invariant_config(4096, 4000, 1000, torch.bfloat16)["block_m"] == 128
-    assert invariant_config(256, 24000, 1000, torch.bfloat16)["block_n"] == 256  # 2 x 94 tiles fill 132 SMs
-    assert invariant_config(256, 4000, 1000, torch.bfloat16)["block_n"] == 64  # wider tiles would leave SMs idle
-    assert invariant_config(256, 1000, 1000, torch.bfloat16)["block_n"] == 32
+    few = invariant_config(128, 4096, torch.bfloat16)
+    assert invariant_config(1, 4096, torch.bfloat16) == few and few["block_n"] == 32
+    assert invariant_config(4096, 4096, torch.bfloat16)["block_m"] == 128
+    assert invariant_config(256, 24576, torch.bfloat16)["block_n"] == 256  # 2 x 96 tiles fill 132 SMs
+    assert invariant_config(256, 4096, torch.bfloat16)["block_n"] == 64  # wider tiles would leave SMs idle
+    assert invariant_config(256, 1024, torch.bfloat16)["block_n"] == 32
 
 
 def test_shapes_that_do_not_multiply_are_refused():
@@ -47,8 +46,8 @@ def test_cuda_bf16_rows_and_tiles_agree_bitwise(n, k):
     x = torch.randn(600, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     whole = invariant_matmul(x, w)
-    configs = [im._as_config(tiles) for tiles in (im._FEW_ROWS, *im._BY_WIDTH, *im.TUNED.values(), (16, 64, 64, 4, 3),
-                                                  (64, 16, 128, 4, 4), (128, 128, 32, 8, 3))]
+    configs = [im._as_config(tiles) for tiles in (im._FEW_ROWS, *im._BY_WIDTH, (16, 64, 64, 4, 3), (64, 16, 128, 4, 4),
+                                                  (128, 128, 32, 8, 3))]
     for config in configs:
         assert torch.equal(invariant_matmul(x, w, config=config), whole)
     for rows in (1, 3, 64, 129, 513):
