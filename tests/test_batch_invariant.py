@@ -146,10 +146,27 @@ def test_refused_where_not_invariant_yet(tiny_qwen3, options, named):
         Config(tiny_qwen3, batch_invariant=True, device="cpu", **options)
 
 
-def test_refused_for_moe(tmp_path):
-    path = build_tiny_moe_checkpoint(str(tmp_path))
-    with pytest.raises(ValueError, match="batch_invariant.*MoE"):
-        Config(path, batch_invariant=True, device="cpu")
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return build_tiny_moe_checkpoint(str(tmp_path_factory.mktemp("moe")))
+
+
+def test_moe_on_cpu_is_bitwise_equal_in_every_case(tiny_moe):
+    """The experts' products over their tokens (a set that follows the batch) in fixed row chunks
+    (ModelBuild.rows_product); with the mode off the same runs differ."""
+    on, off = _runs(tiny_moe, True), _runs(tiny_moe, False)
+    print("MoE, batch_invariant=True / False, differing targets per case:", _differences(on), _differences(off))
+    for case, got in on.items():
+        assert got == on["alone"], case
+    assert any(_differences(off).values())
+
+
+def test_moe_refused_on_cuda(tiny_moe, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="batch_invariant.*MoE models on CUDA"):
+        Config(tiny_moe, batch_invariant=True, device="cuda")
+    assert Config(tiny_moe, batch_invariant=True, device="cpu").batch_invariant
 
 
 def test_refused_for_quantized_weights_on_cuda(tiny_qwen3, monkeypatch):

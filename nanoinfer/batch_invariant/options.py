@@ -31,8 +31,8 @@ def resolve_batch_invariant(config) -> None:
         (config.tensor_parallel_size > 1, f"tensor_parallel_size={config.tensor_parallel_size}: the all-reduce's "
                                           "summation order is not fixed (gloo's ring reduces each chunk from a "
                                           "different rank; chunks follow the step's size); use 1"),
-        (bool(getattr(hf, "num_experts", 0) or getattr(hf, "num_local_experts", 0)),
-         "MoE models: the expert products group a step's tokens by expert, so their shapes follow the batch"),
+        (config.device == "cuda" and bool(getattr(hf, "num_experts", 0) or getattr(hf, "num_local_experts", 0)),
+         "MoE models on CUDA: the fused MoE kernels are not verified batch-invariant yet"),
         (config.enable_lora, "enable_lora: the adapters' products are not batch-invariant yet"),
         (config.speculative_config is not None, "speculative_config: speculative decoding is not verified "
                                                 "batch-invariant yet"),

@@ -47,10 +47,12 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor:
+                    topk_ids: torch.Tensor, rows_product=None) -> torch.Tensor:
     """Reference: for each expert, its (token, slot) pairs through silu(gate) * up and down, scaled by
     the routing weight and added to the token's output. Same operation order as HF's eager experts.
-    A pair of expert id -1 (held by another rank: expert parallel) adds nothing."""
+    A pair of expert id -1 (held by another rank: expert parallel) adds nothing. rows_product: as
+    ModelBuild's, for the experts' two products."""
+    product = rows_product or (lambda fn, rows: fn(rows))
     out = torch.zeros_like(x)
     inter = w2.shape[2]
     flat_ids = topk_ids.reshape(-1)
@@ -63,9 +65,9 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
         pairs = order[start:start + count]
         start += count
         tokens, slots = pairs // topk_ids.shape[1], pairs % topk_ids.shape[1]
-        gate_up = F.linear(x[tokens], w13[expert])
+        gate_up = product(lambda rows: F.linear(rows, w13[expert]), x[tokens])
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(h, w2[expert]) * topk_weights[tokens, slots, None]
+        y = product(lambda rows: F.linear(rows, w2[expert]), h) * topk_weights[tokens, slots, None]
         out.index_add_(0, tokens, y.to(x.dtype))
     return out
 
@@ -226,6 +228,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"tensor_parallel_size={tp_size} must divide the experts' intermediate size "
                              f"{intermediate_size}")
         self.num_experts, self.top_k, self.renormalize, self.tp_size = num_experts, top_k, renormalize, tp_size
+        self.rows_product = build.rows_product
         self.gate = ReplicatedLinear(hidden_size, num_experts, build=build, prefix=join(prefix, "gate"))
         # FP8 experts when the build's weight method for them is FP8 (a checkpoint format, or online)
         fp8 = getattr(build.linear_method(join(prefix, "experts")), "scheme", None)
@@ -258,7 +261,7 @@ class FusedMoE(nn.Module):
         elif kernels:
             out = fused_moe(x, w13, w2, weights, ids, skipped_pairs=skips)
         else:
-            out = fused_moe_torch(x, w13, w2, weights, ids)
+            out = fused_moe_torch(x, w13, w2, weights, ids, self.rows_product)
         if self.tp_size > 1:
             out = self.all_reduce(out)
         return out

@@ -28,13 +28,16 @@ class ModelBuild:
     the weight method of the linear layer named `prefix` (e.g. "model.layers.0.self_attn.qkv_proj");
     max_model_len: the longest sequence the engine runs, which sizes the model's one RoPE cache
     (positions 0 .. max_model_len - 1; None: the model's max_position_embeddings); lm_head_method:
-    the product of the LM head's dense weight (DenseLinearMethod's `apply`, or a wrapper of it)."""
+    the product of the LM head's dense weight (DenseLinearMethod's `apply`, or a wrapper of it);
+    rows_product(product, x): how a product over a step-dependent set of rows (an expert's tokens
+    on CPU) is taken, None for product(x) itself."""
     tp: TensorParallel = TensorParallel()
     attention_backend: AttentionBackend = field(default_factory=TorchAttentionBackend)
     linear_method: Callable[[str], LinearMethod] = dense_linear_method
     max_model_len: int | None = None
     lm_head_method: LinearMethod = field(default_factory=DenseLinearMethod)
     expert_parallel: bool = False  # MoE layers: whole experts spread over the tp ranks (nanoinfer/expert_parallel)
+    rows_product: Callable | None = None
 
     def __post_init__(self):
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from nanoinfer.batch_invariant import InvariantLinearMethod, invariant_attention_backend, invariant_chooser
+from nanoinfer.batch_invariant import InvariantLinearMethod, fixed_rows, invariant_attention_backend, invariant_chooser
 from nanoinfer.layers.attention_backend import AttentionBackend, select_attention_backend
 from nanoinfer.layers.linear import LinearBase
 from nanoinfer.layers.linear_method import DenseLinearMethod
@@ -33,11 +33,12 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
     choose = linear_method_chooser(scheme, packed)
     if config.enable_lora:  # adapters wrap each projection's method (nanoinfer/lora)
         choose = lora_method_chooser(choose, packed, config.max_loras, config.max_lora_rank)
-    lm_head_method = DenseLinearMethod()
+    lm_head_method, rows_product = DenseLinearMethod(), None
     if getattr(config, "batch_invariant", False):
         choose, lm_head_method = invariant_chooser(choose), InvariantLinearMethod(lm_head_method)
+        rows_product = fixed_rows
     build = ModelBuild(TensorParallel(rank, world_size), attention_backend, linear_method=choose,
-                       lm_head_method=lm_head_method,
+                       lm_head_method=lm_head_method, rows_product=rows_product,
                        max_model_len=config.max_model_len,  # sizes the RoPE cache
                        expert_parallel=getattr(config, "expert_parallel_size", 1) > 1)
     torch.manual_seed(config.seed)
