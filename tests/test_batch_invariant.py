@@ -44,10 +44,10 @@ def _engine(path, invariant, device, **options):
                num_kvcache_blocks=96, **{"max_num_seqs": 16, **options})
 
 
-def _runs(path, invariant: bool, device: str = "cpu") -> dict:
+def _runs(path, invariant: bool, device: str = "cpu", **options) -> dict:
     """Each target's result per case: alone, in a batch, after a prefix hit, chunked."""
     runs = {}
-    llm = _engine(path, invariant, device, enable_prefix_caching=False)
+    llm = _engine(path, invariant, device, enable_prefix_caching=False, **options)
     try:
         runs["alone"] = [_generate(llm, [t], p)[0] for t, p in zip(TARGETS, PARAMS)]
         batch = [TARGETS[0], *OTHERS[:6], TARGETS[1], *OTHERS[6:], TARGETS[2]]
@@ -56,7 +56,7 @@ def _runs(path, invariant: bool, device: str = "cpu") -> dict:
         runs["batch"] = [results[0], results[7], results[-1]]
     finally:
         llm.exit()
-    llm = _engine(path, invariant, device)
+    llm = _engine(path, invariant, device, **options)
     try:  # other prompts sharing the targets' first two blocks go first
         _generate(llm, [t[:2 * BS] + [5, 6, 7] for t in TARGETS], OTHER_PARAMS)
         hits = llm.scheduler.block_manager.num_hits
@@ -64,7 +64,8 @@ def _runs(path, invariant: bool, device: str = "cpu") -> dict:
         assert llm.scheduler.block_manager.num_hits - hits == 2 * len(TARGETS)  # (their first two blocks)
     finally:
         llm.exit()
-    llm = _engine(path, invariant, device, enable_prefix_caching=False, max_num_batched_tokens=BS, max_num_seqs=4)
+    llm = _engine(path, invariant, device, enable_prefix_caching=False, max_num_batched_tokens=BS, max_num_seqs=4,
+                  **options)
     try:
         runs["chunked"] = [_generate(llm, [t], p)[0] for t, p in zip(TARGETS, PARAMS)]
     finally:
@@ -139,11 +140,35 @@ def test_option_from_env_and_bad_values(tiny_qwen3, monkeypatch):
 @pytest.mark.parametrize("options, named", [
     (dict(tensor_parallel_size=2), "tensor_parallel_size"),
     (dict(enable_lora=True), "enable_lora"),
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
 ])
 def test_refused_where_not_invariant_yet(tiny_qwen3, options, named):
     with pytest.raises(ValueError, match=f"batch_invariant.*{named}"):
         Config(tiny_qwen3, batch_invariant=True, device="cpu", **options)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_is_bitwise_equal_in_every_case(tiny_qwen3, method):
+    """Speculative rows verify several positions a step; with the mode on a position's logits are
+    its own whatever the step, so the tokens (and their logprobs) match plain decoding's in every
+    case; drafts are made and accepted on these prompts. With the mode off the runs differ."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec |= {"prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    else:
+        spec["model"] = tiny_qwen3  # (the target as its own draft: drafts accepted)
+    on, off = _runs(tiny_qwen3, True, speculative_config=spec), _runs(tiny_qwen3, False, speculative_config=spec)
+    print(f"{method}: batch_invariant=True / False, differing targets per case:", _differences(on), _differences(off))
+    for case, got in on.items():
+        assert got == on["alone"], case
+    assert any(_differences(off).values())
+    plain = _engine(tiny_qwen3, True, "cpu", enable_prefix_caching=False)
+    llm = _engine(tiny_qwen3, True, "cpu", enable_prefix_caching=False, speculative_config=spec)
+    try:
+        assert _generate(plain, TARGETS, PARAMS[1]) == _generate(llm, TARGETS, PARAMS[1])  # greedy
+        assert llm.spec_stats.num_accepted_tokens > 0
+    finally:
+        plain.exit()
+        llm.exit()
 
 
 @pytest.fixture(scope="module")
