@@ -44,6 +44,6 @@ OPTION_HELP = {
     "max_lora_rank": "highest adapter rank accepted (default: 16)",
     "max_cpu_loras": "adapters cached in host memory (default: max_loras)",
     "batch_invariant": "a request's tokens and logprobs bitwise the same whatever runs beside it, after a "
-                       "prefix-cache hit or not, however its prompt is chunked; CPU only for now; also "
+                       "prefix-cache hit or not, however its prompt is chunked (docs/batch-invariant.md); also "
                        "NANOINFER_BATCH_INVARIANT=1 (default: off)",
 }
