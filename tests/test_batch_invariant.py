@@ -44,16 +44,20 @@ def _engine(path, invariant, device, **options):
                num_kvcache_blocks=96, **{"max_num_seqs": 16, **options})
 
 
+def _alone_and_in_a_batch(llm) -> dict:
+    """Each target's result alone, and in a batch of mixed lengths."""
+    alone = [_generate(llm, [t], p)[0] for t, p in zip(TARGETS, PARAMS)]
+    batch = [TARGETS[0], *OTHERS[:6], TARGETS[1], *OTHERS[6:], TARGETS[2]]
+    params = [PARAMS[0], *[OTHER_PARAMS] * 6, PARAMS[1], *[OTHER_PARAMS] * 6, PARAMS[2]]
+    results = _generate(llm, batch, params)
+    return {"alone": alone, "batch": [results[0], results[7], results[-1]]}
+
+
 def _runs(path, invariant: bool, device: str = "cpu", **options) -> dict:
     """Each target's result per case: alone, in a batch, after a prefix hit, chunked."""
-    runs = {}
     llm = _engine(path, invariant, device, enable_prefix_caching=False, **options)
     try:
-        runs["alone"] = [_generate(llm, [t], p)[0] for t, p in zip(TARGETS, PARAMS)]
-        batch = [TARGETS[0], *OTHERS[:6], TARGETS[1], *OTHERS[6:], TARGETS[2]]
-        params = [PARAMS[0], *[OTHER_PARAMS] * 6, PARAMS[1], *[OTHER_PARAMS] * 6, PARAMS[2]]
-        results = _generate(llm, batch, params)
-        runs["batch"] = [results[0], results[7], results[-1]]
+        runs = _alone_and_in_a_batch(llm)
     finally:
         llm.exit()
     llm = _engine(path, invariant, device, **options)
@@ -138,7 +142,6 @@ def test_option_from_env_and_bad_values(tiny_qwen3, monkeypatch):
 
 
 @pytest.mark.parametrize("options, named", [
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
     (dict(enable_lora=True), "enable_lora"),
 ])
 def test_refused_where_not_invariant_yet(tiny_qwen3, options, named):
@@ -194,12 +197,29 @@ def test_moe_refused_on_cuda(tiny_moe, monkeypatch):
     assert Config(tiny_moe, batch_invariant=True, device="cpu").batch_invariant
 
 
-def test_refused_for_quantized_weights_on_cuda(tiny_qwen3, monkeypatch):
-    """The FP8 GEMMs split K by the number of rows: refused on CUDA, never silently non-invariant."""
+def test_tensor_parallel_on_cpu_sums_in_rank_order(make_checkpoint):
+    """tp=3 (gloo): every all-reduce gathers the ranks' parts and adds them in rank order. (gloo's
+    ring adds each chunk of a tensor from another rank first, and its chunks follow the tensor's
+    size: with three ranks or more a row's sum then depends on the rows beside it; this fails with
+    in_rank_order off. With two, a + b == b + a.)"""
+    path = make_checkpoint(hidden_size=96, num_heads=6, num_kv_heads=3, head_dim=16, intermediate_size=192)
+    llm = _engine(path, True, "cpu", enable_prefix_caching=False, tensor_parallel_size=3)
+    try:
+        runs = _alone_and_in_a_batch(llm)
+    finally:
+        llm.exit()
+    assert runs["batch"] == runs["alone"]
+
+
+def test_refused_for_quantized_weights_and_tensor_parallel_on_cuda(tiny_qwen3, monkeypatch):
+    """The FP8 GEMMs split K by the number of rows; the CUDA all-reduces are not checked yet:
+    refused on CUDA, never silently non-invariant."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match="batch_invariant.*quantized weights on CUDA"):
         Config(tiny_qwen3, batch_invariant=True, device="cuda", quantization="fp8")
+    with pytest.raises(ValueError, match="batch_invariant.*tensor_parallel_size=2 on CUDA"):
+        Config(tiny_qwen3, batch_invariant=True, device="cuda", tensor_parallel_size=2)
     assert Config(tiny_qwen3, batch_invariant=True, device="cuda").batch_invariant
 
 

@@ -28,9 +28,8 @@ def resolve_batch_invariant(config) -> None:
     refusals = [
         (config.device == "cuda" and quantized,
          "quantized weights on CUDA: the FP8 GEMMs split K by the number of rows"),
-        (config.tensor_parallel_size > 1, f"tensor_parallel_size={config.tensor_parallel_size}: the all-reduce's "
-                                          "summation order is not fixed (gloo's ring reduces each chunk from a "
-                                          "different rank; chunks follow the step's size); use 1"),
+        (config.device == "cuda" and config.tensor_parallel_size > 1,
+         f"tensor_parallel_size={config.tensor_parallel_size} on CUDA: not verified batch-invariant there yet; use 1"),
         (config.device == "cuda" and bool(getattr(hf, "num_experts", 0) or getattr(hf, "num_local_experts", 0)),
          "MoE models on CUDA: the fused MoE kernels are not verified batch-invariant yet"),
         (config.enable_lora, "enable_lora: the adapters' products are not batch-invariant yet"),

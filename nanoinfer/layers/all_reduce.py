@@ -41,9 +41,19 @@ class AllReduce(nn.Module):
         self.buffer: torch.Tensor | None = None  # [max_rows, features], symmetric memory
         self.group_name: str | None = None
         self.peers: Peers | None = None
+        # every rank's part gathered, then added in rank order: a row's sum the same bits whatever
+        # the number of rows (gloo's and NCCL's rings cut the tensor by its size)
+        self.in_rank_order = False
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         n = y.shape[0]
+        if self.in_rank_order:
+            parts = [torch.empty_like(y) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, y.contiguous())
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            return total
         if self.buffer is not None and n <= self.buffer.shape[0]:
             self.buffer[:n].copy_(y)
             return torch.ops.symm_mem.one_shot_all_reduce(self.buffer[:n], "sum", self.group_name)
@@ -54,7 +64,7 @@ class AllReduce(nn.Module):
         """Where a projection followed by an RMSNorm writes its [n, features] partial sums (then
         wrapped in a PartialSum), or None: n rows do not fit, or there is no fused kernel here. (The
         fused kernel is ahead of copy + one-shot + norm at every row count: nanoinfer.bench.allreduce.)"""
-        if self.peers is None or not 0 < n <= self.buffer.shape[0]:
+        if self.peers is None or self.in_rank_order or not 0 < n <= self.buffer.shape[0]:
             return None
         return self.buffer[:n]
 

@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from nanoinfer.batch_invariant import InvariantLinearMethod, fixed_rows, invariant_attention_backend, invariant_chooser
+from nanoinfer.layers.all_reduce import AllReduce
 from nanoinfer.layers.attention_backend import AttentionBackend, select_attention_backend
 from nanoinfer.layers.linear import LinearBase
 from nanoinfer.layers.linear_method import DenseLinearMethod
@@ -22,7 +23,8 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
     (nanoinfer/quant; with enable_lora, wrapped by the LoRA method of nanoinfer/lora), then its
     weights loaded, or drawn at random for load_format="dummy", then each weight method (and each
     module that has one, as FP8 experts) told the weights are in. With batch_invariant, every
-    product (the LM head's too) is batch-invariant (nanoinfer/batch_invariant)."""
+    product (the LM head's too) is batch-invariant (nanoinfer/batch_invariant), and so is every
+    tensor-parallel all-reduce (in rank order)."""
     hf = config.hf_config
     scheme = fp8_scheme(config.quantization, hf)
     model_class = get_model_class(hf)
@@ -34,7 +36,8 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
     if config.enable_lora:  # adapters wrap each projection's method (nanoinfer/lora)
         choose = lora_method_chooser(choose, packed, config.max_loras, config.max_lora_rank)
     lm_head_method, rows_product = DenseLinearMethod(), None
-    if getattr(config, "batch_invariant", False):
+    invariant = getattr(config, "batch_invariant", False)
+    if invariant:
         choose, lm_head_method = invariant_chooser(choose), InvariantLinearMethod(lm_head_method)
         rows_product = fixed_rows
     build = ModelBuild(TensorParallel(rank, world_size), attention_backend, linear_method=choose,
@@ -57,6 +60,8 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
     else:
         loader.load_model(model, config.model, config.kv_cache_dtype)
     for module in model.modules():
+        if isinstance(module, AllReduce):
+            module.in_rank_order = invariant
         if isinstance(module, LinearBase):
             module.method.process_weights_after_loading(module)
         elif hasattr(module, "process_weights_after_loading"):
