@@ -141,12 +141,7 @@ def test_option_from_env_and_bad_values(tiny_qwen3, monkeypatch):
         Config(tiny_qwen3, device="cpu", batch_invariant="yes")
 
 
-@pytest.mark.parametrize("options, named", [
-    (dict(enable_lora=True), "enable_lora"),
-])
-def test_refused_where_not_invariant_yet(tiny_qwen3, options, named):
-    with pytest.raises(ValueError, match=f"batch_invariant.*{named}"):
-        Config(tiny_qwen3, batch_invariant=True, device="cpu", **options)
+
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -172,6 +167,44 @@ def test_speculative_decoding_is_bitwise_equal_in_every_case(tiny_qwen3, method)
     finally:
         plain.exit()
         llm.exit()
+
+
+def test_lora_on_cpu_is_bitwise_equal_alone_and_beside_other_adapters(tiny_qwen3, tmp_path):
+    """Adapters (and the base) side by side: the shrink and the expand in fixed row chunks, added to
+    the base product apart (LoRALinearMethod's rows_product); with the mode off the runs differ. The
+    adapters do change the tokens, and match HF + PEFT."""
+    from lora_reference import ALL_TARGETS, assert_greedy_matches, make_adapter
+    from nanoinfer import LoRARequest
+    loras = [LoRARequest(f"ad{i}", i, make_adapter(tiny_qwen3, str(tmp_path / f"ad{i}"), targets, r, alpha, seed=i))
+             for i, (targets, r, alpha) in enumerate([(ALL_TARGETS, 8, 16), (["q_proj", "down_proj"], 4, 8)], 1)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    targets = list(zip(TARGETS, [loras[0], None, loras[1]], [PARAMS[0], greedy, greedy]))
+
+    def results(invariant: bool):
+        llm = _engine(tiny_qwen3, invariant, "cpu", enable_prefix_caching=False, enable_lora=True, max_loras=2,
+                      max_lora_rank=8)
+        try:
+            alone = [_result(llm.generate([{"prompt_token_ids": t}], p, lora_request=lora, use_tqdm=False)[0])
+                     for t, lora, p in targets]
+            batch = [t for t, _, _ in targets] + OTHERS[:6]
+            adapters = [lora for _, lora, _ in targets] + [loras[i % 2] if i % 3 else None for i in range(6)]
+            params = [p for _, _, p in targets] + [OTHER_PARAMS] * 6
+            outs = llm.generate([{"prompt_token_ids": t} for t in batch], params, lora_request=adapters,
+                                use_tqdm=False)
+            return alone, [_result(o) for o in outs[:3]]
+        finally:
+            llm.exit()
+
+    alone, beside = results(True)
+    assert alone == beside
+    assert_greedy_matches(tiny_qwen3, loras[1].lora_path, TARGETS[2], alone[2][0])
+    plain = _engine(tiny_qwen3, True, "cpu", enable_prefix_caching=False)
+    try:
+        assert _generate(plain, [TARGETS[2]], greedy)[0] != alone[2]  # (the adapter is applied)
+    finally:
+        plain.exit()
+    alone, beside = results(False)
+    assert alone != beside
 
 
 @pytest.fixture(scope="module")

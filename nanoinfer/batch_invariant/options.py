@@ -32,7 +32,8 @@ def resolve_batch_invariant(config) -> None:
          f"tensor_parallel_size={config.tensor_parallel_size} on CUDA: not verified batch-invariant there yet; use 1"),
         (config.device == "cuda" and bool(getattr(hf, "num_experts", 0) or getattr(hf, "num_local_experts", 0)),
          "MoE models on CUDA: the fused MoE kernels are not verified batch-invariant yet"),
-        (config.enable_lora, "enable_lora: the adapters' products are not batch-invariant yet"),
+        (config.device == "cuda" and config.enable_lora, "enable_lora on CUDA: the adapters' kernels are not "
+                                                         "batch-invariant yet"),
         (config.device == "cuda" and config.speculative_config is not None,
          "speculative_config on CUDA: speculative decoding is not verified batch-invariant there yet"),
         (getattr(hf, "vision_config", None) is not None, "vision-language models: the image encoder is not "

@@ -44,9 +44,13 @@ TRITON_EXPAND = os.environ.get("NANOINFER_LORA_TRITON", "1") != "0"
 
 
 class LoRALinearMethod(LinearMethod):
-    def __init__(self, base: LinearMethod, shards: list[tuple[str, Hashable]], num_slots: int, max_rank: int):
+    def __init__(self, base: LinearMethod, shards: list[tuple[str, Hashable]], num_slots: int, max_rank: int,
+                 rows_product=None):
+        """rows_product: as ModelBuild's, for the shrink and the expand (then never joint with the base's
+        product, a separate add: a row's adapter term does not depend on the rows beside it)."""
         self.base, self.shards = base, shards
         self.num_slots, self.max_rank = num_slots, max_rank
+        self.rows_product = rows_product
 
     def takes_deferred(self, layer, x) -> bool:
         """As the base method, and over a dense base also the joint product's kernel (the base
@@ -97,6 +101,8 @@ class LoRALinearMethod(LinearMethod):
         y), then the expand of each row's slot (ctx.lora_slots), the Triton kernel on CUDA, else a
         mask and an addmm. Written into `out` if given, else into y when y is contiguous (a new
         tensor otherwise)."""
+        if self.rows_product is not None:
+            return self.add_adapters_by_rows(layer, x, y, ctx, out)
         if shrunk is None:  # (a Deferred input: the fused kernel again; it rewrites the residual alike)
             shrunk = linear(x, layer.lora_a)
         if out is None:
@@ -109,6 +115,16 @@ class LoRALinearMethod(LinearMethod):
         if out is y:
             return y.addmm_(shrunk, layer.lora_b.t())
         return torch.addmm(y, shrunk, layer.lora_b.t(), out=out)
+
+    def add_adapters_by_rows(self, layer, x: torch.Tensor, y: torch.Tensor, ctx: Context,
+                             out: torch.Tensor | None) -> torch.Tensor:
+        """add_adapters with the shrink and the expand taken through rows_product."""
+        if ctx.lora_mask is None:
+            ctx.lora_mask = slot_mask(ctx.lora_slots, self.num_slots, y.dtype)
+        shrunk = self.rows_product(lambda rows: linear(rows, layer.lora_a), x)
+        shrunk = shrunk * ctx.lora_mask.repeat_interleave(self.width, 1)
+        total = y + self.rows_product(lambda rows: linear(rows, layer.lora_b), shrunk)
+        return total if out is None else out.copy_(total)
 
     # ---- slots ----------------------------------------------------------------------------------
     def clear_slot(self, layer, slot: int):
@@ -135,9 +151,9 @@ def slot_mask(slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.
     return (slots[:, None] == torch.arange(num_slots, device=slots.device)).to(dtype)
 
 
-def lora_method_chooser(choose, packed: dict, num_slots: int, max_rank: int):
+def lora_method_chooser(choose, packed: dict, num_slots: int, max_rank: int, rows_product=None):
     """ModelBuild.linear_method with adapters on the seven projections: `choose`'s method, wrapped."""
     def choose_with_lora(prefix: str) -> LinearMethod:
         base, shards = choose(prefix), layer_shards(prefix, packed)
-        return base if shards is None else LoRALinearMethod(base, shards, num_slots, max_rank)
+        return base if shards is None else LoRALinearMethod(base, shards, num_slots, max_rank, rows_product)
     return choose_with_lora

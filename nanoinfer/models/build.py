@@ -33,13 +33,13 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
                       fp8=fp8, fp8_experts=fp8)
     packed = getattr(model_class, "packed_modules_mapping", {})
     choose = linear_method_chooser(scheme, packed)
-    if config.enable_lora:  # adapters wrap each projection's method (nanoinfer/lora)
-        choose = lora_method_chooser(choose, packed, config.max_loras, config.max_lora_rank)
     lm_head_method, rows_product = DenseLinearMethod(), None
     invariant = getattr(config, "batch_invariant", False)
     if invariant:
         choose, lm_head_method = invariant_chooser(choose), InvariantLinearMethod(lm_head_method)
         rows_product = fixed_rows
+    if config.enable_lora:  # adapters wrap each projection's method (nanoinfer/lora)
+        choose = lora_method_chooser(choose, packed, config.max_loras, config.max_lora_rank, rows_product)
     build = ModelBuild(TensorParallel(rank, world_size), attention_backend, linear_method=choose,
                        lm_head_method=lm_head_method, rows_product=rows_product,
                        max_model_len=config.max_model_len,  # sizes the RoPE cache
