@@ -207,6 +207,84 @@ def test_lora_on_cpu_is_bitwise_equal_alone_and_beside_other_adapters(tiny_qwen3
     assert alone != beside
 
 
+def test_vision_language_on_cpu_is_bitwise_equal_alone_beside_other_images_and_chunked(make_vl_checkpoint):
+    """A request with an image: its tokens the same alone, in a batch with other images (two of the
+    same size among them), after a prefix hit and with its prompt chunked through the image. With
+    the mode off the runs differ."""
+    from vl_reference import random_image
+    from nanoinfer.multimodal.tiny_model import PLACEHOLDER
+    path = make_vl_checkpoint(vision_hidden=64, vision_heads=2)
+    image = {"image": [random_image(112, 84, seed=1)]}
+    first = f"Describe {PLACEHOLDER} in a few"
+    target = {"prompt": f"{first} words please, and then some more.", "multi_modal_data": image}
+    others = [{"prompt": f"A {PLACEHOLDER} and {PLACEHOLDER}.",
+               "multi_modal_data": {"image": [random_image(112, 84, seed=2), random_image(56, 140, seed=3)]}},
+              "Hello, my name is", {"prompt": f"Big {PLACEHOLDER}.", "multi_modal_data": {"image": [
+                  random_image(300, 260, seed=4)]}}]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True, logprobs=5)
+
+    def results(invariant: bool) -> dict:
+        runs = {}
+        options = dict(device="cpu", kvcache_block_size=BS, max_model_len=512, batch_invariant=invariant)
+        llm = LLM(path, enable_prefix_caching=False, **options)
+        try:
+            runs["alone"] = _result(llm.generate([target], params, use_tqdm=False)[0])
+            runs["batch"] = _result(llm.generate([*others[:2], target, others[2]], params, use_tqdm=False)[2])
+        finally:
+            llm.exit()
+        llm = LLM(path, **options)
+        try:  # the same image and first words, then the target: its image's blocks come from the cache
+            llm.generate([{"prompt": first, "multi_modal_data": image}], params, use_tqdm=False)
+            runs["prefix hit"] = _result(llm.generate([target], params, use_tqdm=False)[0])
+            assert llm.scheduler.block_manager.num_hits > 0
+        finally:
+            llm.exit()
+        llm = LLM(path, enable_prefix_caching=False, max_num_batched_tokens=BS, max_num_seqs=4, **options)
+        try:
+            runs["chunked"] = _result(llm.generate([target], params, use_tqdm=False)[0])
+        finally:
+            llm.exit()
+        return runs
+
+    on, off = results(True), results(False)
+    print("VL, batch_invariant=True / False, differing cases:", [c for c in on if on[c] != on["alone"]],
+          [c for c in off if off[c] != off["alone"]])
+    for case, got in on.items():
+        assert got == on["alone"], case
+    assert any(got != off["alone"] for got in off.values())
+
+
+def test_vision_tower_encodes_an_image_alike_alone_and_beside_others(make_vl_checkpoint):
+    """One tower call encodes a step's images together: with the mode's build (ModelBuild.unsharded
+    of it: invariant products, patch embedding included) an image's embeddings are bitwise those it
+    gets alone; with the default build they differ (a CPU GEMM of a few rows takes another path)."""
+    from transformers import AutoConfig
+    from nanoinfer.batch_invariant import InvariantLinearMethod, fixed_rows
+    from nanoinfer.layers.linear_method import DenseLinearMethod
+    from nanoinfer.layers.model_build import ModelBuild
+    from nanoinfer.models.qwen2_5_vision import Qwen2_5_VisionTransformer
+    vision = AutoConfig.from_pretrained(make_vl_checkpoint(vision_hidden=64)).vision_config
+    features = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    grids = [(1, 4, 4), (1, 8, 6), (1, 4, 4), (1, 10, 10)]
+    pixels = [torch.randn(t * h * w, features, generator=torch.Generator().manual_seed(i)) for i, (t, h, w)
+              in enumerate(grids)]
+
+    def alone_and_together(build):
+        torch.manual_seed(0)
+        tower = Qwen2_5_VisionTransformer(vision, build)
+        for param in tower.parameters():
+            param.data.normal_(0, 0.05)
+        with torch.inference_mode():
+            alone = tower(pixels[0], grids[:1])
+            return alone, tower(torch.cat(pixels), grids)[:alone.shape[0]]
+
+    invariant = ModelBuild(lm_head_method=InvariantLinearMethod(DenseLinearMethod()), rows_product=fixed_rows)
+    alone, together = alone_and_together(invariant.unsharded())
+    assert torch.equal(alone, together)
+    alone, together = alone_and_together(ModelBuild().unsharded())
+    assert not torch.equal(alone, together)
+
+
 @pytest.fixture(scope="module")
 def tiny_moe(tmp_path_factory):
     return build_tiny_moe_checkpoint(str(tmp_path_factory.mktemp("moe")))

@@ -36,8 +36,8 @@ def resolve_batch_invariant(config) -> None:
                                                          "batch-invariant yet"),
         (config.device == "cuda" and config.speculative_config is not None,
          "speculative_config on CUDA: speculative decoding is not verified batch-invariant there yet"),
-        (getattr(hf, "vision_config", None) is not None, "vision-language models: the image encoder is not "
-                                                         "batch-invariant yet"),
+        (config.device == "cuda" and getattr(hf, "vision_config", None) is not None,
+         "vision-language models on CUDA: the image encoder is not verified batch-invariant there yet"),
     ]
     for refused, why in refusals:
         if refused:

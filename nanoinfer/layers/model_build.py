@@ -43,6 +43,13 @@ class ModelBuild:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
+    def unsharded(self) -> "ModelBuild":
+        """The build of a tower every rank holds whole, dense whatever the model's quantization or
+        adapters (a vision encoder): each linear layer with lm_head_method (the dense product, or
+        the wrapper of it this build uses), the same rows_product."""
+        dense = self.lm_head_method
+        return ModelBuild(linear_method=lambda prefix: dense, lm_head_method=dense, rows_product=self.rows_product)
+
     def rope_positions(self, max_position_embeddings: int) -> int:
         """How many positions the RoPE cache holds: every one the engine can compute."""
         if self.max_model_len is None:

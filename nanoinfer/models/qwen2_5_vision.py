@@ -34,8 +34,9 @@ class PatchEmbed(nn.Module):
     """The checkpoint's Conv3d (kernel = stride = one patch), computed as the matmul it is."""
 
     def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int,
-                 bias: bool = False):
+                 bias: bool = False, rows_product=None):
         super().__init__()
+        self.rows_product = rows_product or (lambda product, rows: product(rows))  # (ModelBuild's)
         self.shape = (embed_dim, in_channels, temporal_patch_size, patch_size, patch_size)
         self.weight = nn.Parameter(torch.empty(embed_dim, in_channels * temporal_patch_size * patch_size ** 2))
         self.weight.weight_loader = self._load
@@ -46,7 +47,7 @@ class PatchEmbed(nn.Module):
         param.data.copy_(loaded.reshape(param.shape))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return F.linear(pixels.to(self.weight.dtype), self.weight, self.bias)
+        return self.rows_product(lambda rows: F.linear(rows, self.weight, self.bias), pixels.to(self.weight.dtype))
 
 
 # cuDNN's attention builds an execution plan for every new batch shape, and the batch here (a
@@ -216,7 +217,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
                              f"least patch_size * spatial_merge_size = {config.patch_size * self.merge} pixels")
         self.full_attention = set(config.fullatt_block_indexes)
         self.patch_embed = nn.ModuleDict({"proj": PatchEmbed(config.in_channels, config.temporal_patch_size,
-                                                             config.patch_size, config.hidden_size)})
+                                                             config.patch_size, config.hidden_size,
+                                                             rows_product=build.rows_product)})
         head_dim = config.hidden_size // config.num_heads
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         half = head_dim // 2  # each of the row and column positions turns half the rotary frequencies

@@ -9,7 +9,7 @@ context (`mm_embeds`, set by the model runner from the encoder cache, multimodal
 import torch
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.model_build import ModelBuild, TensorParallel
+from nanoinfer.layers.model_build import ModelBuild
 from nanoinfer.models.qwen2_5_vision import Qwen2_5_VisionTransformer, dummy_images
 from nanoinfer.models.qwen3 import Qwen2ForCausalLM
 from nanoinfer.models.vl_rope import mrope_for
@@ -23,7 +23,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     def __init__(self, config: PretrainedConfig, build: ModelBuild):
         super().__init__(config, build)
         # replicated on every rank, dense whatever the language model's quantization
-        self.visual = Qwen2_5_VisionTransformer(config.vision_config, ModelBuild(TensorParallel(0, 1)))
+        self.visual = Qwen2_5_VisionTransformer(config.vision_config, build.unsharded())
         self.vision_config = config.vision_config
 
     def make_rotary(self, config: PretrainedConfig, build: ModelBuild) -> MRotaryEmbedding:

@@ -8,7 +8,7 @@ as for Qwen2.5-VL (models/qwen2_5_vl.py)."""
 import torch
 from transformers import PretrainedConfig
 
-from nanoinfer.layers.model_build import ModelBuild, TensorParallel
+from nanoinfer.layers.model_build import ModelBuild
 from nanoinfer.models.qwen3 import Qwen3ForCausalLM
 from nanoinfer.models.qwen2_5_vision import dummy_images
 from nanoinfer.models.qwen3_vl_vision import Qwen3VLVisionTransformer
@@ -22,7 +22,7 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
 
     def __init__(self, config: PretrainedConfig, build: ModelBuild):
         super().__init__(config, build)
-        self.visual = Qwen3VLVisionTransformer(config.vision_config, ModelBuild(TensorParallel(0, 1)))
+        self.visual = Qwen3VLVisionTransformer(config.vision_config, build.unsharded())
         self.vision_config = config.vision_config
 
     def make_rotary(self, config: PretrainedConfig, build: ModelBuild) -> MRotaryEmbedding:

@@ -65,7 +65,8 @@ class Qwen3VLVisionTransformer(nn.Module):
         self.merge = config.spatial_merge_size
         self.side = int(config.num_position_embeddings ** 0.5)
         self.patch_embed = nn.ModuleDict({"proj": PatchEmbed(config.in_channels, config.temporal_patch_size,
-                                                             config.patch_size, config.hidden_size, bias=True)})
+                                                             config.patch_size, config.hidden_size, bias=True,
+                                                             rows_product=build.rows_product)})
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         head_dim = config.hidden_size // config.num_heads
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
