@@ -334,6 +334,18 @@ def test_refused_for_quantized_weights_and_tensor_parallel_on_cuda(tiny_qwen3, m
     assert Config(tiny_qwen3, batch_invariant=True, device="cuda").batch_invariant
 
 
+@pytest.mark.parametrize("options, named", [
+    (dict(enable_lora=True), "enable_lora on CUDA"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config on CUDA"),
+])
+def test_refused_on_cuda_where_not_verified_there(tiny_qwen3, monkeypatch, options, named):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=f"batch_invariant.*{named}"):
+        Config(tiny_qwen3, batch_invariant=True, device="cuda", **options)
+    assert Config(tiny_qwen3, batch_invariant=True, device="cpu", **options).batch_invariant
+
+
 def test_row_chunks_and_row_reductions_do_not_depend_on_the_rows_beside():
     """What the mode relies on: fixed row chunks of a product, and torch's row-wise reductions
     (RMSNorm's mean, log-softmax) give a row the same bits whatever rows are beside it."""

@@ -16,27 +16,27 @@ def env_batch_invariant() -> bool:
 
 
 def resolve_batch_invariant(config) -> None:
-    """Check config.batch_invariant (a bool), turn it on from the environment, and refuse the
+    """Check config.batch_invariant (a bool), turn it on from the environment, and refuse the CUDA
     engines it cannot make invariant yet. Called once the device and the model's config are known."""
     if not isinstance(config.batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {type(config.batch_invariant).__name__}")
     config.batch_invariant = config.batch_invariant or env_batch_invariant()
     if not config.batch_invariant:
         return
+    if config.device != "cuda":  # (on CPU every part of the engine runs invariant)
+        return
     hf = config.hf_config
-    quantized = config.quantization is not None or bool(getattr(hf, "quantization_config", None))
     refusals = [
-        (config.device == "cuda" and quantized,
+        (config.quantization is not None or bool(getattr(hf, "quantization_config", None)),
          "quantized weights on CUDA: the FP8 GEMMs split K by the number of rows"),
-        (config.device == "cuda" and config.tensor_parallel_size > 1,
+        (config.tensor_parallel_size > 1,
          f"tensor_parallel_size={config.tensor_parallel_size} on CUDA: not verified batch-invariant there yet; use 1"),
-        (config.device == "cuda" and bool(getattr(hf, "num_experts", 0) or getattr(hf, "num_local_experts", 0)),
+        (bool(getattr(hf, "num_experts", 0) or getattr(hf, "num_local_experts", 0)),
          "MoE models on CUDA: the fused MoE kernels are not verified batch-invariant yet"),
-        (config.device == "cuda" and config.enable_lora, "enable_lora on CUDA: the adapters' kernels are not "
-                                                         "batch-invariant yet"),
-        (config.device == "cuda" and config.speculative_config is not None,
+        (config.enable_lora, "enable_lora on CUDA: the adapters' kernels are not batch-invariant yet"),
+        (config.speculative_config is not None,
          "speculative_config on CUDA: speculative decoding is not verified batch-invariant there yet"),
-        (config.device == "cuda" and getattr(hf, "vision_config", None) is not None,
+        (getattr(hf, "vision_config", None) is not None,
          "vision-language models on CUDA: the image encoder is not verified batch-invariant there yet"),
     ]
     for refused, why in refusals:
