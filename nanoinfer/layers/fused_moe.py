@@ -21,7 +21,7 @@ from nanoinfer.kernels.fused_moe import fp8_tile_k, fused_moe
 from nanoinfer.kernels.moe_gemv import moe_gemv, route_topk
 from nanoinfer.layers.all_reduce import AllReduce
 from nanoinfer.layers.linear import ReplicatedLinear
-from nanoinfer.layers.model_build import ModelBuild, TensorParallel, join
+from nanoinfer.layers.model_build import ModelBuild, TensorParallel, join, whole_rows
 from nanoinfer.quant import fp8_linear
 from nanoinfer.quant.fp8_math import cdiv, check_block_cut, dequantize, group_k, quantize_rows, scale_rows
 from nanoinfer.utils.loader import check_shape
@@ -47,12 +47,11 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool):
 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, rows_product=None) -> torch.Tensor:
+                    topk_ids: torch.Tensor, rows_product=whole_rows) -> torch.Tensor:
     """Reference: for each expert, its (token, slot) pairs through silu(gate) * up and down, scaled by
     the routing weight and added to the token's output. Same operation order as HF's eager experts.
     A pair of expert id -1 (held by another rank: expert parallel) adds nothing. rows_product: as
     ModelBuild's, for the experts' two products."""
-    product = rows_product or (lambda fn, rows: fn(rows))
     out = torch.zeros_like(x)
     inter = w2.shape[2]
     flat_ids = topk_ids.reshape(-1)
@@ -65,9 +64,9 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
         pairs = order[start:start + count]
         start += count
         tokens, slots = pairs // topk_ids.shape[1], pairs % topk_ids.shape[1]
-        gate_up = product(lambda rows: F.linear(rows, w13[expert]), x[tokens])
+        gate_up = rows_product(lambda rows: F.linear(rows, w13[expert]), x[tokens])
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = product(lambda rows: F.linear(rows, w2[expert]), h) * topk_weights[tokens, slots, None]
+        y = rows_product(lambda rows: F.linear(rows, w2[expert]), h) * topk_weights[tokens, slots, None]
         out.index_add_(0, tokens, y.to(x.dtype))
     return out
 

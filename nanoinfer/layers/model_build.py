@@ -22,6 +22,11 @@ class TensorParallel:
             raise ValueError(f"tensor-parallel rank {self.rank} is outside [0, {self.size})")
 
 
+def whole_rows(product: Callable, x):
+    """ModelBuild.rows_product's default: product(x), all the rows at once."""
+    return product(x)
+
+
 @dataclass(frozen=True)
 class ModelBuild:
     """tp: the sharding; attention_backend: shared by every Attention layer; linear_method(prefix):
@@ -30,14 +35,14 @@ class ModelBuild:
     (positions 0 .. max_model_len - 1; None: the model's max_position_embeddings); lm_head_method:
     the product of the LM head's dense weight (DenseLinearMethod's `apply`, or a wrapper of it);
     rows_product(product, x): how a product over a step-dependent set of rows (an expert's tokens
-    on CPU) is taken, None for product(x) itself."""
+    on CPU) is taken (whole_rows: product(x) itself)."""
     tp: TensorParallel = TensorParallel()
     attention_backend: AttentionBackend = field(default_factory=TorchAttentionBackend)
     linear_method: Callable[[str], LinearMethod] = dense_linear_method
     max_model_len: int | None = None
     lm_head_method: LinearMethod = field(default_factory=DenseLinearMethod)
     expert_parallel: bool = False  # MoE layers: whole experts spread over the tp ranks (nanoinfer/expert_parallel)
-    rows_product: Callable | None = None
+    rows_product: Callable = whole_rows
 
     def __post_init__(self):
         if self.max_model_len is not None and self.max_model_len < 1:

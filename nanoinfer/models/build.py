@@ -7,7 +7,7 @@ from nanoinfer.layers.all_reduce import AllReduce
 from nanoinfer.layers.attention_backend import AttentionBackend, select_attention_backend
 from nanoinfer.layers.linear import LinearBase
 from nanoinfer.layers.linear_method import DenseLinearMethod
-from nanoinfer.layers.model_build import ModelBuild, TensorParallel
+from nanoinfer.layers.model_build import ModelBuild, TensorParallel, whole_rows
 from nanoinfer.lora.linear import lora_method_chooser
 from nanoinfer.models import check_architecture, get_model_class
 from nanoinfer.models.config_limits import check_fits_memory
@@ -33,13 +33,14 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
                       fp8=fp8, fp8_experts=fp8)
     packed = getattr(model_class, "packed_modules_mapping", {})
     choose = linear_method_chooser(scheme, packed)
-    lm_head_method, rows_product = DenseLinearMethod(), None
+    lm_head_method, rows_product = DenseLinearMethod(), whole_rows
     invariant = getattr(config, "batch_invariant", False)
     if invariant:
         choose, lm_head_method = invariant_chooser(choose), InvariantLinearMethod(lm_head_method)
         rows_product = fixed_rows
     if config.enable_lora:  # adapters wrap each projection's method (nanoinfer/lora)
-        choose = lora_method_chooser(choose, packed, config.max_loras, config.max_lora_rank, rows_product)
+        choose = lora_method_chooser(choose, packed, config.max_loras, config.max_lora_rank,
+                                    fixed_rows if invariant else None)
     build = ModelBuild(TensorParallel(rank, world_size), attention_backend, linear_method=choose,
                        lm_head_method=lm_head_method, rows_product=rows_product,
                        max_model_len=config.max_model_len,  # sizes the RoPE cache

@@ -24,7 +24,7 @@ from nanoinfer.kernels.rotary import rotate_
 from nanoinfer.layers.activation import SiluAndMul
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
-from nanoinfer.layers.model_build import ModelBuild, join
+from nanoinfer.layers.model_build import ModelBuild, join, whole_rows
 from nanoinfer.layers.rotary_embedding import apply_rotary
 from nanoinfer.utils.device_copy import tensor_to_device
 from nanoinfer.utils.loader import check_shape
@@ -34,9 +34,9 @@ class PatchEmbed(nn.Module):
     """The checkpoint's Conv3d (kernel = stride = one patch), computed as the matmul it is."""
 
     def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int,
-                 bias: bool = False, rows_product=None):
+                 bias: bool = False, rows_product=whole_rows):
         super().__init__()
-        self.rows_product = rows_product or (lambda product, rows: product(rows))  # (ModelBuild's)
+        self.rows_product = rows_product  # (ModelBuild's)
         self.shape = (embed_dim, in_channels, temporal_patch_size, patch_size, patch_size)
         self.weight = nn.Parameter(torch.empty(embed_dim, in_channels * temporal_patch_size * patch_size ** 2))
         self.weight.weight_loader = self._load
