@@ -23,12 +23,22 @@ def test_rows_do_not_depend_on_the_rows_beside_and_match_f_linear():
 
 
 def test_tiles_follow_the_rows_and_fill_the_sms():
-    few = invariant_config(128, 4096, torch.bfloat16)
-    assert invariant_config(1, 4096, torch.bfloat16) == few and few["block_n"] == 32
-    assert invariant_config(4096, 4096, torch.bfloat16)["block_m"] == 128
-    assert invariant_config(256, 24576, torch.bfloat16)["block_n"] == 256  # 2 x 96 tiles fill 132 SMs
-    assert invariant_config(256, 4096, torch.bfloat16)["block_n"] == 64  # wider tiles would leave SMs idle
-    assert invariant_config(256, 1024, torch.bfloat16)["block_n"] == 32
+    few = invariant_config(128, 4096, 4096, torch.bfloat16)
+    assert invariant_config(1, 4096, 4096, torch.bfloat16) == few and few["block_n"] == 32
+    k = 96  # (no tuned shape)
+    assert invariant_config(4096, 4096, k, torch.bfloat16)["block_m"] == 128
+    assert invariant_config(256, 24576, k, torch.bfloat16)["block_n"] == 256  # 2 x 96 tiles fill 132 SMs
+    assert invariant_config(256, 4096, k, torch.bfloat16)["block_n"] == 64  # wider tiles would leave SMs idle
+    assert invariant_config(256, 1024, k, torch.bfloat16)["block_n"] == 32
+
+
+def test_tuned_tiles_apply_to_their_shape_and_row_bucket(monkeypatch):
+    monkeypatch.setattr(im, "TUNED", {(512, 4096, 1024): (64, 128, 64, 4, 5)})
+    assert im.rows_bucket(129) == 256 and im.rows_bucket(257) == 512 and im.rows_bucket(100_000) == 2048
+    for m in (257, 400, 512):
+        assert invariant_config(m, 4096, 1024, torch.bfloat16) == im._as_config((64, 128, 64, 4, 5))
+    for m, n, k in ((256, 4096, 1024), (513, 4096, 1024), (400, 4096, 2048), (64, 4096, 1024)):
+        assert invariant_config(m, n, k, torch.bfloat16) != im._as_config((64, 128, 64, 4, 5))
 
 
 def test_shapes_that_do_not_multiply_are_refused():
@@ -46,8 +56,8 @@ def test_cuda_bf16_rows_and_tiles_agree_bitwise(n, k):
     x = torch.randn(600, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     whole = invariant_matmul(x, w)
-    configs = [im._as_config(tiles) for tiles in (im._FEW_ROWS, *im._BY_WIDTH, (16, 64, 64, 4, 3), (64, 16, 128, 4, 4),
-                                                  (128, 128, 32, 8, 3))]
+    configs = [im._as_config(tiles) for tiles in (im._FEW_ROWS, *im._BY_WIDTH, *im.TUNED.values(), (16, 64, 64, 4, 3),
+                                                  (64, 16, 128, 4, 4), (128, 128, 32, 8, 3))]
     for config in configs:
         assert torch.equal(invariant_matmul(x, w, config=config), whole)
     for rows in (1, 3, 64, 129, 513):

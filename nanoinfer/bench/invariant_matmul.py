@@ -1,15 +1,19 @@
 """The batch-invariant GEMM (kernels/invariant_matmul.py) against cuBLAS at Qwen3-0.6B and 8B shapes.
 
     PYTHONPATH=. python3 -m nanoinfer.bench.invariant_matmul [--rows 1,64,256,2048] [--models 8B]
-    PYTHONPATH=. python3 -m nanoinfer.bench.invariant_matmul --sweep [--rows 256]
+    PYTHONPATH=. python3 -m nanoinfer.bench.invariant_matmul --sweep [--rows 256,512] [--write]
 
 Each line: one projection at M rows, microseconds per call from a CUDA graph (bench_graph: distinct
 weights cycled, no L2 reuse), cuBLAS next to the tiles invariant_config picks. --sweep also times a
 grid of tiles, checks that each gives the same bits (what lets the tiles follow the number of
-rows), and prints the best three.
+rows), and prints the best four; --write puts the best at each row bucket's size (256, 512, 1024,
+2048) into the kernel's TUNED table.
 """
 import argparse
 import itertools
+import json
+import pathlib
+import re
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +33,12 @@ def grid(rows: int):
     if rows <= kernel.FEW_ROWS_MAX:
         space = itertools.product((64,), (16, 32, 64), (64, 128, 256), (3, 4))
     else:
-        space = itertools.product((64, 128), (32, 64, 128, 256), (64, 128), (3, 4))
+        space = itertools.product((64, 128), (32, 64, 128, 256), (32, 64, 128), (3, 4, 5))
     for bm, bn, bk, stages in space:
-        if stages * (bm + bn) * bk * 2 <= 200_000 and not (bm == 128 and bn == 32):
-            yield bm, bn, bk, 8 if bm * bn >= 128 * 128 else 4, stages
+        if stages * (bm + bn) * bk * 2 > 220_000 or (bm == 128 and bn == 32):
+            continue
+        for warps in ((4, 8) if bm * bn >= 64 * 128 else (4,)):
+            yield bm, bn, bk, warps, stages
 
 
 def weights_for(n, k):
@@ -40,8 +46,8 @@ def weights_for(n, k):
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
 
 
-def timed(x, weights, config=None):
-    return bench_graph([lambda w=w: invariant_matmul(x, w, config=config) for w in weights]) * 1000
+def timed(x, weights, config=None, replays=15):
+    return bench_graph([lambda w=w: invariant_matmul(x, w, config=config) for w in weights], replays=replays) * 1000
 
 
 def cases(rows_list, models=tuple(SHAPES)):
@@ -61,20 +67,40 @@ def cublas_us(x, weights):
     return bench_graph([lambda w=w: F.linear(x, w) for w in weights]) * 1000
 
 
-def compare(rows_list, models, sweep: bool):
+def compare(rows_list, models, sweep: bool, log=None) -> dict:
+    """Prints each case; with `sweep` returns the best tiles of each case at a row bucket's size,
+    as the kernel's TUNED table: (rows bucket, n, k) -> tiles."""
+    tuned = {}
     for label, _, _, rows, x, weights in cases(rows_list, models):
         cublas, ours = cublas_us(x, weights), timed(x, weights)
         line = f"{label} cuBLAS {cublas:8.1f} us  invariant {ours:8.1f} us ({ours / cublas:.2f}x)"
-        if sweep:
+        if sweep and rows * weights[0].shape[0] <= 80_000_000:  # the LM head only sees sampled rows
             ref = invariant_matmul(x, weights[0])
             results = []
             for tiles in grid(rows):
                 config = kernel._as_config(tiles)
                 if not torch.equal(invariant_matmul(x, weights[0], config=config), ref):
                     raise SystemExit(f"{label} tiles {tiles}: different bits")
-                results.append((timed(x, weights, config), tiles))
-            line += "  best " + " ".join(f"{t:.1f}{tiles}" for t, tiles in sorted(results)[:3])
+                results.append((timed(x, weights, config, replays=7), tiles))
+            results.sort()
+            if rows in kernel.MID_ROW_BUCKETS:
+                tuned[(rows, *weights[0].shape)] = results[0][1]
+            line += "  best " + " ".join(f"{t:.1f}{tiles}" for t, tiles in results[:4])
+            if log:
+                log.write(json.dumps({"case": label, "n": weights[0].shape[0], "k": weights[0].shape[1], "rows": rows,
+                                      "cublas": cublas, "rule": ours, "results": results}) + "\n")
+                log.flush()
         print(line, flush=True)
+    return tuned
+
+
+def write_tuned(table: dict):
+    """Puts `table` into kernels/invariant_matmul.py as its TUNED table."""
+    path = pathlib.Path(kernel.__file__)
+    body = "".join(f"    {key}: {tiles},\n" for key, tiles in sorted(table.items()))
+    text = re.sub(r"TUNED: dict = \{[^}]*\}", "TUNED: dict = {\n" + body + "}", path.read_text(), count=1)
+    path.write_text(text)
+    print(f"wrote {len(table)} tuned tiles into {path}")
 
 
 def main():
@@ -82,8 +108,14 @@ def main():
     p.add_argument("--rows", default="1,64,256,2048")
     p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--sweep", action="store_true", help="also time a grid of tiles (each checked for the same bits)")
+    p.add_argument("--log", help="with --sweep: write every case's timings here, a JSON object a line")
+    p.add_argument("--write", action="store_true", help="with --sweep: write the best tiles at each row bucket's "
+                                                        "size into the kernel's TUNED table")
     args = p.parse_args()
-    compare([int(r) for r in args.rows.split(",")], args.models, args.sweep)
+    with open(args.log, "w") if args.log else open("/dev/null", "w") as log:
+        tuned = compare([int(r) for r in args.rows.split(",")], args.models, args.sweep, log)
+    if args.write:
+        write_tuned({**kernel.TUNED, **tuned})
     print("tiles: (block_m, block_n, block_k, warps, stages)")
 
 

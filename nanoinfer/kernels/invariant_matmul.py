@@ -24,13 +24,13 @@ FEW_ROWS_MAX = 128
 
 
 @triton.jit(do_not_specialize=["M"])
-def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, stride_y,
-                             N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr,
+def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_y,
+                             HAS_BIAS: tl.constexpr, FP32: tl.constexpr, EVEN_K: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
@@ -46,9 +46,13 @@ def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, stride_y,
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + rk) < K
-        x = tl.load(x_rows + (k0 + rk)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if EVEN_K:
+            x = tl.load(x_rows + (k0 + rk)[None, :], mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            k_mask = (k0 + rk) < K
+            x = tl.load(x_rows + (k0 + rk)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if FP32:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
@@ -59,7 +63,12 @@ def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, stride_y,
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-# (block_m, block_n, block_k, num_warps, num_stages), widest first
+# (block_m, block_n, block_k, num_warps, num_stages). TUNED: (rows bucket, n, k) -> the fastest tiles
+# that `python -m nanoinfer.bench.invariant_matmul --sweep --write` found for the bucket's largest
+# row count on an H100 (Qwen3-8B's weights); other shapes and rows follow the rules below.
+MID_ROW_BUCKETS = (256, 512, 1024, 2048)
+TUNED: dict = {
+}
 _FEW_ROWS = (64, 32, 128, 4, 4)
 _BY_WIDTH = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (64, 64, 128, 4, 3), (64, 32, 128, 4, 4))
 
@@ -68,12 +77,20 @@ def _as_config(tiles: tuple) -> dict:
     return dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), tiles), group_m=8)
 
 
-def invariant_config(m: int, n: int, dtype: torch.dtype, num_sms: int = 132) -> dict:
-    """The tiles for m rows of a weight with n output features: for up to FEW_ROWS_MAX rows narrow
-    weight tiles (the weight's stream is the cost), else the widest tiles that still give every SM
-    a program (nanoinfer.bench.invariant_matmul measured them on an H100)."""
+def rows_bucket(m: int) -> int:
+    """TUNED's row bucket of m rows (more than FEW_ROWS_MAX): the first of MID_ROW_BUCKETS that holds them, else the last."""
+    return next((b for b in MID_ROW_BUCKETS if m <= b), MID_ROW_BUCKETS[-1])
+
+
+def invariant_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 132) -> dict:
+    """The tiles for m rows of an [n, k] weight: for up to FEW_ROWS_MAX rows narrow weight tiles (the
+    weight's stream is the cost), else the tuned ones of the shape, else the widest tiles that still
+    give every SM a program (nanoinfer.bench.invariant_matmul measured them on an H100)."""
     if dtype == torch.float32:
         return _as_config((32, 32, 32, 4, 2))
+    tuned = TUNED.get((rows_bucket(m), n, k)) if m > FEW_ROWS_MAX else None
+    if tuned is not None:
+        return _as_config(tuned)
     if m <= FEW_ROWS_MAX:
         return _as_config(_FEW_ROWS)
     for tiles in _BY_WIDTH:
@@ -95,10 +112,10 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or invariant_config(m, n, x.dtype, _num_sms(x.device))
+    cfg = config or invariant_config(m, n, k, x.dtype, _num_sms(x.device))
     grid = (triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"]),)
     _invariant_matmul_kernel[grid](
-        x, weight, bias if bias is not None else x, out, m, out.stride(0), N=n, K=k, HAS_BIAS=bias is not None,
-        FP32=x.dtype == torch.float32, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        x, weight, bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None,
+        FP32=x.dtype == torch.float32, EVEN_K=k % cfg["block_k"] == 0, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
