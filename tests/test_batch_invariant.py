@@ -13,6 +13,8 @@ from nanoinfer import LLM, SamplingParams
 from nanoinfer.batch_invariant.attention import MAX_TILES, paged_attention_fixed_blocks
 from nanoinfer.batch_invariant.linear import fixed_rows
 from nanoinfer.config import Config
+from nanoinfer.layers import fused_moe as layer
+from nanoinfer.layers.model_build import ModelBuild
 from nanoinfer.utils.tiny_moe import build_tiny_moe_checkpoint
 
 BS = 16
@@ -261,7 +263,6 @@ def test_vision_tower_encodes_an_image_alike_alone_and_beside_others(make_vl_che
     from transformers import AutoConfig
     from nanoinfer.batch_invariant import InvariantLinearMethod, fixed_rows
     from nanoinfer.layers.linear_method import DenseLinearMethod
-    from nanoinfer.layers.model_build import ModelBuild
     from nanoinfer.models.qwen2_5_vision import Qwen2_5_VisionTransformer
     vision = AutoConfig.from_pretrained(make_vl_checkpoint(vision_hidden=64)).vision_config
     features = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
@@ -300,12 +301,36 @@ def test_moe_on_cpu_is_bitwise_equal_in_every_case(tiny_moe):
     assert any(_differences(off).values())
 
 
-def test_moe_refused_on_cuda(tiny_moe, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ValueError, match="batch_invariant.*MoE models on CUDA"):
-        Config(tiny_moe, batch_invariant=True, device="cuda")
-    assert Config(tiny_moe, batch_invariant=True, device="cpu").batch_invariant
+def test_moe_layer_runs_one_fixed_kernel_path_when_invariant(tiny_moe, monkeypatch):
+    """On CUDA (here Triton's interpreter) the invariant MoE layer runs the grouped kernel with one
+    tile set at every row count (never the few-token kernels) and sums the slots in order."""
+    calls = []
+    monkeypatch.setattr(layer, "runs_kernels", lambda x: True)
+    monkeypatch.setattr(layer, "moe_gemv", lambda *a, **k: calls.append("gemv"))
+    monkeypatch.setattr(layer, "fused_moe", lambda *a, **k: calls.append(k) or torch.zeros_like(a[0]))
+    for fixed in (True, False):
+        moe = layer.FusedMoE(8, 2, 16, 8, True, build=ModelBuild(fixed_kernels=fixed), prefix="mlp")
+        for rows in (1, 3, 40):
+            moe(torch.randn(rows, 16))
+    fixed_calls, default_calls = calls[:3], calls[3:]
+    assert all(c == {"config": layer.FIXED_TILES, "skipped_pairs": False, "ordered_sum": True} for c in fixed_calls)
+    assert default_calls[:2] == ["gemv", "gemv"] and "ordered_sum" not in default_calls[2]
+
+
+@pytest.fixture(scope="module")
+def cuda_moe(tmp_path_factory):
+    """Wide enough that the default path's kernels change with the number of rows."""
+    return build_tiny_moe_checkpoint(str(tmp_path_factory.mktemp("cuda-moe")), hidden_size=1024, num_heads=8,
+                                     num_kv_heads=4, head_dim=128, intermediate_size=2048,
+                                     moe_intermediate_size=512, num_experts=16, top_k=4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("invariant", [True, False])
+def test_cuda_moe_is_bitwise_equal_in_every_case_only_when_invariant(cuda_moe, invariant):
+    differences = _differences(_runs(cuda_moe, invariant, "cuda"))
+    print(f"CUDA bf16 MoE, batch_invariant={invariant}, differing targets per case:", differences)
+    assert any(differences.values()) != invariant
 
 
 def test_tensor_parallel_on_cpu_sums_in_rank_order(make_checkpoint):

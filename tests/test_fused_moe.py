@@ -81,6 +81,19 @@ def test_tile_sizes_do_not_change_results():
     assert torch.equal(a, b)
 
 
+def test_ordered_sum_adds_each_tokens_slots_in_order():
+    """ordered_sum (the batch-invariant MoE): slot 0 + slot 1 + ... in float32, exactly; the same
+    tokens alone and inside a larger batch give the same bits."""
+    w13, w2 = weights_for(8, 32, 48, torch.float32)
+    x = torch.randn(20, 32, device=DEV)
+    weights, ids = routing(20, 8, 3)
+    whole = fused_moe(x, w13, w2, weights, ids, ordered_sum=True)
+    slots = torch.stack([fused_moe(x, w13, w2, weights[:, k:k + 1], ids[:, k:k + 1]) for k in range(3)], 1)
+    assert torch.equal(whole, slots[:, 0] + slots[:, 1] + slots[:, 2])
+    torch.testing.assert_close(whole, fused_moe(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+    assert torch.equal(fused_moe(x[3:5], w13, w2, weights[3:5], ids[3:5], ordered_sum=True), whole[3:5])
+
+
 @pytest.mark.parametrize("m,num_experts,top_k,block_m", [(1, 8, 2, 16), (70, 8, 4, 16), (30, 5, 2, 32),
                                                           (3, 64, 8, 16)])
 def test_moe_align_layout(m, num_experts, top_k, block_m):

@@ -31,8 +31,6 @@ def resolve_batch_invariant(config) -> None:
          "quantized weights on CUDA: the FP8 GEMMs split K by the number of rows"),
         (config.tensor_parallel_size > 1,
          f"tensor_parallel_size={config.tensor_parallel_size} on CUDA: not verified batch-invariant there yet; use 1"),
-        (bool(getattr(hf, "num_experts", 0) or getattr(hf, "num_local_experts", 0)),
-         "MoE models on CUDA: the fused MoE kernels are not verified batch-invariant yet"),
         (config.enable_lora, "enable_lora on CUDA: the adapters' kernels are not batch-invariant yet"),
         (config.speculative_config is not None,
          "speculative_config on CUDA: speculative decoding is not verified batch-invariant there yet"),

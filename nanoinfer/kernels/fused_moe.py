@@ -270,14 +270,17 @@ def _scale_args(scale: torch.Tensor | None, weight: torch.Tensor) -> tuple:
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: dict | None = None, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, group_k13: int = 0, group_k2: int = 0,
-              skipped_pairs: bool = False) -> torch.Tensor:
+              skipped_pairs: bool = False, ordered_sum: bool = False) -> torch.Tensor:
     """x [M, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [M, top_k]
     (float32), topk_ids [M, top_k] (int, in [0, E)). Returns sum_k w[m, k] * expert_k(x[m]), [M, H].
     FP8 experts (weight-only: activations stay in x's dtype): w13 / w2 float8_e4m3fn with float32
     scales w13_scale [E, 2I, ceil(H / group_k13)] and w2_scale [E, H, ceil(I / group_k2)], one row
     per output feature (quant/fp8_scheme.py). skipped_pairs: topk_ids may hold -1 (an expert another
-    rank holds: expert parallel); those pairs are in no segment and add nothing."""
+    rank holds: expert parallel); those pairs are in no segment and add nothing. ordered_sum: a token's
+    slots are added one after the other in float32 (slot 0 + slot 1 + ...), the same order whatever M
+    (torch's reduction may pick its order by the tensor's shape)."""
     _check(x, w13, w2, topk_weights, topk_ids)
+    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()  # (read as flat pair arrays)
     fp8 = w13_scale is not None
     if fp8 and (w2_scale is None or w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn
                 or w13_scale.shape[:2] != w13.shape[:2] or w2_scale.shape[:2] != w2.shape[:2]
@@ -317,4 +320,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         act.stride(0), w2.stride(0), w2.stride(1), out_k.stride(0), *_scale_args(w2_scale, w2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk2, FP32=fp32, FP8=fp8, KB=w2_scale.shape[2] if fp8 else 1,
         GROUP_K=group_k2 or 1, **launch)
-    return out_k.view(m, top_k, h).sum(1, dtype=torch.float32).to(x.dtype)
+    slots = out_k.view(m, top_k, h)
+    if not ordered_sum:
+        return slots.sum(1, dtype=torch.float32).to(x.dtype)
+    total = slots[:, 0].float()
+    for k in range(1, top_k):
+        total += slots[:, k]
+    return total.to(x.dtype)

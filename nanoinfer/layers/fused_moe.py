@@ -28,6 +28,7 @@ from nanoinfer.utils.loader import check_shape
 
 
 GEMV_MAX_TOKENS = 4  # steps of at most this many tokens run the few-token expert kernels (CUDA)
+FIXED_TILES = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # ModelBuild.fixed_kernels
 
 
 def runs_kernels(x: torch.Tensor) -> bool:
@@ -227,7 +228,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"tensor_parallel_size={tp_size} must divide the experts' intermediate size "
                              f"{intermediate_size}")
         self.num_experts, self.top_k, self.renormalize, self.tp_size = num_experts, top_k, renormalize, tp_size
-        self.rows_product = build.rows_product
+        self.rows_product, self.fixed_kernels = build.rows_product, build.fixed_kernels
         self.gate = ReplicatedLinear(hidden_size, num_experts, build=build, prefix=join(prefix, "gate"))
         # FP8 experts when the build's weight method for them is FP8 (a checkpoint format, or online)
         fp8 = getattr(build.linear_method(join(prefix, "experts")), "scheme", None)
@@ -252,7 +253,9 @@ class FusedMoE(nn.Module):
         if skips:  # this rank's pairs only: the others' expert ids become -1
             self.load.count(ids)
             ids = self.placement.local_ids(ids)
-        if kernels and gate_up.scale is None and x.shape[0] <= GEMV_MAX_TOKENS:
+        if kernels and self.fixed_kernels:  # (batch-invariant: one tile set, the slots summed in order)
+            out = fused_moe(x, w13, w2, weights, ids, config=FIXED_TILES, skipped_pairs=skips, ordered_sum=True)
+        elif kernels and gate_up.scale is None and x.shape[0] <= GEMV_MAX_TOKENS:
             out = moe_gemv(x, w13, w2, weights, ids)
         elif gate_up.scale is not None:  # FP8 experts, kept FP8 (CUDA)
             out = fused_moe(x, w13, w2, weights, ids, w13_scale=gate_up.scale, w2_scale=down.scale,

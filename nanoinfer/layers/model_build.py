@@ -35,7 +35,9 @@ class ModelBuild:
     (positions 0 .. max_model_len - 1; None: the model's max_position_embeddings); lm_head_method:
     the product of the LM head's dense weight (DenseLinearMethod's `apply`, or a wrapper of it);
     rows_product(product, x): how a product over a step-dependent set of rows (an expert's tokens
-    on CPU) is taken (whole_rows: product(x) itself)."""
+    on CPU) is taken (whole_rows: product(x) itself); fixed_kernels: a layer that picks its kernels
+    or their tiles by the number of rows runs one choice for all, summing in one order (so a row's
+    result never depends on the rows beside it)."""
     tp: TensorParallel = TensorParallel()
     attention_backend: AttentionBackend = field(default_factory=TorchAttentionBackend)
     linear_method: Callable[[str], LinearMethod] = dense_linear_method
@@ -43,6 +45,7 @@ class ModelBuild:
     lm_head_method: LinearMethod = field(default_factory=DenseLinearMethod)
     expert_parallel: bool = False  # MoE layers: whole experts spread over the tp ranks (nanoinfer/expert_parallel)
     rows_product: Callable = whole_rows
+    fixed_kernels: bool = False
 
     def __post_init__(self):
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -53,7 +56,8 @@ class ModelBuild:
         adapters (a vision encoder): each linear layer with lm_head_method (the dense product, or
         the wrapper of it this build uses), the same rows_product."""
         dense = self.lm_head_method
-        return ModelBuild(linear_method=lambda prefix: dense, lm_head_method=dense, rows_product=self.rows_product)
+        return ModelBuild(linear_method=lambda prefix: dense, lm_head_method=dense, rows_product=self.rows_product,
+                          fixed_kernels=self.fixed_kernels)
 
     def rope_positions(self, max_position_embeddings: int) -> int:
         """How many positions the RoPE cache holds: every one the engine can compute."""

@@ -42,7 +42,7 @@ def build_model(config, rank: int, world_size: int, device: torch.device,
         choose = lora_method_chooser(choose, packed, config.max_loras, config.max_lora_rank,
                                     fixed_rows if invariant else None)
     build = ModelBuild(TensorParallel(rank, world_size), attention_backend, linear_method=choose,
-                       lm_head_method=lm_head_method, rows_product=rows_product,
+                       lm_head_method=lm_head_method, rows_product=rows_product, fixed_kernels=invariant,
                        max_model_len=config.max_model_len,  # sizes the RoPE cache
                        expert_parallel=getattr(config, "expert_parallel_size", 1) > 1)
     torch.manual_seed(config.seed)
