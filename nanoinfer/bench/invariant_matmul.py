@@ -29,16 +29,18 @@ SHAPES = {"0.6B": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 102
 
 
 def grid(rows: int):
-    """Candidate tiles (block_m, block_n, block_k, warps, stages) for `rows` rows."""
+    """Candidate tiles (block_m, block_n, block_k, warps, stages) for `rows` rows: for a few rows
+    narrow weight tiles, else the shapes that suit Hopper's warp-group MMA (64 or 128 rows a tile)."""
     if rows <= kernel.FEW_ROWS_MAX:
-        space = itertools.product((64,), (16, 32, 64), (64, 128, 256), (3, 4))
-    else:
-        space = itertools.product((64, 128), (32, 64, 128, 256), (32, 64, 128), (3, 4, 5))
-    for bm, bn, bk, stages in space:
-        if stages * (bm + bn) * bk * 2 > 220_000 or (bm == 128 and bn == 32):
-            continue
-        for warps in ((4, 8) if bm * bn >= 64 * 128 else (4,)):
-            yield bm, bn, bk, warps, stages
+        for bn, bk, stages in itertools.product((16, 32, 64), (64, 128, 256), (3, 4)):
+            if stages * (64 + bn) * bk * 2 <= 220_000:
+                yield 64, bn, bk, 4, stages
+        return
+    yield from ((64, 64, 128, 4, 3), (64, 64, 128, 4, 4), (64, 128, 64, 4, 3), (64, 128, 64, 4, 4),
+                (64, 128, 64, 4, 5), (64, 128, 128, 4, 3), (64, 256, 64, 4, 3), (64, 256, 64, 8, 3),
+                (128, 64, 64, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 4, 3), (128, 128, 64, 4, 4),
+                (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+                (64, 32, 128, 4, 4), (64, 64, 64, 4, 4))
 
 
 def weights_for(n, k):
