@@ -225,18 +225,16 @@ class LLMEngine(EngineRequests, EngineThreads):
         length; the output processor records them and returns stop-string hits; those finish here."""
         self._complete(launched)  # (no step was launched after it: nothing else to undo if it fails)
         result = self._collect(launched.handle)
-        now = time.time()
-        seqs = launched.batch.seqs
+        now, batch = time.time(), launched.batch
         for feature in self.features:  # (before update finishes their sequences)
-            feature.process(launched.batch, result)
-        tokens, runs, logprobs = self.rows.results(launched.batch, result)
-        update = self.scheduler.update(launched.batch, tokens, runs)
-        stops = self.output_processor.record_tokens(seqs, update.appended, update.ending, logprobs,
-                                                    self.requests, now, update.counts)
-        finished = self.scheduler.finish_rows(launched.batch, update, stops)
+            feature.process(batch, result)
+        tokens, runs, logprobs = self.rows.results(batch, result)
+        update = self.scheduler.update(batch, tokens, runs)
+        stops = self.output_processor.record_tokens(batch.seqs, update, logprobs, self.requests, now)
+        finished = self.scheduler.finish_rows(batch, update, stops)
         self._finished(finished, now)
         for feature in self.features:
-            feature.processed(launched.batch, update, finished)
+            feature.processed(batch, update, finished)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
