@@ -45,9 +45,9 @@ class LLMEngine(EngineRequests, EngineThreads):
         """composition: which features and row planner the engine runs with (None: none, plain rows)."""
         self.config = config = Config.from_options(model, **options)
         self.tokenizer = load_tokenizer(config.tokenizer)
-        eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
+        # the tokenizer's EOS plus the checkpoint's generation_config eos_token_id(s)
+        self.eos_token_ids = eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
-        self._seeds = random.Random(config.seed)  # the fused sampling kernel's, per step
         self._exited = False
         # tp > 1: every rank in a spawned worker; num_blocks is the minimum over ranks
         if config.tensor_parallel_size > 1:
@@ -78,7 +78,7 @@ class LLMEngine(EngineRequests, EngineThreads):
         self.features = composition.features(parts)  # their hooks are called in this order
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids, config.enable_prefix_caching, self.rows,
                                    composition.admission(config), masks_later, composition.order(config))
-        self.step_encoder = StepEncoder(self.vocab_size, eos_token_ids, self._seeds,
+        self.step_encoder = StepEncoder(self.vocab_size, eos_token_ids, random.Random(config.seed),
                                         config.tensor_parallel_size > 1 and config.device == "cuda",
                                         self.features, masks_later, self.rows, options := composition.sampling_options())
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size,
@@ -236,11 +236,6 @@ class LLMEngine(EngineRequests, EngineThreads):
         for feature in self.features:
             feature.processed(batch, update, finished)
 
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """The tokenizer's EOS plus the checkpoint's generation_config eos_token_id(s)."""
-        return self.scheduler.eos_token_ids
-
     def is_finished(self) -> bool:
         return self.inflight is None and self.scheduler.is_finished()
 
@@ -255,8 +250,7 @@ class LLMEngine(EngineRequests, EngineThreads):
         it first waits for the running step to end (a step never uses a released engine), up to
         EXIT_WAIT_S; on the thread inside a step (a signal handler) it cannot wait for itself."""
         if self._lock_holder == threading.get_ident():
-            self._release()
-            return
+            return self._release()
         with self._locked(timeout=EXIT_WAIT_S) as acquired:
             if not acquired:
                 logger.warning("exit(): the running step did not end within %g s; releasing the engine anyway",
