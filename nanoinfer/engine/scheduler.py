@@ -233,7 +233,6 @@ class Scheduler:
         caching, bs = bm.prefix_caching, bm.block_size
         drafts = batch.drafts
         for row, (seq, token_id, samples) in enumerate(zip(batch.seqs, token_ids, batch.samples)):
-            # (samples False: a prompt chunk short of its end samples nothing)
             seq.num_inflight -= batch.query_lens[row] if row in drafts else samples
             status = seq.status
             if status is SequenceStatus.FINISHED:
@@ -272,12 +271,9 @@ class Scheduler:
         for row, stop in stop_strings.items():
             ending[row] = ("stop", stop)
         rows = ending if not stop_strings else sorted(ending)
-        finished = []
         for row in rows:
-            seq = batch.seqs[row]
-            self.finish(seq, *ending[row])
-            finished.append(seq)
-        return finished
+            self.finish(batch.seqs[row], *ending[row])
+        return [batch.seqs[row] for row in rows]
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         """End a sequence wherever it is and free its blocks; the one place that sets `finish_reason`
