@@ -1,12 +1,11 @@
 """Fixed-size KV blocks with reference counts and an xxhash prefix cache.
 
-A full block's hash chains the previous block's hash with its token ids (and the content hashes
-of the images it covers), so a hash names the whole prefix up to and including that block (the
-first block chains from the sequence's adapter id, if any: `chain_start`). Hashes are registered
-only once a block's K/V are computed
-(`commit`), so a cache hit never reads K/V that a chunked prefill has not written yet. Freed blocks
-keep their hash and can be hit again until they are evicted, least recently freed first.
-Every hot-path operation is O(1) per block.
+A full block's hash chains the previous block's hash with its token ids (and the content hashes of
+the images it covers), so it names the whole prefix up to that block; the first block chains from
+the sequence's adapter, if any (`chain_start`). Hashes are registered only once a block's K/V are
+computed (`commit`), so a hit never reads K/V a chunked prefill has not written yet. Freed blocks
+keep their hash and can be hit until evicted, least recently freed first. Every hot-path operation
+is O(1) per block.
 """
 from array import array
 from collections import OrderedDict, deque
@@ -90,9 +89,8 @@ class BlockManager:
         return hits
 
     def allocate(self, seq: Sequence, use_cache: bool = True) -> bool:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks (unless
-        not `use_cache`: every token must then be computed). Returns False (and changes nothing)
-        when the pool cannot hold it now."""
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks if `use_cache`.
+        Returns False (and changes nothing) when the pool cannot hold it now."""
         assert not seq.block_table
         hits = self.prefix_hits(seq) if use_cache else []
         if self.blocks_taken(seq, hits) > self.num_free_blocks:
@@ -112,8 +110,8 @@ class BlockManager:
         return True
 
     def blocks_taken(self, seq: Sequence, hits: list[tuple[int, int]]) -> int:
-        """How many free blocks `allocate` takes for a waiting sequence with these prefix-cache hits:
-        its blocks less the hits that other sequences hold (a hit on a free cached block takes it)."""
+        """How many free blocks `allocate` takes for a waiting sequence with these prefix-cache hits
+        (a hit on a free cached block takes it)."""
         revived = sum(1 for block_id, _ in hits if self.blocks[block_id].ref_count == 0)
         return seq.num_blocks - len(hits) + revived
 
@@ -132,10 +130,9 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     def append_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
-        """Make sure the block table covers the sequence's newest token (in-flight ones included)
-        and `lookahead` more (speculative tokens: blocks beyond what is accepted stay in the table,
-        unhashed, and are used by later tokens). Returns False (and changes nothing) when that
-        needs more blocks than are free."""
+        """Make sure the block table covers the sequence's newest token (in-flight ones included) and
+        `lookahead` more (blocks beyond what is accepted stay, unhashed, for later tokens). Returns
+        False (and changes nothing) when that needs more blocks than are free."""
         end = len(seq.token_ids) + seq.num_inflight + lookahead  # (num_tokens, read once per row and step)
         needed = -(-end // self.block_size) - len(seq.block_table)
         if needed <= 0:
@@ -147,8 +144,8 @@ class BlockManager:
         return True
 
     def commit(self, seq: Sequence, num_computed: int):
-        """Register the hashes of the sequence's blocks that are full within its first `num_computed`
-        tokens, whose K/V a finished step has written."""
+        """Register the hashes of the sequence's blocks full within its first `num_computed` tokens
+        (whose K/V a finished step has written)."""
         if not self.prefix_caching:
             return
         for i in range(len(seq.block_hashes), num_computed // self.block_size):

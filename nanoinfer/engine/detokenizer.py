@@ -1,18 +1,16 @@
 """Incremental detokenization and stop-string matching for one completion.
 
-Byte-level BPE splits a UTF-8 character across tokens, so the text of a token is not the text of the
-token alone: decode a window of ids from a clean boundary (`prefix_offset`) and release only what
-the newest ids added, and hold back while the window ends in U+FFFD (a character still incomplete).
-Released text therefore always ends on a character boundary and the concatenation of all releases
-equals `completion_text`, the one-shot decode that requests without stop strings or streaming use.
+Byte-level BPE splits a UTF-8 character across tokens: decode a window of ids from a clean boundary
+(`prefix_offset`), release only what the newest ids added, and hold back while the window ends in
+U+FFFD (a character still incomplete). The releases so concatenate to `completion_text`, the
+one-shot decode of requests without stop strings or streaming.
 
-Both start from the same prompt context (`prompt_context`): the last few prompt ids, so that a token
-whose text depends on what precedes it (a SentencePiece word's leading space) decodes as it does after
-the prompt. When the prompt ends inside a UTF-8 character, no context: the completion's leading bytes
-of that character are then orphans, each shown as U+FFFD, and the text is `tokenizer.decode` of the
-completion's ids. That is the right answer, not the alternatives: decoding from inside the prompt's
-unfinished character would either drop those bytes without a trace (what the windowed decode did,
-one U+FFFD fewer) or put the prompt's bytes into the completion's text.
+Both decode after the same prompt context (`prompt_context`): the last few prompt ids, so that a
+token whose text depends on what precedes it (a SentencePiece word's leading space) decodes as it
+does after the prompt. A prompt that ends inside a UTF-8 character gives no context: the
+completion's leading bytes of that character are then orphans, each shown as U+FFFD (decoding from
+inside the prompt's character would drop them without a trace, or put the prompt's bytes into the
+completion's text).
 """
 from transformers import PreTrainedTokenizerFast
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -42,12 +40,10 @@ def decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = True,
 
 
 def decoder(tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
-    """`decode` with the tokenizer and options bound, its checks made once: ids -> str.
-
-    A fast tokenizer whose class keeps the stock decode is called through its Rust backend: with
-    clean-up off the stock decode returns exactly the backend's text, and the wrapper costs several
-    times the decode itself. Streaming decodes twice per token, so the wrapper was a large part of
-    a step's host time."""
+    """`decode` with the tokenizer and options bound: ids -> str. A fast tokenizer whose class keeps
+    the stock decode is called through its Rust backend (with clean-up off the stock decode returns
+    exactly its text, and its Python wrapper costs more than the decode; streaming decodes twice a
+    token)."""
     n = len(tokenizer)
     cls = type(tokenizer)
     backend = getattr(tokenizer, "_tokenizer", None)
@@ -59,39 +55,33 @@ def decoder(tokenizer, skip_special_tokens: bool = True, spaces_between_special_
                                         clean_up_tokenization_spaces=False)
 
 
-def prompt_context(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                   spaces_between_special_tokens: bool = True) -> list[int]:
-    """The prompt ids a completion is decoded after: the last INITIAL_OFFSET, or none when they end
-    inside a character (see the module docstring)."""
+def prompt_context(decode, prompt_token_ids: list[int]) -> list[int]:
+    """The prompt ids a completion is decoded after (`decode`: a decoder): the last INITIAL_OFFSET,
+    or none when they end inside a character (see the module docstring)."""
     context = list(prompt_token_ids[-INITIAL_OFFSET:])
-    ends_inside = decode(tokenizer, context, skip_special_tokens, spaces_between_special_tokens).endswith("\ufffd")
-    return [] if ends_inside else context
+    return [] if decode(context).endswith("\ufffd") else context
 
 
 def completion_text(tokenizer, prompt_token_ids: list[int], token_ids: list[int],
                     skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
     """The text `token_ids` add after the prompt, decoded at once; IncrementalDetokenizer's releases
     concatenate to the same text."""
-    options = (skip_special_tokens, spaces_between_special_tokens)
-    context = prompt_context(tokenizer, prompt_token_ids, *options)
-    if not context:
-        return decode(tokenizer, token_ids, *options)
-    return decode(tokenizer, context + list(token_ids), *options)[len(decode(tokenizer, context, *options)):]
+    decode = decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
+    context = prompt_context(decode, prompt_token_ids)
+    return decode(context + list(token_ids))[len(decode(context)):] if context else decode(token_ids)
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], sp: SamplingParams):
-        self.options = (sp.skip_special_tokens, sp.spaces_between_special_tokens)
-        self._decode = decoder(tokenizer, *self.options)
+        self._decode = decoder(tokenizer, sp.skip_special_tokens, sp.spaces_between_special_tokens)
         self.stop = sp.stop
         self.include_stop = sp.include_stop_str_in_output
         # while running, this many trailing characters are withheld from streaming: they may be the
         # start of a stop string that will be cut (vLLM's stop_buffer_length)
         self.holdback = max((len(s) for s in sp.stop), default=1) - 1 if not sp.include_stop_str_in_output else 0
-        context = prompt_context(tokenizer, prompt_token_ids, *self.options)
-        self.ids = context
+        self.ids = prompt_context(self._decode, prompt_token_ids)
         self.prefix_offset = 0
-        self.read_offset = len(context)
+        self.read_offset = len(self.ids)
         self.text = ""
         self.stopped = False
 

@@ -1,6 +1,6 @@
-"""The engine's request side, mixed into LLMEngine: requests enter through the InputProcessor
-(engine/input_processor.py) and live in one registry, `requests` (request id -> Request), until
-their output is taken; aborts from any thread are queued and applied between steps."""
+"""The engine's request side, mixed into LLMEngine: requests live in one registry, `requests`
+(request id -> Request), until their output is taken; aborts from any thread are queued and applied
+between steps."""
 import logging
 import time
 
@@ -20,20 +20,16 @@ class EngineRequests:
                      lora_requests: list | None = None, priority=None) -> list[int]:
         """Validate every request, then queue them all (a bad one queues none; the error names its
         index). Returns the request ids. stream: detokenize every step (for stream_deltas).
-        keep_output: the request stays in the engine until pop_output(); step() does not report it.
-        max_tokens_must_fit: see InputProcessor.process (for the server). lora_requests: each
-        prompt's LoRARequest or None (None: none for any). priority: an int for all or one per
-        prompt, as the scheduler's order reads it (scheduling_policy="priority": the lower runs
-        first). A feature may take other params in place of SamplingParams (an embedding engine's
-        PoolingParams)."""
-        if self._exited:
-            raise RuntimeError("this engine has exited; create a new LLM")
+        keep_output: the request stays until pop_output(); step() does not report it.
+        max_tokens_must_fit: see InputProcessor.process. lora_requests: each prompt's LoRARequest or
+        None. priority: an int for all or one per prompt (scheduling_policy="priority": the lower
+        runs first). A feature may take other params than SamplingParams (PoolingParams)."""
+        self._check_open()
         priorities = self.scheduler.order.priorities(priority, len(prompts))
         prepared = self.input_processor.process_all(prompts, sampling_params, max_tokens_must_fit, lora_requests)
         rids = []
         with self._locked():  # an abort from another thread reads the registry meanwhile
-            if self._exited:  # exit() ran on another thread meanwhile
-                raise RuntimeError("this engine has exited; create a new LLM")
+            self._check_open()  # (exit() may have run on another thread meanwhile)
             for i, (request, p) in enumerate(zip(prepared, priorities)):
                 seqs = request.seqs
                 for seq in seqs:
@@ -48,10 +44,9 @@ class EngineRequests:
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = False,
                     keep_output: bool = False, lora_request=None, priority: int = 0) -> int:
-        """Queue a request (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict),
-        under adapter `lora_request` (a LoRARequest) or the base model; returns its request id.
-        Raises ValueError/TypeError on bad input. With n > 1, step() reports each sample under its
-        own sequence id (the first is the request id)."""
+        """Queue a request (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict);
+        returns its request id. With n > 1, step() reports each sample under its own sequence id
+        (the first is the request id)."""
         return self.add_requests([prompt], [sampling_params], stream=stream, keep_output=keep_output,
                                  lora_requests=[lora_request], priority=[priority])[0]
 
@@ -112,9 +107,8 @@ class EngineRequests:
         return self.output_processor.stream_deltas(self._request(request_id), index)
 
     def take_stream_deltas(self, request_ids) -> list[StreamDelta]:
-        """stream_deltas of all the requests in `request_ids` (a set or dict of ids) at once, in one
-        call per step: only the requests with news are visited. A request's StreamDelta.index is
-        its prompt's position in its add_requests call."""
+        """stream_deltas of every request in `request_ids` (a set or dict) with news, visiting only
+        those; StreamDelta.index is the prompt's position in its add_requests call."""
         with self._locked():  # an abort from another thread records news meanwhile
             return self.output_processor.take_deltas(request_ids)
 

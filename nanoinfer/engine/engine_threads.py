@@ -9,9 +9,9 @@ from contextlib import contextmanager
 
 class EngineThreads:
     def _init_threads(self):
-        self._step_lock = threading.Lock()  # held while a step or a registry change runs (_locked)
-        self._lock_holder: int | None = None  # the thread holding it
-        self._driver: int | None = None  # the thread inside advance / generate / stream (driving)
+        self._step_lock = threading.Lock()
+        self._lock_holder: int | None = None
+        self._driver: int | None = None  # the thread inside advance / generate / stream
         self._driver_lock = threading.Lock()
 
     @contextmanager
@@ -34,9 +34,8 @@ class EngineThreads:
 
     @contextmanager
     def _locked(self, timeout: float = -1):
-        """The step lock, recording the thread that holds it: exit() called on that thread (from a
-        signal handler) must not wait for itself. Yields whether it was acquired within `timeout`
-        seconds (always, with the default: no limit)."""
+        """The step lock, recording its holder; yields whether it was acquired within `timeout` seconds
+        (always, with the default: no limit)."""
         if not self._step_lock.acquire(timeout=timeout):
             yield False
             return

@@ -1,15 +1,9 @@
-"""Request intake: the one place a prompt becomes sequences.
-
-A prompt (a str, a list of token ids, or a {"prompt", "prompt_token_ids"} dict) is tokenized and
-checked against the model's vocabulary, its sampling params against the vocabulary
-(SamplingParams.for_vocabulary); the prompt is truncated as asked, must leave room for one output
-token within max_model_len, and prompt + max_tokens must fit the whole KV cache (else it could never
-run). The registered features check and prepare the request too (EngineFeature.check_request,
-before the length checks; .prepare, once its n sequences are built). Every error found here is a
-ValueError or TypeError raised before anything is queued.
+"""Request intake: the one place a prompt becomes sequences; every error is a ValueError or
+TypeError raised before anything is queued. The registered features check and prepare a request
+too (EngineFeature.check_request, before the length checks; .prepare, once its sequences exist).
 
 Heavy intake work the features hand over (a grammar's compile, images' preprocessing) runs in a
-small pool of intake threads, off the engine loop: the request's sequences carry its future
+small pool of threads, off the engine loop: the request's sequences carry its future
 (`Sequence.intake`) and the scheduler admits them once it is done; if it fails, the request
 finishes with finish_reason "error", the message as its stop_reason.
 """
@@ -45,15 +39,14 @@ class InputProcessor:
         self.block_size = config.kvcache_block_size
         self.tensor_parallel = config.tensor_parallel_size > 1
         self.kv_capacity_tokens = kv_capacity_tokens  # every block of the pool
-        self.features = features  # the registered EngineFeatures, asked in order
+        self.features = features  # asked in order
         self.prompt_keys = frozenset(k for f in features for k in f.prompt_keys)  # a prompt dict's keys they read
         self._workers: ThreadPoolExecutor | None = None  # made for the first heavy intake work
-        self.claimed = frozenset(k for o in sampling_options for k in o.off)  # the fields their options serve
+        self.claimed = frozenset(k for o in sampling_options for k in o.off)  # the fields the options serve
 
     def process_all(self, prompts: list, sampling_params: list, max_tokens_must_fit: bool = False,
                     lora_requests: list | None = None) -> list[PreparedRequest]:
-        """`process` each prompt with its params (and adapter); an error names the prompt's index
-        (when there are several), so a caller can reject the whole batch before queueing any."""
+        """`process` each prompt; an error names the prompt's index (when there are several)."""
         prepared = []
         lora_requests = lora_requests if lora_requests is not None else [None] * len(prompts)
         try:
@@ -73,19 +66,16 @@ class InputProcessor:
 
     def process(self, prompt, sampling_params: SamplingParams | None, max_tokens_must_fit: bool = False,
                 lora_request=None) -> PreparedRequest:
-        """Validate one request and build its n sequences. With a seed, sample i uses seed + i (as
-        vLLM does), so the samples differ. max_tokens_must_fit: prompt + max_tokens over
-        max_model_len is an error (vLLM's OpenAI server) instead of stopping at max_model_len (its
-        offline LLM). lora_request: the adapter (a LoRARequest) its samples run under, or None."""
+        """Validate one request and build its n sequences. max_tokens_must_fit: prompt + max_tokens
+        over max_model_len is an error (vLLM's OpenAI server) instead of stopping at max_model_len
+        (its offline LLM)."""
         prompt, extras = self._split_extras(prompt)
         extras["lora_request"] = lora_request
         text, token_ids = self._tokenize(prompt)
         intake = Intake(token_ids, sampling_params, extras)
         for feature in self.features:
             feature.check_request(intake)
-        sampling_params = intake.params
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        sampling_params = intake.params if intake.params is not None else SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         sp = sampling_params.for_vocabulary(self.vocab_size, self.tensor_parallel)
@@ -164,15 +154,15 @@ class InputProcessor:
         return text, token_ids
 
     def _fit_length(self, token_ids: list[int], sp: SamplingParams, max_tokens_must_fit: bool,
-                    generates: bool = True) -> list[int]:
+                    generates: bool) -> list[int]:
         """The prompt, truncated as asked; a ValueError unless it leaves room for an output token
         (`generates`) within max_model_len and prompt + max_tokens fits the whole KV cache."""
-        prompt_only = not generates
         max_len = self.max_model_len
         if sp.truncate_prompt_tokens is not None:  # keep the last k prompt tokens (vLLM)
             keep = sp.truncate_prompt_tokens
-            if keep == -1:  # vLLM: the model's length; here as much of it as can be admitted
-                keep = self._longest_admissible_prompt(sp, max_tokens_must_fit, generates)
+            if keep == -1:  # vLLM: the model's length; here the longest prompt that can be admitted
+                room = sp.max_tokens if max_tokens_must_fit and sp.max_tokens is not None else 1
+                keep = max(1, max_len - room) if generates else max_len  # (too little room: refused below)
             if keep > max_len:
                 raise ValueError(f"truncate_prompt_tokens must be at most max_model_len={max_len}, "
                                  f"got {sp.truncate_prompt_tokens}")
@@ -180,12 +170,12 @@ class InputProcessor:
         # as vLLM's offline LLM: the prompt must leave room for one token; generation stops at
         # max_model_len (finish_reason "length") whatever max_tokens says. An embedding's prompt
         # may fill max_model_len.
-        if prompt_only and len(token_ids) > max_len:
+        if not generates and len(token_ids) > max_len:
             raise ValueError(f"prompt length {len(token_ids)} exceeds max_model_len={max_len}")
-        if not prompt_only and len(token_ids) >= max_len:
+        if generates and len(token_ids) >= max_len:
             raise ValueError(f"prompt length {len(token_ids)} plus at least 1 output token exceeds "
                              f"max_model_len={max_len}: the prompt must be at most {max_len - 1} tokens")
-        if max_tokens_must_fit and not prompt_only and sp.max_tokens is not None \
+        if max_tokens_must_fit and generates and sp.max_tokens is not None \
                 and len(token_ids) + sp.max_tokens > max_len:
             raise ValueError(f"prompt length {len(token_ids)} + max_tokens {sp.max_tokens} = "
                              f"{len(token_ids) + sp.max_tokens} exceeds max_model_len={max_len}")
@@ -195,17 +185,9 @@ class InputProcessor:
                              f"({self.kv_capacity_tokens} tokens)")
         return token_ids
 
-    def _longest_admissible_prompt(self, sp: SamplingParams, max_tokens_must_fit: bool, generates: bool) -> int:
-        """truncate_prompt_tokens=-1: max_model_len, less one output token (an embedding's prompt
-        may fill it), less max_tokens where prompt + max_tokens must fit (the server); at least 1
-        (a max_tokens that leaves no room is then refused as usual)."""
-        if not generates:
-            return self.max_model_len
-        room = sp.max_tokens if max_tokens_must_fit and sp.max_tokens is not None else 1
-        return max(1, self.max_model_len - room)
-
     def _sequences(self, token_ids: list[int], sp: SamplingParams) -> list[Sequence]:
-        """One sequence per sample; sample i > 0 carries the first's seq_id as its request id."""
+        """One sequence per sample; sample i > 0 carries the first's seq_id as its request id and,
+        with a seed, seed + i (as vLLM: the samples differ)."""
         first = Sequence(token_ids, sp, self.block_size)
         first.computes_whole_prompt = sp.prompt_logprobs is not None  # (no prefix-cache hit: vLLM's rule)
         seqs = [first]

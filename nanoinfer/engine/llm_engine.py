@@ -1,26 +1,14 @@
-"""The engine loop. Every step runs the same sequence:
+"""The engine loop: every step schedules step N+1, launches it on the device, then processes step N
+on the host while the device computes N+1 (`async_scheduling=False`: the step just launched, at
+once). Processing is one path (docs/architecture.md, "the token path").
 
-    schedule step N+1  ->  launch it on the device  ->  process step N on the host
+Features attach through the hooks of step/feature.py, called at fixed points; a step a feature
+awaits (`Launched.awaits`: launched up to its logits, e.g. waiting for token masks) completes before
+the next step's forward or before its results are collected. The composition place above the engine
+(nanoinfer/features.py) picks the features, the row planner and the scheduler's order.
 
-Processing step N runs while the device computes step N+1, along one path: the scheduler appends
-the sampled tokens, registers full blocks in the prefix cache and finishes sequences on EOS, stop
-ids and length; the output processor records logprobs, detokenizes and returns the stop strings the
-new text completed; the engine finishes those sequences through the scheduler. Without overlap
-(`async_scheduling=False`) the same path processes the step it just launched. The runner is a
-ModelRunner in this process (one rank) or a TensorParallelExecutor driving worker processes; both
-take the step as encoded by engine/step_encoder.py.
-
-Features attach through the hooks of step/feature.py, which the engine calls at fixed points; a
-step a feature awaits (`Launched.awaits`: launched up to its logits, e.g. waiting for token masks)
-completes before the next step's forward or before its results are collected. The row planner
-(step/row_planner.py) decides how long each decoding row is, the scheduler's order which waiting
-sequence is served first; the composition place above the engine (nanoinfer/features.py) picks
-them all, and the engine names none.
-
-Requests enter through the InputProcessor and live in one registry, `requests` (request id ->
-Request; engine/engine_requests.py). One thread drives the engine (advance, step, generate,
-stream; engine/engine_threads.py); `add_request`, `abort_request` and `exit` may be called from
-any thread: an abort is applied between steps, and exit waits for the running step to end.
+One thread drives the engine (engine/engine_threads.py); `add_request`, `abort_request` and `exit`
+may be called from any thread: an abort is applied between steps, exit waits for the running step.
 """
 import atexit
 import gc
@@ -57,9 +45,9 @@ class LLMEngine(EngineRequests, EngineThreads):
         """composition: which features and row planner the engine runs with (None: none, plain rows)."""
         self.config = config = Config.from_options(model, **options)
         self.tokenizer = load_tokenizer(config.tokenizer)
-        eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
+        # the tokenizer's EOS plus the checkpoint's generation_config eos_token_id(s)
+        self.eos_token_ids = eos_token_ids = load_eos_token_ids(config.model, self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
-        self._seeds = random.Random(config.seed)  # the fused sampling kernel's, per step
         self._exited = False
         # tp > 1: every rank in a spawned worker; num_blocks is the minimum over ranks
         if config.tensor_parallel_size > 1:
@@ -74,23 +62,23 @@ class LLMEngine(EngineRequests, EngineThreads):
         parts = EngineParts(config, self.tokenizer, eos_token_ids, self.vocab_size, self.model_runner, masks_later)
         try:  # (a planner's own KV cache may share the pool's memory: fewer blocks)
             self.rows = composition.row_planner(parts, num_blocks)
+            num_blocks = self.rows.num_blocks or num_blocks
+            if num_blocks * config.kvcache_block_size < config.max_model_len:
+                self.rows.exit()
+                raise ValueError(
+                    f"the KV cache holds {num_blocks} blocks x {config.kvcache_block_size} tokens = "
+                    f"{num_blocks * config.kvcache_block_size} tokens, less than one "
+                    f"max_model_len={config.max_model_len} sequence; raise num_kvcache_blocks / "
+                    "gpu_memory_utilization or lower max_model_len")
         except BaseException:
             self.model_runner.exit()
             raise
-        num_blocks = self.rows.num_blocks or num_blocks
-        if num_blocks * config.kvcache_block_size < config.max_model_len:
-            self.model_runner.exit()
-            self.rows.exit()
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks x {config.kvcache_block_size} tokens = "
-                f"{num_blocks * config.kvcache_block_size} tokens, less than one max_model_len={config.max_model_len} "
-                "sequence; raise num_kvcache_blocks / gpu_memory_utilization or lower max_model_len")
         self.model_runner.allocate_kv_cache(num_blocks)
         self.rows.allocate(num_blocks)
         self.features = composition.features(parts)  # their hooks are called in this order
         self.scheduler = Scheduler(config, num_blocks, eos_token_ids, config.enable_prefix_caching, self.rows,
                                    composition.admission(config), masks_later, composition.order(config))
-        self.step_encoder = StepEncoder(self.vocab_size, eos_token_ids, self._seeds,
+        self.step_encoder = StepEncoder(self.vocab_size, eos_token_ids, random.Random(config.seed),
                                         config.tensor_parallel_size > 1 and config.device == "cuda",
                                         self.features, masks_later, self.rows, options := composition.sampling_options())
         self.input_processor = InputProcessor(config, self.tokenizer, self.vocab_size,
@@ -106,24 +94,22 @@ class LLMEngine(EngineRequests, EngineThreads):
         self._unreported: list[tuple[int, list[int]]] = []  # step()'s pairs not returned yet
         self._waited = 0.0  # seconds the running advance() spent in the runner's collect()
         atexit.register(self.exit)
-        # What start-up made (modules, tensors, graphs, imported libraries: hundreds of thousands of
-        # objects) lives as long as the engine; frozen, the cycle collector stops rescanning it, so a
-        # full collection no longer stalls a step for a tenth of a second or more (vLLM does the same)
-        gc.freeze()
+        gc.freeze()  # what start-up made lives as long as the engine: full collections skip it (as vLLM)
 
     # ---- loop -----------------------------------------------------------------------------------
     def advance(self) -> tuple[list[int], int]:
         """Run one step. Returns the ids of the requests whose every sample finished (or was
         aborted) in it, and the number of tokens the launched step computes (see step())."""
-        if self._exited:
-            raise RuntimeError("this engine has exited; create a new LLM")
+        self._check_open()
         with self.driving(), self._locked(), sigint_deferred():
-            if self._exited:  # exit() ran on another thread while this one waited
-                raise RuntimeError("this engine has exited; create a new LLM")
+            self._check_open()  # (exit() may have run on another thread while this one waited)
             return self._advance()
 
+    def _check_open(self):
+        if self._exited:
+            raise RuntimeError("this engine has exited; create a new LLM")
+
     def _advance(self):
-        """advance()'s step, under the step lock."""
         self._apply_aborts()
         self._finished(self.scheduler.admit_prepared(), time.time())  # (requests whose intake failed)
         self._waited = 0.0
@@ -156,12 +142,10 @@ class LLMEngine(EngineRequests, EngineThreads):
         return finished, batch.num_tokens if batch is not None else 0
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
-        """Run one step (nano-vllm's contract). Returns the (sequence id, completion token ids) pairs
-        of requests added by add_request() that finished since the last step() call (also those
-        that finished while generate() or stream() drove the engine; aborted ones are not
-        reported), and the tokens of the step launched in this call: minus the number of sequences
-        for a pure decode step, else every token it computes (prefill chunks plus decode rows).
-        With overlap, a step's finished sequences are reported one call after it is launched."""
+        """Run one step (nano-vllm's contract). Returns the (sequence id, completion token ids) pairs of
+        add_request()'s requests that finished since the last step() call, whoever drove the engine
+        (aborted ones are not reported; with overlap, one call after their step's launch), and the
+        launched step's ScheduledBatch.num_tokens."""
         _, num_tokens = self.advance()
         pairs, self._unreported = self._unreported, []
         return pairs, num_tokens
@@ -186,8 +170,8 @@ class LLMEngine(EngineRequests, EngineThreads):
         return Launched(batch, sampled_rows(batch), handle, self.step_encoder.awaits or None)
 
     def _after_launch(self, launched: "Launched"):
-        """A step its features await, launched; the step before it is processed now (its tokens
-        are on the host). One they ask to complete now (or without overlap) does."""
+        """A step its features await, launched (the step before it is processed): it completes now if
+        one of them asks, or without overlap."""
         try:
             now = [feature.launched(launched, state) for feature, state in launched.awaits.items()]
         except BaseException:
@@ -197,8 +181,8 @@ class LLMEngine(EngineRequests, EngineThreads):
             self._complete(launched, encoded=True)
 
     def _complete(self, launched: "Launched | None", encoded: bool = False):
-        """What a launched step's features await, done (it samples). If that fails, the step is
-        undone (`encoded`: it was the last step encoded) and the caller sees the error."""
+        """Finish what a launched step's features await (then it samples); if that fails, the step is
+        undone (`encoded`: it was the last step encoded) and the error raised."""
         if launched is None or not launched.awaits:
             return
         awaits, launched.awaits = launched.awaits, None
@@ -241,24 +225,16 @@ class LLMEngine(EngineRequests, EngineThreads):
         length; the output processor records them and returns stop-string hits; those finish here."""
         self._complete(launched)  # (no step was launched after it: nothing else to undo if it fails)
         result = self._collect(launched.handle)
-        now = time.time()
-        seqs = launched.batch.seqs
+        now, batch = time.time(), launched.batch
         for feature in self.features:  # (before update finishes their sequences)
-            feature.process(launched.batch, result)
-        tokens, runs, logprobs = self.rows.results(launched.batch, result)
-        update = self.scheduler.update(launched.batch, tokens, runs)
-        stops = self.output_processor.record_tokens(seqs, update.appended, update.ending, logprobs,
-                                                    self.requests, now, update.counts)
-        finished = self.scheduler.finish_rows(launched.batch, update, stops)
+            feature.process(batch, result)
+        tokens, runs, logprobs = self.rows.results(batch, result)
+        update = self.scheduler.update(batch, tokens, runs)
+        stops = self.output_processor.record_tokens(batch.seqs, update, logprobs, self.requests, now)
+        finished = self.scheduler.finish_rows(batch, update, stops)
         self._finished(finished, now)
         for feature in self.features:
-            feature.processed(launched.batch, update, finished)
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """The tokenizer's EOS plus the checkpoint's generation_config eos_token_id(s); the scheduler
-        holds them (it decides when a sequence stops)."""
-        return self.scheduler.eos_token_ids
+            feature.processed(batch, update, finished)
 
     def is_finished(self) -> bool:
         return self.inflight is None and self.scheduler.is_finished()
@@ -266,8 +242,7 @@ class LLMEngine(EngineRequests, EngineThreads):
     def check_health(self):
         """Raises RuntimeError if the engine cannot serve: it has exited, or a tensor-parallel rank
         died (noticed here without running a step)."""
-        if self._exited:
-            raise RuntimeError("this engine has exited; create a new LLM")
+        self._check_open()
         self.model_runner.check_alive()
 
     def exit(self):
@@ -275,8 +250,7 @@ class LLMEngine(EngineRequests, EngineThreads):
         it first waits for the running step to end (a step never uses a released engine), up to
         EXIT_WAIT_S; on the thread inside a step (a signal handler) it cannot wait for itself."""
         if self._lock_holder == threading.get_ident():
-            self._release()
-            return
+            return self._release()
         with self._locked(timeout=EXIT_WAIT_S) as acquired:
             if not acquired:
                 logger.warning("exit(): the running step did not end within %g s; releasing the engine anyway",
@@ -288,14 +262,11 @@ class LLMEngine(EngineRequests, EngineThreads):
             return
         self._exited = True
         self.inflight = None
-        if hasattr(self, "model_runner"):
-            self.model_runner.exit()
-        if hasattr(self, "rows"):
-            self.rows.exit()
-        for feature in getattr(self, "features", ()):
+        self.model_runner.exit()
+        self.rows.exit()
+        for feature in self.features:
             feature.exit()
-        if getattr(self, "input_processor", None) is not None:
-            self.input_processor.close()
+        self.input_processor.close()
         atexit.unregister(self.exit)
         gc.unfreeze()  # (the engine's cycles, if any, are collectable again; process-wide, as freeze is)
 

@@ -1,34 +1,26 @@
-"""A request's output state and the user-facing outputs built from it.
-
-A request is one prompt with its n sequences (`n > 1`); its id is its first sequence's id. The engine
-keeps the one registry of requests (`LLMEngine.requests`). Once the scheduler has appended a step's
-tokens and decided EOS, stop ids and length, `record_tokens` records each new token's logprobs and
-timings and, where text is needed while running (stop strings or streaming), detokenizes
-incrementally; it returns the stop strings the new text completed, which the engine applies with
-`Scheduler.finish` (the scheduler alone decides that a sequence finishes). Requests that need no
-text while running are decoded once when their output is built.
+"""A request's output state and the user-facing outputs built from it. A request is one prompt with
+its n sequences; its id is its first sequence's id. Where text is needed while running (stop
+strings or streaming) it is detokenized incrementally as tokens are recorded; other requests are
+decoded once when their output is built. The scheduler alone decides that a sequence finishes:
+`record_tokens` only returns the stop strings the new text completed.
 """
 import time
 
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer, completion_text, decoder
+from nanoinfer.engine.scheduled_batch import StepUpdate
 from nanoinfer.step.sequence import Sequence
-from nanoinfer.step.step_message import TokenLogprobs
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 
 
 def logprob_dicts(tokenizer, records, detokenize: bool = True) -> list[dict[int, Logprob]]:
     """vLLM's logprobs of each position: records are (token, its TokenLogprobs) per position."""
-    decode = decoder(tokenizer, False) if detokenize else None
-
-    def text(t):
-        return decode([t]) if decode is not None else None
-
+    decode = decoder(tokenizer, False) if detokenize else (lambda ids: None)
     out = []
     for token, lp in records:
-        d = {token: Logprob(lp.logprob, lp.rank, text(token))}
+        d = {token: Logprob(lp.logprob, lp.rank, decode([token]))}
         for r, (tid, tlp) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
             if tid not in d:
-                d[tid] = Logprob(tlp, r, text(tid))
+                d[tid] = Logprob(tlp, r, decode([tid]))
         out.append(d)
     return out
 
@@ -71,9 +63,7 @@ class Request:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        # streamed requests with a token or a finish not yet taken as deltas: take_deltas visits
-        # only these, not every streamed request
-        self.news: dict[int, Request] = {}
+        self.news: dict[int, Request] = {}  # streamed requests with news not taken yet: take_deltas visits these
 
     def new_request(self, seqs: list[Sequence], prompt: str | None, keep_output: bool, stream: bool,
                     index: int = 0) -> Request:
@@ -86,25 +76,15 @@ class OutputProcessor:
         """The request left the engine's registry."""
         self.news.pop(req.request_id, None)
 
-    def record_tokens(self, seqs: list[Sequence], rows: list[int], ending: dict, logprobs: list[TokenLogprobs | None] | None,
-                      requests: dict, now: float, counts: dict[int, int] | None = None) -> dict[int, str]:
-        """Record the tokens the scheduler just appended to the sequences of `rows` (rows of `seqs`,
-        and of the step's `logprobs`), after it decided which rows end (`ending`: row ->
-        (finish_reason, stop_reason), by EOS, stop ids and length). Returns row -> the stop string
-        its new text completed, for the engine to finish; none for a row already stopped by a token
-        (EOS and stop ids win). `counts`: rows that appended several tokens (a row planner's; their
-        `logprobs` entry is a list), recorded one by one; a stop string completed before the last
-        drops the tokens after it."""
-        news, stops = self.news, {}
-        for row in rows:
-            if counts and row in counts:
-                seq = seqs[row]
-                num_before = seq.num_tokens
-                stop = self._record_run(seq, requests[seq.request_id], counts[row], ending.get(row),
-                                        logprobs[row] if logprobs is not None else None, now)
-                if stop is not None:  # (the tokens after it were dropped)
-                    stops[row], counts[row] = stop, counts[row] - (num_before - seq.num_tokens)
-                continue
+    def record_tokens(self, seqs: list[Sequence], update: StepUpdate, logprobs: list | None, requests: dict,
+                      now: float) -> dict[int, str]:
+        """Record the tokens the scheduler appended to the rows `update.appended` (rows of `seqs` and of
+        the step's `logprobs`). Returns row -> the stop string its new text completed, for the engine
+        to finish; none for a row that ends on a token (EOS and stop ids win). A row of several tokens
+        (`update.counts`; its `logprobs` entry a list) is recorded token by token: a stop string
+        completed before its last drops the tokens after it."""
+        news, stops, ending, counts = self.news, {}, update.ending, update.counts
+        for row in update.appended:
             seq = seqs[row]
             req = requests[seq.request_id]
             if req.stream:
@@ -113,33 +93,23 @@ class OutputProcessor:
             if c.first_token_time is None:
                 c.first_token_time = now
                 c.num_cached_tokens = seq.num_cached_tokens
-            if c.logprobs is not None and logprobs is not None:
-                lp = logprobs[row]
-                c.logprobs.append(lp)
-                c.cumulative_logprob += lp.logprob
+            run = counts.get(row) if counts else None
+            num = kept = 1 if run is None else run
             if c.detok is not None:
-                stop = self._add_text(c, seq, seq.num_tokens - 1, ending.get(row))
-                if stop is not None:
-                    stops[row] = stop
+                first = seq.num_tokens - num
+                for i in range(num):
+                    stop = self._add_text(c, seq, first + i, ending.get(row) if i == num - 1 else None)
+                    if stop is not None:
+                        stops[row], kept = stop, i + 1
+                        break
+                if kept < num:  # (the engine finishes the sequence on the stop string)
+                    del seq.token_ids[first + kept:]
+                    counts[row] = kept
+            if c.logprobs is not None and logprobs is not None:
+                for lp in (logprobs[row][:kept] if run is not None else (logprobs[row],)):
+                    c.logprobs.append(lp)
+                    c.cumulative_logprob += lp.logprob
         return stops
-
-    def _record_run(self, seq: Sequence, req: Request, num: int, end, lps: list | None, now: float) -> str | None:
-        """record_tokens for a row that appended `num` tokens: each as if it came alone."""
-        if req.stream:
-            self.news[req.request_id] = req
-        c = req.completions[seq.index]
-        first = seq.num_tokens - num
-        for i in range(num):
-            if c.logprobs is not None and lps is not None:
-                c.logprobs.append(lps[i])
-                c.cumulative_logprob += lps[i].logprob
-            if c.detok is None:
-                continue
-            stop = self._add_text(c, seq, first + i, end if i == num - 1 else None)
-            if stop is not None:
-                del seq.token_ids[first + i + 1:]  # (the engine finishes the sequence on it)
-                return stop
-        return None
 
     @staticmethod
     def _add_text(c: Completion, seq: Sequence, i: int, end) -> str | None:
@@ -191,8 +161,8 @@ class OutputProcessor:
                              req.completions[0].num_cached_tokens)
 
     def take_deltas(self, request_ids) -> list[StreamDelta]:
-        """stream_deltas of every request in `request_ids` (a set or dict) that has news, with
-        StreamDelta.index its Request.index; the requests' deltas in the order their news came."""
+        """stream_deltas of every request in `request_ids` (a set or dict) with news, in the order their
+        news came."""
         deltas = []
         for rid, req in list(self.news.items()):
             if rid in request_ids:

@@ -31,10 +31,8 @@ class ScheduledBatch:
 
 @dataclass(slots=True)
 class StepUpdate:
-    """What processing a step decided: the rows whose sampled token was appended (row order), and
-    the rows that end on it, row -> (finish_reason, stop_reason), by EOS, a stop token id or a
-    length limit (in row order). They are finished by `finish_rows`, once the stop strings the new
-    text completed have joined them."""
+    """What processing a step decided: the rows whose sampled token was appended, and those that end
+    on it by EOS, a stop token id or a length limit (`finish_rows` ends them), in row order."""
     appended: list[int]
     ending: dict[int, tuple[str, int | str | None]]
     counts: dict[int, int] = field(default_factory=dict)  # rows of several tokens: tokens appended (else 1)
@@ -42,9 +40,8 @@ class StepUpdate:
 
 def ending_of(sp, token_id: int, num_completion: int, num_tokens: int, eos_token_ids,
               max_model_len: int) -> tuple[str | None, int | None]:
-    """(finish reason, stop reason) when a sequence whose newest token is `token_id` (it then has
-    `num_completion` completion tokens, `num_tokens` in all) ends there, else (None, None): EOS
-    (unless ignore_eos) or one of its stop ids once min_tokens are out, else its length limits."""
+    """(finish reason, stop reason) if a sequence ends on its newest token `token_id`, else (None,
+    None): EOS (unless ignore_eos) or a stop id once min_tokens are out, else its length limits."""
     if num_completion >= sp.min_tokens:
         if not sp.ignore_eos and token_id in eos_token_ids:
             return "stop", None  # EOS leaves stop_reason None (vLLM)

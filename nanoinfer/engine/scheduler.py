@@ -1,26 +1,18 @@
-"""Continuous batching with a token budget, vLLM-V1 style: every running sequence gets its decode
-token first, then prefill chunks (of partly prefilled sequences, then of new ones) fill the rest of
-`max_num_batched_tokens`. When a decode token finds no free block, the newest running sequences are
-preempted (their KV freed; they recompute later). Which waiting sequence is served first, the
-`order` decides (engine/wait_queue.py: first come, first served unless the composition place gives
-another); which may join the running ones, an optional `admission` rule; how long a decoding row
-is, the row planner (step/row_planner.py).
+"""Continuous batching with a token budget, vLLM-V1 style: every running sequence's decode token
+first, then prefill chunks fill the rest of `max_num_batched_tokens`; when a decode token finds no
+free block, the newest running sequences are preempted (their KV freed; they recompute later). The
+`order` (engine/wait_queue.py) decides which waiting sequence is served first, an optional
+`admission` rule which may join the running ones, the row planner how long a decoding row is.
 
-The scheduler also owns the finish decision: `update` appends a finished step's sampled tokens and
-stops sequences on EOS, stop token ids and length limits; `finish_rows` adds the stop strings the
-output processor found in the new text; `finish` is the one place that records `finish_reason`.
+The scheduler owns the finish decision: `update` appends a step's tokens and stops sequences on
+EOS, stop token ids and length; `finish_rows` adds the stop strings the output processor found;
+`finish` is the one place that records `finish_reason`.
 
-Steps may overlap: step N+1 is scheduled before step N's tokens reach the host. Progress
-(`num_computed_tokens`, `num_inflight`) is therefore advanced when a step is scheduled, and tokens
-are appended when it is processed. A sequence whose in-flight token reaches a length limit is not
-scheduled again; one that stops meanwhile wastes one row, which `update` ignores. A request whose
-next row needs its tokens on the host (SamplingParams.needs_host_tokens: logits processors, bad
-words of several tokens, a grammar unless the engine fills masks after the launch) sits out the
-steps while its token is in flight.
-
-A sequence whose intake work still runs (`seq.intake`, a future: a grammar's compile, image
-preprocessing) waits in `preparing`, as vLLM's WAITING_FOR_FSM, until `admit_prepared` queues it
-(or finishes it with "error" if the work failed).
+Steps overlap: progress (`num_computed_tokens`, `num_inflight`) advances when a step is scheduled,
+tokens are appended when it is processed. A sequence whose in-flight token reaches a length limit
+is not scheduled again; one whose next row needs its tokens on the host
+(SamplingParams.needs_host_tokens) sits out the steps while its token is in flight. One whose
+intake work still runs waits in `preparing` (vLLM's WAITING_FOR_FSM) until `admit_prepared`.
 """
 from concurrent.futures import FIRST_COMPLETED, wait
 from operator import attrgetter
@@ -45,30 +37,27 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, config.kvcache_block_size, prefix_caching)
-        self.order = order or FifoOrder()  # which waiting sequence is served first
+        self.order = order or FifoOrder()
         self.waiting = self.order.queue()
-        # admitted (holding blocks), in the order's order (oldest first); some may be mid-prefill
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # holding blocks, in the order's order; some may be mid-prefill
         # n > 1: a prompt's other samples wait here (keyed by the first sample's seq_id; each group an
         # ordered set) until its prompt K/V are computed, then join waiting and hit the prefix cache
-        # for the full blocks. held_under: a held sequence's seq_id -> its group's key.
         self.held: dict[int, dict[Sequence, None]] = {}
-        self.held_under: dict[int, int] = {}
+        self.held_under: dict[int, int] = {}  # a held sequence's seq_id -> its group's key
         self.preparing: dict[Sequence, None] = {}  # (ordered set) waiting for their intake work
         self.num_preemptions = 0
-        self.rows = rows or RowPlanner()  # each decoding row's length
-        self.admission = admission  # whether a waiting sequence may join the running ones (None: all may)
-        # whether a request with a token in flight waits for it before its next row; with masks_later
-        # (the engine fills token masks after the launch) a request whose masks alone need it does not
+        self.rows = rows or RowPlanner()
+        self.admission = admission  # None: every waiting sequence may join the running ones
+        # with masks_later (the engine fills token masks after the launch) a request whose masks alone
+        # need the host's tokens does not wait for its token in flight
         self.waits_for_host = attrgetter("needs_host_tokens_to_launch" if masks_later else "needs_host_tokens")
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running and not self.held and not self.preparing
 
     def add(self, seq: Sequence, after: Sequence | None = None):
-        """Queue a sequence; with `after` (another sample of the same prompt), hold it until
-        `after`'s prompt is computed so that it shares `after`'s prompt blocks. One whose intake
-        work is running waits in `preparing` first."""
+        """Queue a sequence; with `after` (another sample of the same prompt), hold it until `after`'s
+        prompt is computed, to share its prompt blocks."""
         if after is None or after.is_finished or after.num_completion_tokens or after.num_inflight:
             if seq.intake is not None:
                 self.preparing[seq] = None
@@ -87,9 +76,8 @@ class Scheduler:
             self.waiting.extendleft_in_order(list(siblings))
 
     def admit_prepared(self) -> list[Sequence]:
-        """Queue the preparing sequences whose intake work is done; finish those whose work failed
-        (and the samples held for them) with "error", its message as stop_reason. Returns the
-        sequences finished."""
+        """Queue the preparing sequences whose intake work is done; finish those whose work failed (and
+        the samples held for them) with "error", its message as stop_reason, and return them."""
         failed = []
         for seq in [s for s in self.preparing if s.intake.done()]:
             del self.preparing[seq]
@@ -107,8 +95,7 @@ class Scheduler:
         return failed
 
     def wait_for_intake(self, timeout: float) -> None:
-        """Block until a preparing sequence's intake work is done, at most `timeout` seconds (the
-        engine has nothing else to run)."""
+        """Block until a preparing sequence's intake work is done, at most `timeout` seconds."""
         if self.preparing:
             wait({seq.intake for seq in self.preparing}, timeout, return_when=FIRST_COMPLETED)
 
@@ -152,7 +139,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if seq.num_computed_tokens < len(seq.token_ids) - 1:  # (from num_tokens - 1 on, a sequence decodes: step 1)
-                budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+                budget -= self._add_row(batch, seq, budget)
         admission = self.admission
         if admission is not None:
             admission.start(self.running)
@@ -170,32 +157,28 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.order.place(self.running, seq)
-            budget -= self._add_row(batch, seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            budget -= self._add_row(batch, seq, budget)
         return batch if batch.seqs else None
 
     @staticmethod
     def uses_cache(seq: Sequence) -> bool:
-        """Whether a waiting sequence takes prefix-cache hits: not one marked at intake
-        (`computes_whole_prompt`: every prompt position is computed, for its prompt_logprobs or an
-        embedding that pools them); a request's other samples always do."""
+        """Whether a waiting sequence takes prefix-cache hits: not one whose every prompt position must be
+        computed (`computes_whole_prompt`), unless it is a request's other sample."""
         return bool(seq.index) or not seq.computes_whole_prompt
 
     def unschedule(self, batch: ScheduledBatch):
-        """Undo a step that could not be launched (an exception, e.g. in a user's logits processor):
-        its rows are scheduled again next time. Blocks it allocated stay with their sequences.
-        Progress is given back by each row's length, not reset to its start: a row of several
-        tokens chained onto its sequence's row in flight assumed that one's tokens all accepted, and
-        processing it may already have given back the rejected ones."""
+        """Undo a step that could not be launched: its rows are scheduled again next time (blocks stay
+        with their sequences). Progress is given back by each row's length, not reset to its start: a
+        row of several tokens chained onto one in flight assumed its tokens all accepted, and
+        processing that one may already have given back the rejected ones."""
         for row, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
             if seq.status == SequenceStatus.RUNNING:  # (a preempted one starts over; a finished one is done)
                 seq.num_computed_tokens -= batch.query_lens[row]
             seq.num_inflight -= batch.query_lens[row] if row in batch.drafts else samples
 
     def _waits_for_inflight(self, seq: Sequence) -> bool:
-        """Whether a running sequence with tokens in flight is left out of the decode rows: its
-        in-flight tokens may end it by length (it will not be scheduled again; processing finishes
-        it), the host must see that token, or the row planner keeps it out (a row of several tokens
-        in flight whose length is unknown)."""
+        """Whether a running sequence with tokens in flight sits out this step: they may end it by
+        length, the host must see them, or the row planner keeps it out."""
         sp = seq.sampling_params
         n = len(seq.token_ids) + seq.num_inflight  # (a row of several in flight: as if all were accepted)
         return n >= self.max_model_len or (sp.max_tokens is not None and n - seq.num_prompt_tokens >= sp.max_tokens) \
@@ -214,8 +197,10 @@ class Scheduler:
             seq.num_inflight += 1
 
     @staticmethod
-    def _add_row(batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> int:
+    def _add_row(batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        """A prefill chunk of the sequence's next tokens, at most `budget`; returns its length."""
         start = seq.num_computed_tokens
+        num_tokens = min(seq.num_tokens - start, budget)
         seq.num_computed_tokens += num_tokens
         samples = seq.num_computed_tokens == seq.num_tokens + seq.num_inflight
         if samples:
@@ -228,7 +213,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence):
         """Recompute preemption: drop its KV, put it first in line; it re-prefills prompt + output
-        (once its in-flight tokens, still valid, have been appended)."""
+        once its in-flight tokens (still valid) are appended."""
         self.num_preemptions += 1
         seq.num_preemptions += 1
         self.running.remove(seq)
@@ -239,17 +224,15 @@ class Scheduler:
     # ---- processing a finished step -------------------------------------------------------------
     def update(self, batch: ScheduledBatch, token_ids: list[int],
                runs: dict[int, list[int]] | None = None) -> StepUpdate:
-        """Record what a finished step computed: register its full blocks in the prefix cache,
-        append the sampled tokens, release the samples held for a first token's prompt, and decide
-        which sequences end on EOS, stop token ids and length limits. `runs`: the accepted tokens of
-        a row of several (the row planner's), appended up to the first that ends the sequence."""
+        """Record what a finished step computed: register its full blocks in the prefix cache, append the
+        sampled tokens, release the samples held for a first token's prompt, and decide which rows end
+        on EOS, stop token ids and length limits. `runs`: the row planner's rows of several tokens."""
         appended, ending, counts = [], {}, {}
         bm, eos, max_model_len = self.block_manager, self.eos_token_ids, self.max_model_len
         # a block is registered once full: most rows of most steps fill none and skip commit()
         caching, bs = bm.prefix_caching, bm.block_size
         drafts = batch.drafts
         for row, (seq, token_id, samples) in enumerate(zip(batch.seqs, token_ids, batch.samples)):
-            # (samples False: a prompt chunk short of its end samples nothing)
             seq.num_inflight -= batch.query_lens[row] if row in drafts else samples
             status = seq.status
             if status is SequenceStatus.FINISHED:
@@ -282,24 +265,19 @@ class Scheduler:
         return StepUpdate(appended, ending, counts)
 
     def finish_rows(self, batch: ScheduledBatch, update: StepUpdate, stop_strings: dict[int, str]) -> list[Sequence]:
-        """Finish the step's ending rows in row order (their blocks return to the free list in that
-        order), a completed stop string winning over a length limit (vLLM's rule; EOS and stop ids
-        win over it: the caller reports no stop string for those). Returns the sequences finished."""
+        """Finish the step's ending rows in row order (their blocks are freed in that order), a stop
+        string winning over a length limit (vLLM's rule); returns the sequences finished."""
         ending = update.ending
         for row, stop in stop_strings.items():
             ending[row] = ("stop", stop)
         rows = ending if not stop_strings else sorted(ending)
-        finished = []
         for row in rows:
-            seq = batch.seqs[row]
-            self.finish(seq, *ending[row])
-            finished.append(seq)
-        return finished
+            self.finish(batch.seqs[row], *ending[row])
+        return [batch.seqs[row] for row in rows]
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
-        """End a sequence wherever it is (running, waiting, held) and free its blocks. The one place
-        that decides `finish_reason` ("stop", "length", "abort", or "error": the model gave
-        non-finite logits for it)."""
+        """End a sequence wherever it is and free its blocks; the one place that sets `finish_reason`
+        ("stop", "length", "abort", or "error")."""
         if seq.is_finished:
             return
         if self.held:

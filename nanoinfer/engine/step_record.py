@@ -6,10 +6,9 @@ from nanoinfer.engine.scheduler import ScheduledBatch
 
 @dataclass(slots=True)
 class StepRecord:
-    """One step, for benchmarks: its rows as (query_len, context_len), the number of decode rows,
-    perf_counter times: start, scheduled, launched, and the end of the host's processing; and the
-    seconds of it spent inside the runner's collect(), waiting for the device's results (the
-    host's own work in the step is the rest: `host_s`)."""
+    """One step: its rows as (query_len, context_len), its decode rows, perf_counter times (start,
+    scheduled, launched, end of the host's processing), and the seconds spent waiting in the
+    runner's collect() (the host's own work is the rest: `host_s`)."""
     rows: list[tuple[int, int]]
     num_decode: int
     start: float

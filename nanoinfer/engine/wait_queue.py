@@ -1,7 +1,6 @@
 """The scheduler's queue of waiting sequences and the order it serves them in: first in, first out,
-with preempted sequences put back at the front (FifoOrder). The composition place may give the
-scheduler another order (scheduling_policy="priority": nanoinfer/priority/). Any member of a queue is
-removable in O(1) (an aborted request with n samples leaves the queue in O(n), not O(n^2))."""
+preempted sequences back at the front (FifoOrder; the composition place may give another). Any
+member is removable in O(1): an aborted request of n samples leaves in O(n), not O(n^2)."""
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
@@ -54,9 +53,8 @@ class WaitQueue:
 
 
 class FifoOrder:
-    """The order the scheduler serves sequences in: first come, first served. An order makes the
-    waiting queue, places an admitted sequence among the running ones (the last of them is the
-    first preempted for memory), and may act before each step is scheduled."""
+    """First come, first served. An order makes the waiting queue, places an admitted sequence among
+    the running ones (the last is the first preempted), and may act before each step."""
 
     def queue(self):
         return WaitQueue()
@@ -68,8 +66,7 @@ class FifoOrder:
         """A step is about to be scheduled."""
 
     def priorities(self, priority, num_prompts: int) -> list[int]:
-        """Each prompt's `priority` (the requests' option: an int for all, or one per prompt) as this
-        order reads it: none, so only None or 0 is taken."""
+        """Each prompt's `priority` (an int for all, or one per prompt): this order takes only None or 0."""
         values = priority if isinstance(priority, (list, tuple)) else [priority]
         if any(p is not None and p != 0 for p in values):
             raise ValueError("priority is set but this engine serves requests first come, first served")
