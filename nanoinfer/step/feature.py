@@ -1,18 +1,8 @@
 """The seam through which features attach to the engine. A feature (LoRA, images, structured
 outputs, embeddings: each in its own folder) implements some of these hooks; the composition place
 above the engine (nanoinfer/features.py) reads the Config and picks which are registered; the engine
-calls the registered ones in order at fixed points and never names one.
-
-    intake     check_request (before the length checks)   prepare (the request's sequences built)
-    a step     encode (its message built)   unschedule (it was not launched)
-               launched (it is launched and the step before it processed)   complete (before the
-               next forward, or before its results are collected)   process (its results)
-               processed (its tokens appended, its finishes applied)   stepped (the step is over)
-    outputs    request_output   add_output
-    the end    exit
-
-and, on every rank (RankFeature): before_forward, read_logits (the sampling rank), exit; what a
-rank's captured graphs read (graph_inputs), and a dispatch of its own (sampler_class).
+calls the registered ones in order at fixed points and never names one. EngineFeature's hooks are
+listed in the order a request and a step meet them; a RankFeature's run on every rank.
 """
 from dataclasses import dataclass, field
 
@@ -37,9 +27,8 @@ class Intake:
 
 @dataclass(slots=True)
 class EngineParts:
-    """What a feature may be built from: the engine's config, tokenizer, stop ids, vocabulary size
-    and runner (a ModelRunner, or the TensorParallelExecutor driving the ranks). masks_later: a
-    step's sampling plan leaves its token masks to the engine, filled after the forward's launch
+    """What a feature may be built from. runner: a ModelRunner, or the TensorParallelExecutor
+    driving the ranks. masks_later: the engine fills a step's token masks after the forward's launch
     (one rank; with tensor parallelism the plan fills them)."""
     config: object
     tokenizer: object
@@ -130,9 +119,8 @@ class Composition:
 
 
 class RankFeature:
-    """A feature's part on a rank: each ModelRunner builds its own, calling the factories the
-    composition gives (Composition.rank_features: picklable, since with tensor parallelism every
-    worker process builds them) with itself, before its KV cache is measured."""
+    """A feature's part on a rank, built by each ModelRunner from Composition.rank_features (picklable:
+    with tensor parallelism every worker process builds them) before its KV cache is measured."""
     captures_graphs = True  # False: the rank's steps run eager (no CUDA graphs are captured)
     warms_up = True  # False: the warm-up's steps are not this feature's (it is skipped)
     # (forward-context field, padding value): per-token int64 inputs the captured graphs read from

@@ -1,14 +1,10 @@
 """The step message: what the engine sends a runner for one step, and what comes back.
 
-A leaf: plain, typed dataclasses that import nothing from the engine, the layers or torch, so the
-message depends on no part of the engine, and it pickles cheaply. Rows are held
-column by column (lists of ints), not as an object per row, because the step is rebuilt, and with
-tensor parallelism pickled, every step. engine/step_encoder.py builds them from scheduled sequences;
-a feature's part of a step (adapters, images, an embedding's rows) is a dataclass of its own folder,
-held in StepInput.parts under the feature's key.
-
-Every rank gets the StepInput; the rank that samples (rank 0) also gets the SampleInput, and it
-answers with a StepResult.
+A leaf of plain, typed dataclasses that import nothing of the engine, the layers or torch. Every
+rank gets the StepInput; the rank that samples also gets the SampleInput and answers with a
+StepResult. Rows are held column by column (lists of ints), not as an object per row, because the
+step is rebuilt, and with tensor parallelism pickled, every step. A feature's part of a step is a
+dataclass of its own folder, held in StepInput.parts under the feature's key.
 """
 from dataclasses import dataclass, field
 
@@ -67,9 +63,7 @@ class StepInput:
 @dataclass(slots=True)
 class SamplingPlan:
     """A step's sampling options as plain lists, one entry per row (or per row that uses the
-    option): built on the engine's side (nanoinfer/sampling/plan.py), turned into device tensors
-    by the rank that samples (nanoinfer/sampling/tensors.py). The per-request options a feature
-    registers (sampling/option.py) each add one payload to `options`."""
+    option): built by sampling/plan.py, made device tensors by sampling/tensors.py."""
     temperatures: list[float]
     all_greedy: bool
     any_greedy: bool
@@ -131,9 +125,8 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class StepResult:
-    """A step's outcome, on the host: a sampled token per row; per row, its TokenLogprobs when it
-    asked (None otherwise; the list is None when no row asked); what the features read on the rank
-    (RankFeature.read_logits, or their own dispatch), by the key each gives."""
+    """A step's outcome, on the host: a token per row; each row's TokenLogprobs when it asked (the
+    list is None when no row did); what the features read on the rank, by the key each gives."""
     tokens: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
     outputs: dict | None = None
