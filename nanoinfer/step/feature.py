@@ -11,31 +11,25 @@ from nanoinfer.step.row_planner import RowPlanner
 
 @dataclass(slots=True)
 class Intake:
-    """One request at intake, as the features see it. `params`: what the caller gave (a feature
-    may replace it by the SamplingParams the scheduler sees); `extras`: the prompt dict's keys the
-    features read (EngineFeature.prompt_keys) and the request's options (lora_request);
-    `generates`: the request needs room for output tokens; `truncated`: the prompt was cut to
-    fit; `work`: heavy intake work, run in an intake thread in order before the request is queued."""
+    """One request at intake, as the features see it."""
     token_ids: list[int]
-    params: object
-    extras: dict
-    generates: bool = True
-    truncated: bool = False
+    params: object  # what the caller gave; a feature may replace it by the SamplingParams the scheduler sees
+    extras: dict  # the prompt dict's keys the features read (EngineFeature.prompt_keys), and lora_request
+    generates: bool = True  # the request needs room for output tokens
+    truncated: bool = False  # the prompt was cut to fit
     seqs: list = field(default_factory=list)
-    work: list = field(default_factory=list)
+    work: list = field(default_factory=list)  # heavy work, run in order in an intake thread before queueing
 
 
 @dataclass(slots=True)
 class EngineParts:
-    """What a feature may be built from. runner: a ModelRunner, or the TensorParallelExecutor
-    driving the ranks. masks_later: the engine fills a step's token masks after the forward's launch
-    (one rank; with tensor parallelism the plan fills them)."""
+    """What a feature may be built from."""
     config: object
     tokenizer: object
     eos_token_ids: frozenset
     vocab_size: int
-    runner: object
-    masks_later: bool
+    runner: object  # a ModelRunner, or the TensorParallelExecutor driving the ranks
+    masks_later: bool  # one rank: the engine fills a step's token masks after the forward's launch
 
 
 class EngineFeature:
@@ -70,8 +64,7 @@ class EngineFeature:
         """A step's results, before the scheduler appends its tokens."""
 
     def processed(self, batch, update, finished: list) -> None:
-        """A step's tokens are appended (`update`: the scheduler's StepUpdate) and `finished`, the
-        sequences it ended, are finished."""
+        """A step's tokens are appended (`update`: the scheduler's StepUpdate), `finished` finished."""
 
     def stepped(self, scheduler) -> None:
         """An engine step (advance) is over."""
@@ -88,8 +81,7 @@ class EngineFeature:
 
 
 class Composition:
-    """Which features an engine runs with. This default registers none and plans plain rows; the
-    composition place (nanoinfer/features.py) reads the Config and chooses."""
+    """Which features an engine runs with: none by default (nanoinfer/features.py chooses by the Config)."""
 
     def row_planner(self, parts: EngineParts, num_blocks: int) -> RowPlanner:
         """The planner of each step's rows (it may take part of the pool's `num_blocks`)."""
@@ -104,13 +96,11 @@ class Composition:
         return None
 
     def order(self, config):
-        """The order the scheduler serves sequences in (engine/wait_queue.py's FifoOrder interface;
-        None: first come, first served)."""
+        """The order the scheduler serves sequences in (as wait_queue.FifoOrder; None: first come first)."""
         return None
 
     def sampling_options(self) -> list:
-        """The per-request logits options each step's sampling plan asks (sampling/option.py), new
-        for one engine, in order (none: a plain request's temperature, top-k/p, min-p, seed, logprobs)."""
+        """The per-request logits options (sampling/option.py), new for one engine, in order."""
         return []
 
     def rank_features(self, config) -> list:
