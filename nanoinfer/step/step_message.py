@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class PlainSample:
-    """Every rank samples its shard of the vocabulary (tensor parallelism on CUDA, rows that use
-    temperature alone): the rows' temperatures and the step's noise seed."""
+    """What every rank needs to sample its shard of the vocabulary (Route.VOCAB_SHARDS)."""
     temperatures: list[float]
     seed: int
 
@@ -20,11 +19,9 @@ class PlainSample:
 @dataclass(slots=True)
 class StepInput:
     """What every rank needs. Decode rows (one query token each) come first, then prompt chunks.
-
-    `input_ids` is flat: every row's query tokens in row order. A decode row whose input token was
-    sampled by the step still in flight holds 0 there and is listed in `inflight_rows` (its flat
-    index is its row), with the row of that step which sampled it in `inflight_sources`: every
-    rank reads the token from that step's device tensor."""
+    A decode row whose input token the step still in flight sampled holds 0 in `input_ids` and is
+    listed in `inflight_rows` (its flat index is its row), with that step's row which sampled it in
+    `inflight_sources`: every rank reads the token from that step's device tensor."""
     num_decode: int
     starts: list[int]              # per row: the first position it computes
     query_lens: list[int]          # per row: how many tokens it computes
@@ -112,8 +109,7 @@ class SampleInput:
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    """One position's logprobs: the top entries (most likely first), and the chosen token's
-    logprob and rank (1 = the most likely). There is one per row and per prompt position."""
+    """One position's logprobs: the top entries (most likely first), the chosen token's logprob and rank."""
     top_ids: list[int]
     top_logprobs: list[float]
     logprob: float
@@ -125,8 +121,7 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class StepResult:
-    """A step's outcome, on the host: a token per row; each row's TokenLogprobs when it asked (the
-    list is None when no row did); what the features read on the rank, by the key each gives."""
-    tokens: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None
-    outputs: dict | None = None
+    """A step's outcome, on the host."""
+    tokens: list[int]  # a token per row
+    logprobs: list[TokenLogprobs | None] | None = None  # per row, when it asked (None: no row did)
+    outputs: dict | None = None  # what the features read on the rank, by the key each gives
