@@ -36,9 +36,7 @@ class InFlight:
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, dist_init_method: str | None = None, rank_features=()):
         """rank_features: factories of this rank's RankFeatures (step/feature.py), each called with it."""
-        self.config = config
-        self.rank = rank
-        self.world_size = config.tensor_parallel_size
+        self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         if self.world_size > 1:
             backend = "nccl" if config.device == "cuda" else "gloo"
@@ -75,8 +73,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.config.enforce_eager and \
                 all(f.captures_graphs for f in self.features):
             self.graph_runner.capture()  # (a feature's steps may run eager: embeddings)
-        # compile and allocate what the first requests' steps outside the graphs need, now (one rank
-        # that samples; not for features whose steps the warm-up does not make: embeddings, images)
+        # (one rank that samples; not for a feature whose steps the warm-up does not make: embeddings, images)
         if self.device.type == "cuda" and self.world_size == 1 and all(f.warms_up for f in self.features):
             warm_up(self, num_blocks)
             self.graph_runner.mixed_replays = 0

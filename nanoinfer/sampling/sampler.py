@@ -75,8 +75,7 @@ class Sampler:
         self.samples_in_graphs = world_size == 1 and device.type == "cuda"
 
     def prepare(self, sample: SampleInput | None, prev_tokens: torch.Tensor | None) -> SamplingTensors | None:
-        """The plan's device tensors (rank 0); prev_tokens: the step in flight's, which the plan's
-        late penalty entries read."""
+        """The plan's device tensors (rank 0); `prev_tokens`: the step in flight's, which options read."""
         if sample is None:
             return None
         return SamplingTensors.from_plan(sample.plan, self.device, prev_tokens, self.columns, self.option_states)
