@@ -33,13 +33,12 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
     memo, rows, off = {}, [], _off_fields(tuple(options))
     for seq in seqs:
         sp = seq.sampling_params
-        row = memo.get(id(sp))
-        if row is None:
+        if (row := memo.get(id(sp))) is None:
             row = memo[id(sp)] = _static_options(sp, vocab_size, options, off)
         rows.append(row)
     temps, top_ks, top_ps, min_ps, uses_top_k, uses_top_p, uses_min_p, dynamic, used = map(list, zip(*rows)) \
         if rows else ([] for _ in range(9))
-    use_top_k, use_top_p, use_min_p = any(uses_top_k), any(uses_top_p), any(uses_min_p)
+    use_top_k = any(uses_top_k)
     for i in [i for i, d in enumerate(dynamic) if d]:
         sp = seqs[i].sampling_params
         if temps[i] != 0.0 and sp.seed is not None:
@@ -48,17 +47,11 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
         if sp.logprobs is not None:
             lp_rows.append(i)
             lp_counts.append(sp.logprobs)
-    all_greedy = not any(temps)  # (temperatures are >= 0; a greedy row's is 0.0)
-    p = SamplingPlan(temps, all_greedy=all_greedy, any_greedy=0.0 in temps)
-    if not all_greedy:
-        if use_top_k:
-            p.top_k, p.max_top_k = top_ks, max(k for k in top_ks if k != TOP_K_OFF)
-        if use_top_p:
-            p.top_p = top_ps
-        if use_min_p:
-            p.min_p = min_ps
-        if seeded:
-            p.seeded_rows, p.seed_keys = seeded, keys
+    # (temperatures are >= 0, a greedy row's 0.0; a greedy row uses no filter and no seed)
+    p = SamplingPlan(temps, all_greedy=not any(temps), any_greedy=0.0 in temps, top_k=top_ks if use_top_k else None,
+                     max_top_k=max(k for k in top_ks if k != TOP_K_OFF) if use_top_k else 0,
+                     top_p=top_ps if any(uses_top_p) else None, min_p=min_ps if any(uses_min_p) else None,
+                     seeded_rows=seeded or None, seed_keys=keys or None)
     if lp_rows:
         p.lp_rows = None if len(lp_rows) == len(seqs) else lp_rows
         p.lp_counts, p.lp_max = lp_counts, min(max(lp_counts), vocab_size)
