@@ -64,7 +64,7 @@ class EngineFeature:
         """A step's results, before the scheduler appends its tokens."""
 
     def processed(self, batch, update, finished: list) -> None:
-        """A step's tokens are appended (`update`: the scheduler's StepUpdate), `finished` finished."""
+        """A step's tokens are appended (`update`: the scheduler's StepUpdate), the sequences it ended finished."""
 
     def stepped(self, scheduler) -> None:
         """An engine step (advance) is over."""
@@ -96,7 +96,7 @@ class Composition:
         return None
 
     def order(self, config):
-        """The order the scheduler serves sequences in (as wait_queue.FifoOrder; None: first come first)."""
+        """The order the scheduler serves sequences in (as wait_queue.FifoOrder; None: first come, first served)."""
         return None
 
     def sampling_options(self) -> list:
