@@ -240,8 +240,9 @@ class GraphRunner:
             if self.sample_graphs:
                 self.sampling_graphs[bs] = self._capture_sampling(bs, pool)
         for t in reversed(self.mixed_sizes):
-            context = dict(is_prefill=True, cu_seqlens_q=g["cu_seqlens_q"], max_seqlen_q=t, context_lens=g["context_lens"],
-                           block_tables=g["block_tables"], slot_mapping=g["slot_mapping"][:t])
+            context = dict(is_prefill=True, cu_seqlens_q=g["cu_seqlens_q"], max_seqlen_q=t,
+                           context_lens=g["context_lens"], block_tables=g["block_tables"],
+                           slot_mapping=g["slot_mapping"][:t])
             self.mixed_graphs[t] = self._capture_one(t, pool, context | inputs(t))
         for graph in (*self.graphs.values(), *self.sampling_graphs.values(), *self.mixed_graphs.values()):
             graph.replay()  # (a graph's first replay uploads it: not on a served step; the buffers are inert)
