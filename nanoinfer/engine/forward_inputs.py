@@ -1,13 +1,10 @@
 """A step message -> the forward's flat inputs and its attention context (utils/context.py).
 
-Decode rows (one query token each) come first. A decode-only step sets a decode context (and can
-replay a decode CUDA graph). So does a small step whose rows all have a few query tokens (a
-speculative verify step, a draft's catch-up): each token becomes a decode row of its own, with its
-sequence's block table and the context up to and including itself, which is causal attention. Its
-rows then read their sequence's K/V once per token, where the prefill kernel would read it once:
-that costs less than a prefill launch over few, short rows (`SHORT_ROWS_MAX_QUERY`,
-`SHORT_ROWS_MAX_TOKENS`). Any other step runs every row as a prefill, a decode row being a query of
-length 1. Padded block-table entries are -1."""
+Decode rows (one query token each) come first. A decode-only step gets a decode context, and so
+does a step of few short rows (a speculative verify step, a draft's catch-up): each token becomes a
+decode row of its own, attending to its sequence up to itself, which is causal attention. That reads
+the K/V once per token instead of once per row, yet costs less than a prefill launch over few, short
+rows. Any other step runs every row as a prefill. Padded block-table entries are -1."""
 from itertools import accumulate, chain
 
 import numpy as np
@@ -23,30 +20,17 @@ SHORT_ROWS_MAX_QUERY = 8
 SHORT_ROWS_MAX_TOKENS = 256
 
 
-def has_few_short_rows(step: StepInput, max_tokens: int = SHORT_ROWS_MAX_TOKENS) -> bool:
-    """Whether a step with prompt chunks or proposals runs as decode, a token a row (see the
-    module's doc); steps that a feature keeps on the prefill path (StepInput.prefill: images,
-    M-RoPE positions, embeddings) do not."""
-    return (len(step.input_ids) <= max_tokens and max(step.query_lens) <= SHORT_ROWS_MAX_QUERY
-            and not step.prefill)
-
-
 def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_decode_rows: bool,
                    prev_tokens: torch.Tensor | None, max_short_tokens: int = SHORT_ROWS_MAX_TOKENS,
                    on_device=None, fields: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, positions) on the device, with the step's context set. In-flight rows read
-    their token from `prev_tokens`, the tokens of the step launched before this one. `on_device`:
-    the step's tokens a proposer left on the device (speculative/device_inputs.py, DeviceTokens):
-    its `stage` queues its index arrays with the step's, its `place` writes them into the inputs
-    and may move positions (and the context fields that follow them) there. `fields`: the
-    features' context fields (RankFeature.before_forward); lists and numpy arrays among them are
-    sent with the step's arrays, and one named as an input replaces it (M-RoPE's `positions`).
-    sort_decode_rows: the attention backend wants a decode step's rows longest context first.
-    max_short_tokens: the most tokens a step of short rows runs as decode with (the runner's
-    largest decode graph).
-    Every per-step index array goes in one staging buffer, sent in one copy (utils/staging.py). A
-    decode step's (a value per row) are Python lists; a prefill's (a value per token) are
-    computed with numpy over the whole step."""
+    their token from `prev_tokens` (the step launched before this one's). `on_device`: tokens a
+    proposer left on the device (speculative/device_inputs.py): `stage` queues its index arrays
+    with the step's, `place` writes them into the inputs (and may move positions). `fields`: the
+    features' context fields (RankFeature.before_forward); one named as an input replaces it
+    (M-RoPE's `positions`). max_short_tokens: the runner's largest decode graph.
+    Every index array goes in one staging buffer, sent in one copy: Python lists for a decode
+    step (a value per row), numpy over the whole step for the others (a value per token)."""
     staged = Staging()
     short_rows = False
     if step.is_decode_only:
@@ -54,17 +38,16 @@ def prepare_inputs(step: StepInput, block_size: int, device: torch.device, sort_
         num_tokens = step.num_rows
     else:
         rows = StepArrays(step, block_size)
-        short_rows = has_few_short_rows(step, max_short_tokens)
+        # (a feature's steps, StepInput.prefill, stay on the prefill path: images, M-RoPE, embeddings)
+        short_rows = len(step.input_ids) <= max_short_tokens and max(step.query_lens) <= SHORT_ROWS_MAX_QUERY \
+            and not step.prefill
         names, context = _short_rows_context(rows, staged, sort_decode_rows) if short_rows else \
             _prefill_context(rows, staged)
         num_tokens = rows.num_tokens
     if step.extra_logit_rows or step.sample_rows is not None or short_rows:
         # the sampling rows' logits (each row's last token, unless named), then the rows features read
-        if step.sample_rows is not None:
-            sampled = list(step.sample_rows)
-        else:
-            sampled = list(accumulate(step.query_lens, initial=-1))[1:]
-        names["logits_indices"] = staged.add(sampled + (step.extra_logit_rows or []))
+        last = step.sample_rows if step.sample_rows is not None else list(accumulate(step.query_lens, initial=-1))[1:]
+        names["logits_indices"] = staged.add(last + (step.extra_logit_rows or []))
     if fields:
         for name, value in fields.items():
             if isinstance(value, (list, np.ndarray)):
@@ -105,25 +88,20 @@ def padded_block_tables(tables: list[list[int]]) -> np.ndarray:
 
 
 class StepArrays:
-    """A prefill step's rows as numpy arrays: starts, query lengths and padded block tables."""
+    """A step's rows as numpy arrays (starts, query lengths, padded block tables), and per flat
+    token its row, position and cache slot."""
 
     def __init__(self, step: StepInput, block_size: int):
-        self.step, self.block_size = step, block_size
+        self.step = step
         self.starts = np.array(step.starts, np.int64)
-        self.query_lens = np.array(step.query_lens, np.int64)
+        self.query_lens = q = np.array(step.query_lens, np.int64)
         self.num_tokens = len(step.input_ids)
         self.block_tables = padded_block_tables(step.block_tables)
-        self.cu_q = np.zeros(len(self.query_lens) + 1, np.int64)  # cumulative query lengths, from 0
-        np.cumsum(self.query_lens, out=self.cu_q[1:])
-
-    def token_rows_and_positions(self) -> tuple[np.ndarray, np.ndarray]:
-        """Each flat token's row, and its position."""
-        q = self.query_lens
-        return np.repeat(np.arange(len(q)), q), np.arange(self.num_tokens) + np.repeat(self.starts - self.cu_q[:-1], q)
-
-    def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """The cache slots of positions of the given rows."""
-        return cache_slots(self.block_tables, rows, positions, self.block_size)
+        self.cu_q = np.zeros(len(q) + 1, np.int64)  # cumulative query lengths, from 0
+        np.cumsum(q, out=self.cu_q[1:])
+        self.token_rows = np.repeat(np.arange(len(q)), q)
+        self.positions = np.arange(self.num_tokens) + np.repeat(self.starts - self.cu_q[:-1], q)
+        self.slots = cache_slots(self.block_tables, self.token_rows, self.positions, block_size)
 
 
 def cache_slots(block_tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -149,26 +127,23 @@ def _decode_context(step: StepInput, bs: int, staged: Staging, sort_rows: bool) 
 def _short_rows_context(rows: StepArrays, staged: Staging, sort_rows: bool) -> tuple[dict[str, int], dict]:
     """A decode context with a row per token: its sequence's block table, its position + 1 tokens of
     context."""
-    token_rows, positions = rows.token_rows_and_positions()
-    context_lens = positions + 1
-    names = dict(input_ids=staged.add(rows.step.input_ids), positions=staged.add(positions),
-                 slot_mapping=staged.add(rows.slots(token_rows, positions)),
-                 context_lens=staged.add(context_lens, np.int32),
-                 block_tables=staged.add(rows.block_tables[token_rows], np.int32))
+    context_lens = rows.positions + 1
+    names = dict(input_ids=staged.add(rows.step.input_ids), positions=staged.add(rows.positions),
+                 slot_mapping=staged.add(rows.slots), context_lens=staged.add(context_lens, np.int32),
+                 block_tables=staged.add(rows.block_tables[rows.token_rows], np.int32))
     if sort_rows:  # (as _decode_context; a stable sort keeps ties in row order)
         names["decode_order"] = staged.add(np.argsort(-context_lens, kind="stable"), np.int32)
     return names, dict(is_prefill=False, context_lens_cpu=context_lens.tolist())
 
 
 def _prefill_context(rows: StepArrays, staged: Staging) -> tuple[dict[str, int], dict]:
-    n, q, cu_q = len(rows.starts), rows.query_lens, rows.cu_q
-    token_rows, positions = rows.token_rows_and_positions()
+    q = rows.query_lens
     context_lens = rows.starts + q
-    cu_k = np.zeros(n + 1, np.int64)
+    cu_k = np.zeros(len(q) + 1, np.int64)
     np.cumsum(context_lens, out=cu_k[1:])
-    names = dict(input_ids=staged.add(rows.step.input_ids), positions=staged.add(positions),
-                 cu_seqlens_q=staged.add(cu_q, np.int32), cu_seqlens_k=staged.add(cu_k, np.int32),
-                 slot_mapping=staged.add(rows.slots(token_rows, positions)),
+    names = dict(input_ids=staged.add(rows.step.input_ids), positions=staged.add(rows.positions),
+                 cu_seqlens_q=staged.add(rows.cu_q, np.int32), cu_seqlens_k=staged.add(cu_k, np.int32),
+                 slot_mapping=staged.add(rows.slots),
                  context_lens=staged.add(context_lens, np.int32), block_tables=staged.add(rows.block_tables, np.int32))
     return names, dict(is_prefill=True, max_seqlen_q=int(q.max()), max_seqlen_k=int(context_lens.max()),
                        query_lens_cpu=list(rows.step.query_lens), context_lens_cpu=context_lens.tolist())

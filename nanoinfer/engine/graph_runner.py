@@ -3,13 +3,10 @@
 Decode-only steps replay the graph of the smallest batch bucket that holds them; with an attention
 backend that can (`mixed_step_graphs`) and a dense model, steps with prompt chunks replay the graph
 of the smallest token bucket. Padded rows and tokens have slot -1 (they write no K/V) and context
-length 0. Larger steps, and every step without graphs, run eagerly: their device time dwarfs the
-launches. The LM head runs outside the graphs, on the step's own context (the rows that need logits
-vary by step), except in a decode step sampled at temperature alone (`sample_decode`; one rank; the
-sampling dispatch, sampling/sampler.py, chooses it and runs the forward through StepForward):
-there a second graph per batch bucket runs the LM head and the fused sampling kernel after the
-forward's, with the rows' temperatures and the step's seed sent with its inputs. That saves the host
-the launches of the head and the sampling kernels on the steps that are most of a run."""
+length 0. Larger steps run eagerly: their device time dwarfs the launches. The LM head runs outside
+the graphs (the rows that need logits vary by step), except in a one-rank decode step sampled at
+temperature alone (`sample_decode`): a second graph per batch bucket runs the head and the fused
+sampling kernel, which saves the host their launches on the steps that are most of a run."""
 import logging
 
 import torch
@@ -26,11 +23,9 @@ MIXED_GRAPH_SMALLEST = 4
 
 
 def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Token buckets of the graphs for steps that carry prompt chunks (or several tokens a row, as a
-    speculative verify step or a draft's catch-up does): powers of two from MIXED_GRAPH_SMALLEST
-    below MIXED_GRAPH_STRIDE, so that a small step does not pay a large bucket's GEMMs, then every
-    MIXED_GRAPH_STRIDE tokens up to MIXED_GRAPH_MAX_TOKENS (or the token budget). An eager step at
-    these sizes spends longer launching its kernels than running them."""
+    """Token buckets of the graphs for steps with prompt chunks (or rows of several tokens): powers of
+    two from MIXED_GRAPH_SMALLEST below MIXED_GRAPH_STRIDE, so that a small step does not pay a large
+    bucket's GEMMs, then every MIXED_GRAPH_STRIDE tokens up to MIXED_GRAPH_MAX_TOKENS (or the budget)."""
     top = min(max_num_batched_tokens, MIXED_GRAPH_MAX_TOKENS)
     small = {1 << i for i in range(MIXED_GRAPH_SMALLEST.bit_length() - 1, MIXED_GRAPH_STRIDE.bit_length() - 1)}
     return sorted({t for t in small if t < top} | set(range(MIXED_GRAPH_STRIDE, top, MIXED_GRAPH_STRIDE)) | {top})
@@ -44,10 +39,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class StepForward:
-    """A prepared step's forward (under the context prepare_inputs set), run when its sampling route
-    asks (sampling/sampler.py): its logits, this rank's vocabulary shard (computed once: a step
-    awaiting its grammar bitmask samples from them later), or, for a decode step sampled inside
-    the graphs, its tokens."""
+    """A prepared step's forward, run when its sampling route asks (sampling/sampler.py). Its logits
+    (this rank's vocabulary shard) are computed once: a step awaiting its grammar bitmask reuses them."""
     __slots__ = ("graphs", "input_ids", "positions", "decode_only", "_logits")
 
     def __init__(self, graphs: "GraphRunner", input_ids: torch.Tensor, positions: torch.Tensor):
@@ -103,12 +96,9 @@ class GraphRunner:
     @torch.inference_mode()
     def sample_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, temperatures: torch.Tensor,
                       seed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A decode step whose rows sample at temperature alone (no grammar, no logprobs), its
-        logits never leaving the graphs: the step's tokens [n] (NON_FINITE where a row's logits
-        are not finite) and the same clamped to >= 0 (the next step's in-flight inputs), or None
-        when no sampling graph holds the step (the in-graph route of sampling/sampler.py then
-        samples after forward()). Copied out
-        of the static buffers (one copy for both), which the next replay overwrites."""
+        """A decode step sampled inside the graphs: its tokens [n] (NON_FINITE where a row's logits
+        are not finite) and the same clamped to >= 0 (the next step's in-flight inputs), copied out
+        of the static buffers the next replay overwrites; None when no sampling graph holds it."""
         n, ctx = input_ids.shape[0], get_context()
         # (the sampling graph's LM head takes every row: no step that names its logit rows)
         if not self.sampling_graphs or ctx.is_prefill or ctx.logits_indices is not None \
@@ -173,7 +163,6 @@ class GraphRunner:
             if value is not None:
                 g[name][:n] = value
 
-    # ---- capture --------------------------------------------------------------------------------
     def _allocate_buffers(self, tokens: int) -> dict[str, torch.Tensor]:
         max_bs, dev = self.max_num_seqs, self.device
         g = dict(
@@ -251,8 +240,9 @@ class GraphRunner:
             if self.sample_graphs:
                 self.sampling_graphs[bs] = self._capture_sampling(bs, pool)
         for t in reversed(self.mixed_sizes):
-            context = dict(is_prefill=True, cu_seqlens_q=g["cu_seqlens_q"], max_seqlen_q=t, context_lens=g["context_lens"],
-                           block_tables=g["block_tables"], slot_mapping=g["slot_mapping"][:t])
+            context = dict(is_prefill=True, cu_seqlens_q=g["cu_seqlens_q"], max_seqlen_q=t,
+                           context_lens=g["context_lens"], block_tables=g["block_tables"],
+                           slot_mapping=g["slot_mapping"][:t])
             self.mixed_graphs[t] = self._capture_one(t, pool, context | inputs(t))
         for graph in (*self.graphs.values(), *self.sampling_graphs.values(), *self.mixed_graphs.values()):
             graph.replay()  # (a graph's first replay uploads it: not on a served step; the buffers are inert)

@@ -3,8 +3,7 @@
 Every attention layer holds a K and a V tensor of [num_blocks, block_size, num_kv_heads, head_dim]
 (the one layout every backend reads). On CUDA the capacity is what gpu_memory_utilization leaves
 after the weights and the peak activations of the largest step the scheduler can build; on CPU a
-fixed budget, at least one max_model_len sequence. Blocks are counted in bytes of the cache's
-dtype: with kv_cache_dtype="fp8" (float8_e4m3fn, one byte) twice as many fit as in bf16."""
+fixed budget, at least one max_model_len sequence."""
 import torch
 
 from nanoinfer.config import Config

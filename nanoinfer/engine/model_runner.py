@@ -1,14 +1,7 @@
-"""One tensor-parallel rank: its shard of the model, its KV cache, and a step's launch, which reads
-
-    [features: adapters into their slots, images' embeddings] -> prepare (engine/forward_inputs.py)
-    -> sample (sampling/sampler.py: the step's route runs its forward, engine/graph_runner.py; a
-       feature may read logits there, or bring a dispatch of its own: embeddings pool instead)
-    -> copy (the tokens start for the host)
-
-A step is launched without waiting for the device; `collect` waits for it and brings its results
-to the host. A step whose plan awaits its grammar bitmask (SamplingPlan.grammar_bitmask None) is
-launched up to its logits; `sample_launched` gives the bitmask and samples (structured/step_masks.py).
-Runners never see a Sequence: they take the step message (step/step_message.py)."""
+"""One tensor-parallel rank: its shard of the model, its KV cache, and a step's launch:
+the features' before_forward -> prepare_inputs -> the sampler's route (it runs the forward) -> the
+tokens' copy to the host. A launch never waits for the device; `collect` does. A step whose grammar
+bitmask comes after the launch stops at its logits until `sample_launched` (structured/step_masks.py)."""
 from dataclasses import dataclass
 
 import torch
@@ -31,22 +24,19 @@ from nanoinfer.utils.threads import cpu_threads
 
 @dataclass(slots=True)
 class InFlight:
-    """A launched step whose results the host has not collected yet (on a rank that does not
-    sample, only its tokens: the next step's in-flight rows read them on every rank)."""
+    """A launched step whose results the host has not collected yet (a rank that does not sample
+    keeps only its tokens, which the next step's in-flight rows read)."""
     sampled: Sampled | None               # the tokens [rows] on the device, what logprobs and features need
     tokens: torch.Tensor | None           # them as the next step's inputs: NON_FINITE rows read token 0
     host: torch.Tensor | None = None      # [rows] pinned host copy, valid once `event` has completed
     event: "torch.cuda.Event | None" = None
-    awaiting: tuple | None = None         # (step, sample, args, forward): launched up to the logits, until
-    #                                       sample_launched gives the grammar bitmask
+    awaiting: tuple | None = None         # (step, sample, args, forward) until sample_launched
 
 
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, dist_init_method: str | None = None, rank_features=()):
         """rank_features: factories of this rank's RankFeatures (step/feature.py), each called with it."""
-        self.config = config
-        self.rank = rank
-        self.world_size = config.tensor_parallel_size
+        self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.device = torch.device("cuda", rank) if config.device == "cuda" else torch.device("cpu")
         if self.world_size > 1:
             backend = "nccl" if config.device == "cuda" else "gloo"
@@ -83,19 +73,16 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.config.enforce_eager and \
                 all(f.captures_graphs for f in self.features):
             self.graph_runner.capture()  # (a feature's steps may run eager: embeddings)
-        # compile and allocate what the first requests' steps outside the graphs need, now (one rank
-        # that samples; not for features whose steps the warm-up does not make: embeddings, images)
+        # (one rank that samples; not for a feature whose steps the warm-up does not make: embeddings, images)
         if self.device.type == "cuda" and self.world_size == 1 and all(f.warms_up for f in self.features):
             warm_up(self, num_blocks)
             self.graph_runner.mixed_replays = 0
 
-    # ---- a step ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(self, step: StepInput, sample: SampleInput | None, prev: InFlight | None, on_device=None) -> InFlight:
-        """Enqueue one step and return without waiting for the device. Rank 0 (`sample` given)
-        samples and starts a copy of the tokens to the host. On every rank, the step's in-flight
-        rows read their input token from `prev` (the step launched before this one) on the device;
-        `on_device`: its tokens a proposer left there (engine/forward_inputs.py)."""
+        """Enqueue one step. Rank 0 (`sample` given) also starts the tokens' copy to the host. The
+        step's in-flight rows read their token from `prev` on the device; `on_device`: tokens a
+        proposer left there (prepare_inputs)."""
         prev_tokens = prev.tokens if prev is not None else None
         fields = {}  # (first: a later failure leaves the adapter slots as the message says)
         for feature in self.features:
@@ -115,15 +102,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_launched(self, inflight: InFlight, bitmask: torch.Tensor) -> None:
-        """Sample a step launched up to its logits, its grammar rows under `bitmask` ([G, W] int32
-        on the host), and start the tokens' copy to the host; `inflight` becomes a launched step."""
+        """Sample a step launched up to its logits under `bitmask` ([G, W] int32, on the host)."""
         step, sample, args, forward = inflight.awaiting
         inflight.awaiting = None
         args.set_grammar_bitmask(bitmask, self.device)
         self._copy_to_host(self.sampler.sample(step, sample, args, forward), inflight)
 
     def _copy_to_host(self, sampled: Sampled, inflight: InFlight | None = None) -> InFlight:
-        """The step's tokens start for the host (in `inflight`, or a new InFlight)."""
         inflight = inflight or InFlight(None, None)
         inflight.sampled, inflight.tokens = sampled, sampled.inputs
         tokens = sampled.tokens
@@ -143,12 +128,8 @@ class ModelRunner:
         tokens = inflight.host.tolist()
         return StepResult(tokens, *self.sampler.to_host(inflight.sampled, len(tokens)))
 
-    # ---- the rest -------------------------------------------------------------------------------
     def info(self) -> dict:
-        """For benchmarks and tests: the attention backend, whether decode replays CUDA graphs, the
-        token buckets of the graphs for steps with prompt chunks and how often they replayed,
-        whether all-reduces of up to max_num_seqs rows go through symmetric memory, this rank's KV
-        heads and parameter count (its shard), and the counters its model keeps (utils/counters.py)."""
+        """For benchmarks and tests: the backend, the captured graphs, this rank's shard and counters."""
         graphs = self.graph_runner
         return dict(backend=self.attention.name, cuda_graphs=bool(graphs.graphs),
                     mixed_graph_sizes=list(graphs.mixed_graphs), mixed_graph_replays=graphs.mixed_replays,
@@ -157,8 +138,7 @@ class ModelRunner:
                     counters=model_counters(self.model))
 
     def check_alive(self):
-        """One rank in this process: alive while this process runs (TensorParallelExecutor checks
-        its workers)."""
+        """Alive as long as this process (TensorParallelExecutor checks its worker processes)."""
 
     def exit(self):
         """Release the KV cache, graphs and weights now: the engine object may outlive exit()."""

@@ -1,6 +1,5 @@
-"""Scheduled sequences -> the step message (step/step_message.py). Runners never see a Sequence:
-this is where a step's rows and its sampling plan are read off them, and where the registered
-features add their parts (EngineFeature.encode)."""
+"""Scheduled sequences -> the step message (step/step_message.py): the one place a step's rows and
+sampling plan are read off Sequences, and where the features add their parts (EngineFeature.encode)."""
 import random
 
 from nanoinfer.engine.scheduler import ScheduledBatch
@@ -13,7 +12,7 @@ from nanoinfer.sampling.sampler import vocab_shard_sample
 def sampled_rows(batch: ScheduledBatch) -> dict[int, int]:
     """seq_id -> row of the step's tokens, for the rows of a batch that sample a token (a row of
     several tokens has a token per query position: its last one is named)."""
-    if not batch.drafts:
+    if not batch.drafts:  # (the common case, per step: a comprehension)
         return {seq.seq_id: row for row, seq in enumerate(batch.seqs) if batch.samples[row]}
     rows, i = {}, -1
     for row, seq in enumerate(batch.seqs):
@@ -24,13 +23,9 @@ def sampled_rows(batch: ScheduledBatch) -> dict[int, int]:
 
 
 class StepEncoder:
-    """vocab_size and eos_token_ids: what the sampling plan checks against. seeds: the generator
-    plain steps draw their noise seed from (seeded from the config). sample_on_shards: the ranks
-    can sample their vocabulary shards (tensor parallelism on CUDA). features: the registered
-    EngineFeatures, which add their parts to each step. masks_later: a plan leaves its token masks
-    to the engine, which fills them after the forward's launch. rows: the step's row planner, which
-    expands its rows of several tokens into sampling rows. sampling_options: the registered per-request
-    logits options (sampling/option.py), which plan their rows of each step."""
+    """seeds: the generator plain steps draw their noise seed from. sample_on_shards: the ranks can
+    sample their vocabulary shards (tensor parallelism on CUDA). masks_later, sampling_options: as
+    build_sampling_plan's. rows: the planner that expands rows of several tokens into sampling rows."""
 
     def __init__(self, vocab_size: int, eos_token_ids, seeds: random.Random | None = None,
                  sample_on_shards: bool = False, features=(), masks_later: bool = False,

@@ -1,17 +1,11 @@
-"""Start-up warm-up: synthetic steps through a runner's real launch path, so that what the first
-requests would otherwise pay for happens before the engine serves them.
+"""Start-up warm-up: synthetic steps through a runner's real launch path, so that the first
+requests do not pay for compiles and first allocations.
 
 Triton compiles a kernel once per set of constexprs and per specialisation of its integer
 arguments (equal to 1, a multiple of 16, or neither) and pointers (16-byte aligned or not); a
-step's token and row counts reach many kernels as such integers, and the tile configs of some
-(prefill attention, fused MoE) depend on the step's size. CUDA graph captures compile the decode
-shapes; the steps here cover what runs outside them: eager prefill steps (whole token budgets and
-odd ones, one row and many, continuing chunks, decode rows mixed in), the mixed-step graphs' LM
-head and sampling at 1, 16 and odd row counts, steps of short rows. They also make the caching
-allocators' first device and pinned host allocations at those sizes.
-
-The steps write K/V into the cache's first blocks, which no sequence owns yet; their tokens are
-thrown away."""
+step's token and row counts reach many kernels as such integers, and some tile configs depend on
+the step's size. Graph captures cover the decode shapes; these steps cover what runs outside them.
+They write K/V into the cache's first blocks, which no sequence owns yet; their tokens are dropped."""
 from nanoinfer.step.step_message import SampleInput, SamplingPlan, StepInput
 
 
@@ -64,10 +58,8 @@ def warm_up_steps(max_tokens: int, max_rows: int, max_len: int, block_size: int,
         plan = SamplingPlan(temperatures=[0.6] * len(rows), all_greedy=False, any_greedy=False, seed=i)
         out.append((step, SampleInput(plan)))
     if out:  # one all-greedy step
-        step, sample = out[-1]
-        n = len(step.starts)
-        out.append((step, SampleInput(SamplingPlan(temperatures=[0.0] * n, all_greedy=True, any_greedy=True,
-                                                   seed=0))))
+        step = out[-1][0]
+        out.append((step, SampleInput(SamplingPlan([0.0] * step.num_rows, all_greedy=True, any_greedy=True, seed=0))))
     return out
 
 

@@ -1,8 +1,6 @@
-"""Per-row sampling options kept on the device from one step to the next.
-
-A decode batch's rows, and so its temperature, top-k, top-p, min-p and penalty columns, change only
-when a request joins or leaves; a column equal to the previous step's (one list comparison) reuses
-that step's device tensor instead of another host tensor and copy. The pipeline only reads them."""
+"""Per-row sampling options kept on the device from one step to the next: a decode batch's columns
+(temperature, top-k, ...) change only when a request joins or leaves, so a column equal to the last
+step's (one list comparison) reuses its device tensor instead of another copy. The pipeline only reads them."""
 import torch
 
 from nanoinfer.utils.device_copy import to_device

@@ -14,12 +14,6 @@ from nanoinfer.sampling.tensors import SamplingTensors
 from nanoinfer.sampling_params import SAMPLING_EPS
 
 
-def apply_min_p(x: torch.Tensor, t: SamplingTensors) -> None:
-    """p < min_p * p_max  <=>  x < x_max + log(min_p)."""
-    thresh = x.amax(dim=-1, keepdim=True) + torch.log(t.min_p)[:, None]
-    x.masked_fill_(x < thresh, float("-inf"))
-
-
 def apply_top_k_top_p(x: torch.Tensor, t: SamplingTensors) -> None:
     """With top_p: sort once, top_k then top_p in sorted order. top_k alone: the k-th largest value
     is the threshold (ties kept), without a full sort for small k."""
@@ -49,26 +43,22 @@ def filtered_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     in vLLM's order (-inf = dropped)."""
     temps = torch.where(t.temperatures < SAMPLING_EPS, 1.0, t.temperatures)
     x = logits / temps[:, None]
-    if t.min_p is not None:
-        apply_min_p(x, t)
+    if t.min_p is not None:  # p < min_p * p_max  <=>  x < x_max + log(min_p)
+        x.masked_fill_(x < x.amax(dim=-1, keepdim=True) + torch.log(t.min_p)[:, None], float("-inf"))
     if t.top_k is not None or t.top_p is not None:
         apply_top_k_top_p(x, t)
     return x
-
-
-def gumbel_max(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """A sample of softmax(x) per row: argmax(x - log E) == argmax(softmax(x) / E). Overwrites x."""
-    noise = torch.empty_like(x).exponential_()
-    if t.seeded_rows is not None:
-        noise[t.seeded_rows] = hashed_exponential(t.seed_keys, x.shape[1])
-    return x.sub_(noise.clamp_min_(1e-10).log_()).argmax(dim=-1)
 
 
 def draw(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     greedy = logits.argmax(dim=-1) if t.any_greedy else None
     if t.all_greedy:
         return greedy
-    tokens = gumbel_max(filtered_logits(logits, t), t)
+    x = filtered_logits(logits, t)
+    noise = torch.empty_like(x).exponential_()
+    if t.seeded_rows is not None:
+        noise[t.seeded_rows] = hashed_exponential(t.seed_keys, x.shape[1])
+    tokens = x.sub_(noise.clamp_min_(1e-10).log_()).argmax(dim=-1)  # the Gumbel-max draw: argmax(x - log E)
     return tokens if greedy is None else torch.where(t.temperatures == 0, greedy, tokens)
 
 

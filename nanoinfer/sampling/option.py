@@ -1,17 +1,14 @@
-"""The seam of the per-request logits options, as vLLM V1 attaches its built-in logits processors
-(min_tokens, logit_bias, ...): penalties, token constraints, suppressed tokens, user logits
-processors and grammar masks each live in their feature's folder and are registered by the
-composition place (Composition.sampling_options). A plain request uses none of them.
+"""The seam of the per-request logits options, as vLLM V1 attaches its built-in logits processors:
+penalties, token constraints, suppressed tokens, user logits processors and grammar masks each live
+in their feature's folder, registered by the composition place (Composition.sampling_options).
 
     the engine, every step    SamplingOption.uses(sp), once per SamplingParams object; then
                               SamplingOption.plan(rows, ctx) for the rows that use it: a payload
-    the step message          SamplingPlan.options: the step's payloads (picklable, one per option)
     the sampling rank         OptionPayload.to_device(t, rank): its tensors into SamplingTensors
     the logits pipeline       OptionPayload.stages: its Stages, placed by their order
 
 A payload's class carries its device side, so a rank that unpickles a plan (tensor parallelism)
-needs no registry: unpickling imports the option's module. A Stage is one entry of the logits
-pipeline (sampling/pipeline.py): an option's edit of the logits, or the end that picks the tokens.
+needs no registry: unpickling imports the option's module.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,12 +20,11 @@ from nanoinfer.sampling.column_cache import ColumnCache
 
 @dataclass(frozen=True, slots=True)
 class Stage:
-    """`applies(t)`: whether this step's rows use the stage, read from SamplingTensors' host-side
-    fields (None where no row uses a feature), so that deciding costs no device sync.
-    `run(logits, t)`: edits the [B, V] float32 logits in place, only the rows that use it.
-    An end (`end=True`) picks the tokens instead: `run` returns them, [B] on the device, and leaves
-    the logits alone; the pipeline stops at the first end that applies. `order`: its place in
-    vLLM's order, among the stages of a step's options."""
+    """One entry of the logits pipeline. `applies(t)`: whether this step's rows use it, read from
+    SamplingTensors' host-side fields, so that deciding costs no device sync. `run(logits, t)`: edits
+    the [B, V] float32 logits in place, only the rows that use it; an end (`end=True`) returns the
+    tokens [B] instead, and the pipeline stops at the first end that applies. `order`: its place in
+    vLLM's order among the options' stages."""
     name: str
     applies: Callable[..., bool]                        # (SamplingTensors)
     run: Callable[..., torch.Tensor | None]             # (logits, SamplingTensors)
@@ -101,10 +97,8 @@ class OptionPayload:
 
 class RankTensors:
     """Where a step's option tensors are made on the sampling rank: `columns`, the per-row columns
-    kept from the last step (ColumnCache.get: a column usually equals the last step's); `states`,
-    the options' state on this rank, by name (the Sampler's: an option keeps there what the rank
-    holds for it from step to step, as the token constraints' store); `prev_tokens`, the tokens of
-    the step in flight, on the device."""
+    kept from the last step; `states`, what the rank holds for each option from step to step (by
+    name, as the token constraints' store); `prev_tokens`, the tokens of the step in flight."""
     __slots__ = ("device", "columns", "states", "prev_tokens")
 
     def __init__(self, device: torch.device, columns: ColumnCache, states: dict | None, prev_tokens):

@@ -1,18 +1,11 @@
 """The logits pipeline: one step's logits [B, V] -> its tokens [B], all batched, on the device.
 
-A step's pipeline is one ordered list of Stages (sampling/option.py): the per-request edits of the
-options its rows use (SamplingTensors.stages: each registered option's payload brings its own,
-placed in vLLM's order), each run only when some row uses it, then the end that picks the tokens.
-With every option registered (sampling_options/ and structured/):
-
-    raw logits --(logprobs of the rows that ask: log_softmax of the raw logits)
-      -> logits_processors -> allowed_token_ids -> grammar bitmask -> bad words, min_tokens
-      -> logit_bias -> penalties
-      -> sample: greedy argmax, or / temperature -> min_p -> top_k -> top_p -> Gumbel-max
-
+A step's pipeline is one ordered list of Stages (sampling/option.py): the edits of the options its
+rows use (SamplingTensors.stages, in vLLM's order, each run only when some row uses it), then the
+end that picks the tokens (sampling/draw.py). Logprobs are taken from the raw logits, before any edit.
 A step whose rows use temperature alone (SamplingTensors.plain) skips the list on CUDA: a fused
-Triton kernel (kernels/sampling.py) reads the logits once for temperature, noise and argmax, its
-noise seeded per step from the engine's generator; a token mask is applied just before it.
+Triton kernel (kernels/sampling.py) reads the logits once for temperature, noise and argmax; a token
+mask is applied just before it.
 """
 import torch
 
@@ -52,11 +45,10 @@ def mark_non_finite_rows(logits: torch.Tensor, tokens: torch.Tensor,
 
 @torch.inference_mode()
 def sample_logits(logits: torch.Tensor, t: SamplingTensors, pipeline=None) -> tuple[torch.Tensor, tuple | None]:
-    """The sampled token ids [B] on the device (an int dtype), NON_FINITE for a row whose logits
-    hold a NaN or +inf (in the fused kernel: where the row's token mask allows) or nothing above
-    -inf (before or after the per-request edits), and the logprob tensors for logprobs_to_host (None
-    when no row asked). `pipeline`: the stages (None: the step's, t.stages, then SAMPLE). The
-    caller's logits are left as they were."""
+    """The sampled token ids [B] on the device (an int dtype; NON_FINITE as mark_non_finite_rows
+    says, the fused kernel among the tokens a row's mask allows), and the logprob tensors for
+    logprobs_to_host (None when no row asked). `pipeline`: the stages (None: t.stages, then SAMPLE).
+    The caller's logits are left as they were."""
     todo = _stages_for(t, pipeline or (*t.stages, SAMPLE))
     fused = logits.is_cuda and t.plain  # (its only edit, if any: a token mask, applied first)
     raw = logits

@@ -1,11 +1,9 @@
 """The engine's side of sampling: a step's SamplingParams as a SamplingPlan (step/step_message.py).
 
 It runs on the host every step, so it reads the options that do not depend on a row's progress
-once per SamplingParams object, and visits one by one only the rows whose options do (seeds,
-logprobs), appending to column lists, no object per row; options no row uses stay None, so the plan
-stays small to pickle and the rank that samples (sampling/tensors.py) skips them. The registered
-per-request options (sampling/option.py: penalties, token constraints, ...) are asked, once per
-SamplingParams object, whether its rows use them; each then plans the rows that do, in one call.
+once per SamplingParams object (the registered options' uses() too), and visits one by one only the
+rows whose options do (seeds, logprobs). Options no row uses stay None, so the plan stays small to
+pickle and the rank that samples skips them.
 """
 import random
 from functools import lru_cache
@@ -22,31 +20,25 @@ TOP_K_OFF = 1 << 62  # larger than any vocabulary (logits may be wider than the 
 def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev_row_of=None,
                         seeds: random.Random | None = None, masks_later: bool = False,
                         options=()) -> SamplingPlan:
-    """One per step: a pass over the batch reading each request's options.
-    `seeds`: where a plain plan draws its seed (the engine's generator, seeded from the
-    config; None: Python's default one). (A Python generator: torch.randint cost the host more
-    than the rest of a batch-1 plan.)
+    """One per step. `seeds`: where a fused plan draws its seed (None: Python's default generator;
+    a Python one, since torch.randint cost the host more than the rest of a batch-1 plan).
     `samples[i]`: row i's sample is counted in its sequence's num_inflight (a scheduled step).
     `prev_row_of`: seq_id -> row of the step still in flight, for rows that sampled: such a
     token is not on the host yet, so it counts for seeds, and the options read it (PlanRows).
-    `masks_later`: a token mask is left to the engine, which fills it once the forward is launched
-    (the plan names its rows).
+    `masks_later`: a token mask is left to the engine, which fills it once the forward is launched.
     `options`: the registered SamplingOptions (sampling/option.py), in order."""
     counted = samples or [False] * len(seqs)
     seeded, keys, lp_rows, lp_counts = [], [], [], []
-    # the options that do not depend on a row's progress, once per SamplingParams object (the
-    # rows of one request, or of one generate() call, share theirs); the loop after visits only
-    # the rows whose options do depend on it
+    # (the rows of one request, or of one generate() call, share their SamplingParams object)
     memo, rows, off = {}, [], _off_fields(tuple(options))
     for seq in seqs:
         sp = seq.sampling_params
-        row = memo.get(id(sp))
-        if row is None:
+        if (row := memo.get(id(sp))) is None:
             row = memo[id(sp)] = _static_options(sp, vocab_size, options, off)
         rows.append(row)
     temps, top_ks, top_ps, min_ps, uses_top_k, uses_top_p, uses_min_p, dynamic, used = map(list, zip(*rows)) \
         if rows else ([] for _ in range(9))
-    use_top_k, use_top_p, use_min_p = any(uses_top_k), any(uses_top_p), any(uses_min_p)
+    use_top_k = any(uses_top_k)
     for i in [i for i, d in enumerate(dynamic) if d]:
         sp = seqs[i].sampling_params
         if temps[i] != 0.0 and sp.seed is not None:
@@ -55,20 +47,13 @@ def build_sampling_plan(seqs, vocab_size: int, eos_token_ids, samples=None, prev
         if sp.logprobs is not None:
             lp_rows.append(i)
             lp_counts.append(sp.logprobs)
-    B = len(seqs)
-    all_greedy = not any(temps)  # (temperatures are >= 0; a greedy row's is 0.0)
-    p = SamplingPlan(temps, all_greedy=all_greedy, any_greedy=0.0 in temps)
-    if not all_greedy:
-        if use_top_k:
-            p.top_k, p.max_top_k = top_ks, max(k for k in top_ks if k != TOP_K_OFF)
-        if use_top_p:
-            p.top_p = top_ps
-        if use_min_p:
-            p.min_p = min_ps
-        if seeded:
-            p.seeded_rows, p.seed_keys = seeded, keys
+    # (temperatures are >= 0, a greedy row's 0.0; a greedy row uses no filter and no seed)
+    p = SamplingPlan(temps, all_greedy=not any(temps), any_greedy=0.0 in temps, top_k=top_ks if use_top_k else None,
+                     max_top_k=max(k for k in top_ks if k != TOP_K_OFF) if use_top_k else 0,
+                     top_p=top_ps if any(uses_top_p) else None, min_p=min_ps if any(uses_min_p) else None,
+                     seeded_rows=seeded or None, seed_keys=keys or None)
     if lp_rows:
-        p.lp_rows = None if len(lp_rows) == B else lp_rows
+        p.lp_rows = None if len(lp_rows) == len(seqs) else lp_rows
         p.lp_counts, p.lp_max = lp_counts, min(max(lp_counts), vocab_size)
     if options and (any(used) or any(o.pending for o in options)):
         p.options = _plan_options(options, used, PlanRows(seqs, samples, counted, prev_row_of, list(eos_token_ids),

@@ -1,23 +1,9 @@
 """Sampling for one rank: THE sampling dispatch, from a prepared step to its tokens.
 
 `prepare` turns the step's SamplingPlan into device tensors before the forward (their copies
-overlap it). `sample` then decides the step's route (`route`: the one place that does) and runs it;
-each route is one method, and asks the step's forward (engine/graph_runner.py, StepForward) for
-what it needs:
-- IN_GRAPH: a decode step of one rank on CUDA whose rows sample at temperature alone: the LM head
-  and the fused kernel replayed inside the decode graphs (no logits leave them);
-- VOCAB_SHARDS: the same kind of step with tensor parallelism on CUDA (StepInput.plain_sample, set
-  when the step is encoded by `vocab_shard_sample`, since the other ranks get no plan): every rank
-  samples its shard and the ranks agree on the winners (sample_vocab_shard);
-- AWAITING_MASK: a step whose grammar bitmask comes after the forward's launch
-  (structured/step_masks.py): the forward runs, and the step samples when `sample` is called again
-  with the bitmask set (the logits are kept);
-- GATHERED: every other step: rank 0 gathers the full rows, hands the features the logits of the
-  rows they read (StepInput.extra_logit_rows: prompt logprobs), runs the logits pipeline
-  (sampling/pipeline.py; its fused kernel on CUDA for plain rows) and, with tensor parallelism,
-  broadcasts the tokens.
-`to_host` brings a step's logprobs and what the features read to the host once its tokens are there.
-A row whose logits are not finite gets the token NON_FINITE (-1): the engine fails its request.
+overlap it). `sample` picks the step's route (`route`, the one place that does) and runs it, a
+method per route, each asking the step's forward (engine/graph_runner.py, StepForward) for what it
+needs. A row whose logits are not finite gets the token NON_FINITE (-1): the engine fails its request.
 """
 from dataclasses import dataclass
 from enum import Enum
@@ -45,14 +31,12 @@ class SamplingFailed(Exception):
 
 @dataclass(slots=True)
 class Sampled:
-    """A step's sampling output on the device: the tokens (None: the step awaits its grammar
-    bitmask), them as the next step's inputs (NON_FINITE rows read token 0), when asked the
-    logprob tensors of the sampled rows, and what the features read (RankFeature.read_logits)."""
-    tokens: torch.Tensor | None        # [rows] int64
+    """A step's sampling output on the device."""
+    tokens: torch.Tensor | None        # [rows] int64; None: the step awaits its grammar bitmask
     args: SamplingTensors | None = None
-    logprobs: tuple | None = None
+    logprobs: tuple | None = None      # the sampled rows' logprob tensors, when asked
     outputs: dict | None = None        # key -> a callable giving its host value once the step's copies are done
-    inputs: torch.Tensor | None = None
+    inputs: torch.Tensor | None = None  # the tokens as the next step's inputs (NON_FINITE rows read token 0)
 
     def __post_init__(self):
         # (a row marked NON_FINITE is failed by the host; an overlapped next step may still read it)
@@ -61,10 +45,8 @@ class Sampled:
 
 
 def vocab_shard_sample(sample: SampleInput, on_shards: bool) -> PlainSample | None:
-    """What every rank needs to sample its shard (the VOCAB_SHARDS route), for a step whose rows
-    use temperature alone and whose logits no feature reads, when the ranks can (`on_shards`:
-    tensor parallelism on CUDA); None for any other step. Decided when the step is encoded: the
-    ranks other than 0 get no plan."""
+    """What every rank needs to sample its shard (Route.VOCAB_SHARDS), or None: decided when the
+    step is encoded, since only rank 0 gets the plan. `on_shards`: tensor parallelism on CUDA."""
     plan = sample.plan
     if not on_shards or not plan.plain or sample.extra_logits is not None:
         return None
@@ -72,11 +54,9 @@ def vocab_shard_sample(sample: SampleInput, on_shards: bool) -> PlainSample | No
 
 
 def sample_vocab_shard(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, col0: int) -> torch.Tensor:
-    """Tensor parallelism on CUDA, a step whose rows use temperature alone (SamplingPlan.plain):
-    each rank samples its shard of the vocabulary (`logits`, columns from col0), the ranks
+    """Each rank samples its shard of the vocabulary (`logits`, columns from col0), the ranks
     all-gather their rows' per-chunk winners (a few bytes a row instead of the logits), and every
-    rank picks the same tokens: those the fused kernel takes on the full rows with this seed.
-    Returns them [B] int64, on every rank."""
+    rank picks the same tokens [B]: those the fused kernel takes on the full rows with this seed."""
     parts = gumbel_argmax_partials(logits, temperatures, seed, col0)
     everyone = parts.new_empty((dist.get_world_size(), *parts.shape))
     dist.all_gather_into_tensor(everyone, parts)
@@ -95,13 +75,11 @@ class Sampler:
         self.samples_in_graphs = world_size == 1 and device.type == "cuda"
 
     def prepare(self, sample: SampleInput | None, prev_tokens: torch.Tensor | None) -> SamplingTensors | None:
-        """The plan's device tensors (rank 0); prev_tokens: the step in flight's, which the plan's
-        late penalty entries read."""
+        """The plan's device tensors (rank 0); `prev_tokens`: the step in flight's, which options read."""
         if sample is None:
             return None
         return SamplingTensors.from_plan(sample.plan, self.device, prev_tokens, self.columns, self.option_states)
 
-    # ---- the dispatch ---------------------------------------------------------------------------
     def route(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None) -> Route:
         """The route that samples this step on this rank."""
         if step.plain_sample is not None:
@@ -113,29 +91,26 @@ class Sampler:
         return Route.GATHERED
 
     def fused_in_graph(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None) -> bool:
-        """Whether this step may sample inside the decode graphs (engine/graph_runner.py
-        sample_decode): one rank, a decode-only step (a token a row, each row sampling), every row
-        at temperature alone with the fused kernel (sample_logits' CUDA path), no grammar."""
+        """Whether this step may sample inside the decode graphs (GraphRunner.sample_decode): one
+        rank, a decode-only step whose rows all sample at temperature alone, no grammar."""
         return (self.samples_in_graphs and step.is_decode_only and args is not None and args.plain
                 and args.grammar_rows is None and step.sample_rows is None
                 and not step.extra_logit_rows and sample.extra_logits is None)
 
     def sample(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None,
                forward) -> Sampled:
-        """The step's tokens on every rank, by its route. `forward`: the step's forward, run when
-        the route asks (engine/graph_runner.py, StepForward: its logits are this rank's shard, the
-        step's rows first, then its extra_logit_rows)."""
+        """The step's tokens on every rank, by its route. `forward`'s logits are this rank's shard,
+        the step's rows first, then its extra_logit_rows."""
         route = self.route(step, sample, args)
         if route is Route.IN_GRAPH:
             return self.sample_in_graph(step, sample, args, forward)
         if route is Route.VOCAB_SHARDS:
             return self.sample_on_vocab_shards(step, args, forward)
-        if route is Route.AWAITING_MASK:
+        if route is Route.AWAITING_MASK:  # sampled when called again with the bitmask set
             forward.logits()  # (launched now; kept until the bitmask comes)
             return Sampled(None, args)
         return self.sample_gathered(step, sample, args, forward)
 
-    # ---- the routes -----------------------------------------------------------------------------
     def sample_in_graph(self, step: StepInput, sample: SampleInput, args: SamplingTensors, forward) -> Sampled:
         """The LM head and the fused kernel replayed after the decode graph's forward, with the rows'
         temperatures and the step's seed; a step no sampling graph holds is gathered (on one rank:
@@ -146,6 +121,7 @@ class Sampler:
         return Sampled(out[0], args, inputs=out[1])
 
     def sample_on_vocab_shards(self, step: StepInput, args: SamplingTensors | None, forward) -> Sampled:
+        """Tensor parallelism on CUDA, rows at temperature alone: every rank samples its shard."""
         plain = step.plain_sample
         temps = args.temperatures if args is not None else \
             self.columns.get("temperatures", plain.temperatures, torch.float32)
@@ -153,6 +129,8 @@ class Sampler:
 
     def sample_gathered(self, step: StepInput, sample: SampleInput | None, args: SamplingTensors | None,
                         forward) -> Sampled:
+        """Rank 0 gathers the full rows, hands the features those they read (extra_logit_rows), runs
+        the logits pipeline and, with tensor parallelism, broadcasts the tokens."""
         rows, logits = step.num_sample_rows, forward.logits()
         if sample is None:  # a rank that does not sample: its shard goes to rank 0, the tokens come back
             self.lm_head.gather(logits)
@@ -162,7 +140,9 @@ class Sampler:
         logits = self.lm_head.gather(logits)  # the full rows
         outputs = None
         if step.extra_logit_rows:  # (after the sampling rows)
-            outputs = self.read_logits(step, sample, logits[rows:])
+            outputs = {}
+            for feature in self.features:
+                outputs.update(feature.read_logits(step, sample, logits[rows:]) or ())
             logits = logits[:rows]
         try:
             tokens, logprobs = sample_logits(logits, args)
@@ -175,13 +155,6 @@ class Sampler:
         if self.world_size > 1:
             dist.broadcast(tokens, 0)
         return Sampled(tokens, args, logprobs, outputs)
-
-    def read_logits(self, step: StepInput, sample: SampleInput, logits: torch.Tensor) -> dict:
-        """What the features read of the full logits of the step's extra_logit_rows."""
-        outputs = {}
-        for feature in self.features:
-            outputs.update(feature.read_logits(step, sample, logits) or ())
-        return outputs
 
     @staticmethod
     def to_host(sampled: Sampled, rows: int) -> tuple[list | None, dict | None]:

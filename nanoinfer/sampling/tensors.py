@@ -1,11 +1,7 @@
-"""A step's sampling options as device tensors, for the logits pipeline (sampling/pipeline.py).
+"""A step's SamplingPlan as device tensors, on the rank that samples, for the logits pipeline.
 
-The engine builds a SamplingPlan (plain lists, one Python loop over the batch: sampling/plan.py);
-the rank that samples turns it into these: [B]-sized temperatures and filters, and, only for the rows
-that use them, seeds and logprob requests; each registered option's payload adds its own tensors
-(`options`, by name) and the stages that read them (`stages`). A field is None when no row uses it,
-which is how a pipeline stage knows, on the host, whether it applies. Vocabulary-sized work happens
-only on the device.
+A field is None when no row uses it, which is how a pipeline stage knows, on the host, whether it
+applies. Each registered option's payload adds its own tensors (`options`, by name) and stages.
 """
 from dataclasses import dataclass, field
 
@@ -46,10 +42,9 @@ class SamplingTensors:
     @classmethod
     def from_plan(cls, plan: SamplingPlan, device: torch.device, prev_tokens=None,
                   columns: ColumnCache | None = None, states: dict | None = None) -> "SamplingTensors":
-        """The plan's lists as device tensors (rank 0). `prev_tokens`: the tokens of the step in
-        flight, on the device, which the options may read. `columns`: where the per-row option
-        columns of the last step are kept (the runner's; None: made anew). `states`: the options'
-        state on this rank, by name (the runner's; None: new, for a plan that sends all it names)."""
+        """`prev_tokens`: the tokens of the step in flight, which the options may read. `columns`,
+        `states`: the sampler's ColumnCache and options' state (RankTensors; None: new ones, for a
+        plan that sends all it names)."""
         p, columns = plan, ColumnCache(device) if columns is None else columns
         t = cls(columns.get("temperatures", p.temperatures, torch.float32), all_greedy=p.all_greedy,
                 any_greedy=p.any_greedy, plain=p.fused, seed=p.seed)

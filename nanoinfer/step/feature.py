@@ -1,18 +1,8 @@
 """The seam through which features attach to the engine. A feature (LoRA, images, structured
 outputs, embeddings: each in its own folder) implements some of these hooks; the composition place
 above the engine (nanoinfer/features.py) reads the Config and picks which are registered; the engine
-calls the registered ones in order at fixed points and never names one.
-
-    intake     check_request (before the length checks)   prepare (the request's sequences built)
-    a step     encode (its message built)   unschedule (it was not launched)
-               launched (it is launched and the step before it processed)   complete (before the
-               next forward, or before its results are collected)   process (its results)
-               processed (its tokens appended, its finishes applied)   stepped (the step is over)
-    outputs    request_output   add_output
-    the end    exit
-
-and, on every rank (RankFeature): before_forward, read_logits (the sampling rank), exit; what a
-rank's captured graphs read (graph_inputs), and a dispatch of its own (sampler_class).
+calls the registered ones in order at fixed points and never names one. EngineFeature's hooks are
+listed in the order a request and a step meet them; a RankFeature's run on every rank.
 """
 from dataclasses import dataclass, field
 
@@ -21,32 +11,25 @@ from nanoinfer.step.row_planner import RowPlanner
 
 @dataclass(slots=True)
 class Intake:
-    """One request at intake, as the features see it. `params`: what the caller gave (a feature
-    may replace it by the SamplingParams the scheduler sees); `extras`: the prompt dict's keys the
-    features read (EngineFeature.prompt_keys) and the request's options (lora_request);
-    `generates`: the request needs room for output tokens; `truncated`: the prompt was cut to
-    fit; `work`: heavy intake work, run in an intake thread in order before the request is queued."""
+    """One request at intake, as the features see it."""
     token_ids: list[int]
-    params: object
-    extras: dict
-    generates: bool = True
-    truncated: bool = False
+    params: object  # what the caller gave; a feature may replace it by the SamplingParams the scheduler sees
+    extras: dict  # the prompt dict's keys the features read (EngineFeature.prompt_keys), and lora_request
+    generates: bool = True  # the request needs room for output tokens
+    truncated: bool = False  # the prompt was cut to fit
     seqs: list = field(default_factory=list)
-    work: list = field(default_factory=list)
+    work: list = field(default_factory=list)  # heavy work, run in order in an intake thread before queueing
 
 
 @dataclass(slots=True)
 class EngineParts:
-    """What a feature may be built from: the engine's config, tokenizer, stop ids, vocabulary size
-    and runner (a ModelRunner, or the TensorParallelExecutor driving the ranks). masks_later: a
-    step's sampling plan leaves its token masks to the engine, filled after the forward's launch
-    (one rank; with tensor parallelism the plan fills them)."""
+    """What a feature may be built from."""
     config: object
     tokenizer: object
     eos_token_ids: frozenset
     vocab_size: int
-    runner: object
-    masks_later: bool
+    runner: object  # a ModelRunner, or the TensorParallelExecutor driving the ranks
+    masks_later: bool  # one rank: the engine fills a step's token masks after the forward's launch
 
 
 class EngineFeature:
@@ -81,8 +64,7 @@ class EngineFeature:
         """A step's results, before the scheduler appends its tokens."""
 
     def processed(self, batch, update, finished: list) -> None:
-        """A step's tokens are appended (`update`: the scheduler's StepUpdate) and `finished`, the
-        sequences it ended, are finished."""
+        """A step's tokens are appended (`update`: the scheduler's StepUpdate), the sequences it ended finished."""
 
     def stepped(self, scheduler) -> None:
         """An engine step (advance) is over."""
@@ -99,8 +81,7 @@ class EngineFeature:
 
 
 class Composition:
-    """Which features an engine runs with. This default registers none and plans plain rows; the
-    composition place (nanoinfer/features.py) reads the Config and chooses."""
+    """Which features an engine runs with: none by default (nanoinfer/features.py chooses by the Config)."""
 
     def row_planner(self, parts: EngineParts, num_blocks: int) -> RowPlanner:
         """The planner of each step's rows (it may take part of the pool's `num_blocks`)."""
@@ -115,13 +96,11 @@ class Composition:
         return None
 
     def order(self, config):
-        """The order the scheduler serves sequences in (engine/wait_queue.py's FifoOrder interface;
-        None: first come, first served)."""
+        """The order the scheduler serves sequences in (as wait_queue.FifoOrder; None: first come, first served)."""
         return None
 
     def sampling_options(self) -> list:
-        """The per-request logits options each step's sampling plan asks (sampling/option.py), new
-        for one engine, in order (none: a plain request's temperature, top-k/p, min-p, seed, logprobs)."""
+        """The per-request logits options (sampling/option.py), new for one engine, in order."""
         return []
 
     def rank_features(self, config) -> list:
@@ -130,9 +109,8 @@ class Composition:
 
 
 class RankFeature:
-    """A feature's part on a rank: each ModelRunner builds its own, calling the factories the
-    composition gives (Composition.rank_features: picklable, since with tensor parallelism every
-    worker process builds them) with itself, before its KV cache is measured."""
+    """A feature's part on a rank, built by each ModelRunner from Composition.rank_features (picklable:
+    with tensor parallelism every worker process builds them) before its KV cache is measured."""
     captures_graphs = True  # False: the rank's steps run eager (no CUDA graphs are captured)
     warms_up = True  # False: the warm-up's steps are not this feature's (it is skipped)
     # (forward-context field, padding value): per-token int64 inputs the captured graphs read from

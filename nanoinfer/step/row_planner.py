@@ -1,8 +1,6 @@
-"""How long each sequence's row of a step is, and how to undo it: the scheduler and the engine ask
-the step's row planner. The plain one gives every decoding sequence a row of one token. A planner
-may give a decoding row extra tokens (speculative decoding, nanoinfer/speculative/row_planner.py: proposals
-filled in before the launch, the accepted run appended when the step is processed); the
-composition place (nanoinfer/features.py) picks it from the Config."""
+"""How long each sequence's row of a step is, and how to undo it. The plain planner gives every
+decoding sequence a row of one token; speculative decoding's (nanoinfer/speculative/row_planner.py)
+gives rows extra tokens, filled in before the launch, the accepted run appended when processed."""
 
 
 class RowPlanner:

@@ -1,10 +1,9 @@
 """One sequence (one of a request's n samples): its token ids, progress through the KV cache, and
 block table.
 
-One length: `num_tokens`, the tokens on the host (prompt + appended completion tokens). With
-overlapped steps the device may also have sampled tokens the host has not seen yet: `num_inflight`
-counts them, and they are appended when their step is processed. Planning a step (the scheduler,
-the block manager) counts both and says so: `seq.num_tokens + seq.num_inflight`.
+One length: `num_tokens`, the tokens on the host. With overlapped steps the device may also have
+sampled tokens the host has not seen yet: `num_inflight` counts them until their step is processed.
+Planning a step counts both and says so: `seq.num_tokens + seq.num_inflight`.
 """
 from copy import copy
 from enum import Enum, auto

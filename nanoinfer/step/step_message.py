@@ -1,22 +1,17 @@
 """The step message: what the engine sends a runner for one step, and what comes back.
 
-A leaf: plain, typed dataclasses that import nothing from the engine, the layers or torch, so the
-message depends on no part of the engine, and it pickles cheaply. Rows are held
-column by column (lists of ints), not as an object per row, because the step is rebuilt, and with
-tensor parallelism pickled, every step. engine/step_encoder.py builds them from scheduled sequences;
-a feature's part of a step (adapters, images, an embedding's rows) is a dataclass of its own folder,
-held in StepInput.parts under the feature's key.
-
-Every rank gets the StepInput; the rank that samples (rank 0) also gets the SampleInput, and it
-answers with a StepResult.
+A leaf of plain, typed dataclasses that import nothing of the engine, the layers or torch. Every
+rank gets the StepInput; the rank that samples also gets the SampleInput and answers with a
+StepResult. Rows are held column by column (lists of ints), not as an object per row, because the
+step is rebuilt, and with tensor parallelism pickled, every step. A feature's part of a step is a
+dataclass of its own folder, held in StepInput.parts under the feature's key.
 """
 from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
 class PlainSample:
-    """Every rank samples its shard of the vocabulary (tensor parallelism on CUDA, rows that use
-    temperature alone): the rows' temperatures and the step's noise seed."""
+    """What every rank needs to sample its shard of the vocabulary (Route.VOCAB_SHARDS)."""
     temperatures: list[float]
     seed: int
 
@@ -24,11 +19,9 @@ class PlainSample:
 @dataclass(slots=True)
 class StepInput:
     """What every rank needs. Decode rows (one query token each) come first, then prompt chunks.
-
-    `input_ids` is flat: every row's query tokens in row order. A decode row whose input token was
-    sampled by the step still in flight holds 0 there and is listed in `inflight_rows` (its flat
-    index is its row), with the row of that step which sampled it in `inflight_sources`: every
-    rank reads the token from that step's device tensor."""
+    A decode row whose input token the step still in flight sampled holds 0 in `input_ids` and is
+    listed in `inflight_rows` (its flat index is its row), with that step's row which sampled it in
+    `inflight_sources`: every rank reads the token from that step's device tensor."""
     num_decode: int
     starts: list[int]              # per row: the first position it computes
     query_lens: list[int]          # per row: how many tokens it computes
@@ -67,9 +60,7 @@ class StepInput:
 @dataclass(slots=True)
 class SamplingPlan:
     """A step's sampling options as plain lists, one entry per row (or per row that uses the
-    option): built on the engine's side (nanoinfer/sampling/plan.py), turned into device tensors
-    by the rank that samples (nanoinfer/sampling/tensors.py). The per-request options a feature
-    registers (sampling/option.py) each add one payload to `options`."""
+    option): built by sampling/plan.py, made device tensors by sampling/tensors.py."""
     temperatures: list[float]
     all_greedy: bool
     any_greedy: bool
@@ -118,8 +109,7 @@ class SampleInput:
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    """One position's logprobs: the top entries (most likely first), and the chosen token's
-    logprob and rank (1 = the most likely). There is one per row and per prompt position."""
+    """One position's logprobs: the top entries (most likely first), the chosen token's logprob and rank."""
     top_ids: list[int]
     top_logprobs: list[float]
     logprob: float
@@ -131,9 +121,7 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class StepResult:
-    """A step's outcome, on the host: a sampled token per row; per row, its TokenLogprobs when it
-    asked (None otherwise; the list is None when no row asked); what the features read on the rank
-    (RankFeature.read_logits, or their own dispatch), by the key each gives."""
-    tokens: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None
-    outputs: dict | None = None
+    """A step's outcome, on the host."""
+    tokens: list[int]  # a token per row
+    logprobs: list[TokenLogprobs | None] | None = None  # per row, when it asked (None: no row did)
+    outputs: dict | None = None  # what the features read on the rank, by the key each gives
