@@ -14,13 +14,17 @@ or M % 16 == 0).
 The programs walk the output tiles in groups of GROUP_M row tiles (the weight tiles of a group stay
 in L2 while its row tiles use them).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanoinfer.kernels.triton_attention import _num_sms
 
 FEW_ROWS_MAX = 128
+TMA = os.environ.get("NANOINFER_INVARIANT_TMA", "0")  # experiment: "0" pointers, "1" TMA, "2" TMA persistent
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -61,6 +65,50 @@ def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_y,
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
+def _tma_tile(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, pid_m, pid_n, HAS_BIAS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = x_desc.load([pid_m * BLOCK_M, k0])
+        w = w_desc.load([pid_n * BLOCK_N, k0])
+        acc = tl.dot(x, w.T, acc)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    _tma_tile(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tma_persistent_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, HAS_BIAS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), tiles, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        _tma_tile(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N,
+                  BLOCK_K)
 
 
 # (block_m, block_n, block_k, num_warps, num_stages). TUNED: (rows bucket, n, k) -> the fastest tiles
@@ -114,8 +162,23 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return out
     cfg = config or invariant_config(m, n, k, x.dtype, _num_sms(x.device))
     grid = (triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"]),)
+    tma = cfg.get("tma", TMA)
+    if tma != "0" and x.is_cuda and x.dtype != torch.float32 and k % 8 == 0 and x.data_ptr() % 16 == 0 \
+            and weight.data_ptr() % 16 == 0:
+        x_desc = TensorDescriptor.from_tensor(x, [cfg["block_m"], cfg["block_k"]])
+        w_desc = TensorDescriptor.from_tensor(weight, [cfg["block_n"], cfg["block_k"]])
+        args = (x_desc, w_desc, bias if bias is not None else x, out, m, n, k, out.stride(0))
+        tiles = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+                     BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"],
+                     num_stages=cfg["num_stages"])
+        if tma == "2":
+            programs = min(grid[0], _num_sms(x.device))
+            _tma_persistent_kernel[(programs,)](*args, NUM_PROGRAMS=programs, **tiles)
+        else:
+            _tma_kernel[grid](*args, **tiles)
+        return out
     _invariant_matmul_kernel[grid](
         x, weight, bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None,
-        FP32=x.dtype == torch.float32, EVEN_K=k % cfg["block_k"] == 0, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        FP32=x.dtype == torch.float32, EVEN_K=k % cfg["block_k"] == 0, BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
