@@ -48,26 +48,14 @@ class ReplicatedLinear(LinearBase):
     """The whole weight on every rank."""
 
 
-class ColumnParallelLinear(LinearBase):
-    """Output features split across ranks; no communication."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, build: ModelBuild, prefix: str,
-                 shard_ids: tuple | None = None):
-        super().__init__(input_size, output_size // build.tp.size, bias, build=build, prefix=prefix,
-                         shard_ids=shard_ids)
-
-    def shard_slice(self, shard_id):
-        n = self.out_features
-        return ShardSlice(n * self.tp.size, self.tp.rank * n, n, 0, self.in_features, 0, self.in_features)
-
-
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections in one matmul (gate_up); shard_id indexes output_sizes."""
+class MergedColumnParallelLinear(LinearBase):
+    """Several projections in one matmul (gate_up), each one's output features split across ranks;
+    shard_id indexes output_sizes."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *, build: ModelBuild,
                  prefix: str):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, build=build, prefix=prefix,
+        super().__init__(input_size, sum(output_sizes) // build.tp.size, bias, build=build, prefix=prefix,
                          shard_ids=tuple(range(len(output_sizes))))
 
     def shard_slice(self, shard_id: int):
