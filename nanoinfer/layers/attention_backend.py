@@ -40,9 +40,8 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def write_step(self, layer, qkv, positions, q_norm, k_norm):
-        n, heads, kv_heads, dim = qkv.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
-        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-        q, k, v = q.view(n, heads, dim), k.view(n, kv_heads, dim), v.view(n, kv_heads, dim)
+        heads, kv_heads = layer.num_heads, layer.num_kv_heads
+        q, k, v = qkv.view(qkv.shape[0], -1, layer.head_dim).split([heads, kv_heads, kv_heads], dim=1)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         q, k = layer.rotary_emb(positions, q, k)
