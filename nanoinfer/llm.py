@@ -123,15 +123,14 @@ class LLM(LLMEngine, StreamAPI, PoolingAPI, MetricsAPI):
 
     def _run_to_completion(self, request_ids: list[int], use_tqdm, convert=None) -> list:
         """Each request's output, in order, once all have finished, passed through `convert` if given."""
-        position = {rid: i for i, rid in enumerate(request_ids)}
+        position = {rid: i for i, rid in enumerate(request_ids)}  # the requests not finished yet
         results: list = [None] * len(request_ids)
-        left = len(request_ids)
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
         bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
                        disable=not use_tqdm, postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
         in_tokens = out_tokens = 0
         try:
-            while left:
+            while position:
                 if self.is_finished():
                     raise RuntimeError("the engine has no work left but requests are unfinished")
                 finished, _ = self.advance()
@@ -139,8 +138,7 @@ class LLM(LLMEngine, StreamAPI, PoolingAPI, MetricsAPI):
                     if rid not in position:
                         continue  # another caller's request
                     out = self.pop_output(rid)
-                    results[position[rid]] = convert(out) if convert is not None else out
-                    left -= 1
+                    results[position.pop(rid)] = convert(out) if convert is not None else out
                     in_tokens += len(out.prompt_token_ids)
                     if isinstance(out, RequestOutput):  # (an embedding's output has no tokens)
                         out_tokens += sum(len(c.token_ids) for c in out.outputs)
@@ -150,10 +148,9 @@ class LLM(LLMEngine, StreamAPI, PoolingAPI, MetricsAPI):
                                        f"output: {out_tokens / elapsed:.2f} toks/s")
                         bar.update(1)
         except BaseException:
-            for rid, out in zip(request_ids, results):  # leave the engine clean for the next call
-                if out is None:
-                    with suppress(KeyError):
-                        self.pop_output(rid)
+            for rid in position:  # leave the engine clean for the next call (aborts what still runs)
+                with suppress(KeyError):
+                    self.pop_output(rid)
             raise
         finally:
             bar.close()
