@@ -14,8 +14,7 @@ from nanoinfer.kernels.skinny_gemm import skinny_gemm
 from nanoinfer.layers.layernorm import add_rms_norm, rms_norm
 from nanoinfer.utils.loader import check_shape
 
-# few-row products: the GEMV for up to GEMV_ROWS rows of a weight of at most GEMV_WEIGHT_BYTES, the
-# few-row GEMM for up to FEW_ROWS rows of one of at most FEW_ROWS_WEIGHT_BYTES; cuBLAS otherwise
+# few_row_kernel's limits (rows, weight bytes): the GEMV's, then the few-row GEMM's
 GEMV_ROWS, GEMV_WEIGHT_BYTES = 2, 16 << 20
 FEW_ROWS, FEW_ROWS_WEIGHT_BYTES = 16, 32 << 20
 
