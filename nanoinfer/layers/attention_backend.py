@@ -118,8 +118,7 @@ def flash_attn_importable() -> bool:
 
 
 def select_attention_backend(device: str, block_size: int, kv_cache_dtype: str = "auto") -> AttentionBackend:
-    """flash_attn on CUDA when importable (and the cache is not FP8), else triton on CUDA; torch on
-    CPU. Logged once."""
+    """torch on CPU; on CUDA flash_attn where importable and the cache is not FP8, else triton."""
     if device != "cuda":
         backend = TorchAttentionBackend()
     elif flash_attn_importable() and kv_cache_dtype == "auto":
