@@ -4,7 +4,6 @@ layout, [num_blocks, block_size, num_kv_heads, head_dim] per layer for K and for
 step's state from utils/context.py, and stores and reads an FP8 cache with the layer's k_scale and
 v_scale."""
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,10 +11,8 @@ from nanoinfer.kernels.kv_store import store_kvcache
 from nanoinfer.kernels.qkv_epilogue import qkv_epilogue
 from nanoinfer.kernels.torch_attention import paged_attention_torch
 from nanoinfer.kernels.triton_attention import decode_attention, prefill_attention
+from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.utils.context import get_context
-
-if TYPE_CHECKING:
-    from nanoinfer.layers.layernorm import RMSNorm
 
 logger = logging.getLogger("nanoinfer")
 
@@ -25,8 +22,8 @@ class AttentionBackend:
     mixed_step_graphs = False  # a step with prompt chunks may replay a CUDA graph (one launch whatever the mix)
     sorts_decode_rows = False  # decode reads ctx.decode_order, the rows longest context first
 
-    def write_step(self, layer, qkv: torch.Tensor, positions: torch.Tensor, q_norm: "RMSNorm | None",
-                   k_norm: "RMSNorm | None") -> torch.Tensor:
+    def write_step(self, layer, qkv: torch.Tensor, positions: torch.Tensor, q_norm: RMSNorm | None,
+                   k_norm: RMSNorm | None) -> torch.Tensor:
         """Returns q [N, num_heads, head_dim], normed and rotated; K and V go to the cache (not while
         it is empty: the memory-profiling warm-up runs before the cache exists)."""
         raise NotImplementedError
