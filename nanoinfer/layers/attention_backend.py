@@ -1,8 +1,7 @@
 """How attention runs on this device, chosen once per engine (`select_attention_backend`) and shared
 by every Attention layer (docs/architecture.md lists the backends). Every backend uses one cache
-layout, [num_blocks, block_size, num_kv_heads, head_dim] per layer for K and for V, reads the
-step's state from utils/context.py, and stores and reads an FP8 cache with the layer's k_scale and
-v_scale."""
+layout, [num_blocks, block_size, num_kv_heads, head_dim] per layer for K and for V, and stores
+and reads an FP8 cache with the layer's k_scale and v_scale."""
 import logging
 
 import torch

@@ -1,6 +1,5 @@
-"""RMSNorm. On CUDA one Triton kernel (kernels/norm_act.py); `rms_norm` and `add_rms_norm` are its
-reference and the CPU path. Fusing the norm into the next projection or into the tensor-parallel
-all-reduce before it is layers/fused_norm.py's job."""
+"""RMSNorm: one Triton kernel on CUDA (kernels/norm_act.py), whose reference and CPU path are `rms_norm`
+and `add_rms_norm`. Fusing it into its neighbours is layers/fused_norm.py's job."""
 import torch
 from torch import nn
 
