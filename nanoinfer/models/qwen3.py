@@ -19,8 +19,6 @@ from nanoinfer.models.config_limits import head_dim, rope_scaling, rope_theta
 
 
 class Qwen3Attention(nn.Module):
-    """rotary: the model's one RoPE (its cos/sin cache is shared by every layer)."""
-
     def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool, o_bias: bool, rotary: RotaryEmbedding, *,
                  build: ModelBuild, prefix: str):
         super().__init__()
@@ -60,7 +58,6 @@ class Qwen3MLP(nn.Module):
         return self.gate_up_proj.takes_deferred(x)
 
     def forward(self, x: "torch.Tensor | Deferred", reduce_later: bool = False):
-        """reduce_later: as Qwen3Attention's."""
         h = self.act_fn(self.gate_up_proj(x), defer_to=self.down_proj)
         return self.down_proj(h, reduce_later)
 
