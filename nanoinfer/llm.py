@@ -25,14 +25,14 @@ def _per_prompt(value, num_prompts: int, name: str, kind: str) -> list:
     if not isinstance(value, (list, tuple)):
         return [value] * num_prompts
     if len(value) != num_prompts:
-        raise ValueError(f"got {len(value)} {name} for {num_prompts} prompts; pass one {kind} or a list of the same length")
+        raise ValueError(f"got {len(value)} {name} for {num_prompts} prompts; "
+                         f"pass one {kind} or a list of the same length")
     return list(value)
 
 
 class LLM(LLMEngine, StreamAPI, PoolingAPI, MetricsAPI):
-    # LLM(model, data_parallel_size=N > 1): generate() and chat() over N engine processes, run by
-    # the backend that nanoinfer/__init__.py registers here (data_parallel/llm.py); no engine of
-    # its own then
+    # data_parallel_size=N > 1: generate() and chat() over N engine processes, run by the backend
+    # nanoinfer/__init__.py registers here (data_parallel/llm.py); no engine of its own then
     data_parallel_backend = None
     _replicas = None
 
@@ -60,19 +60,15 @@ class LLM(LLMEngine, StreamAPI, PoolingAPI, MetricsAPI):
             "generate(), chat(), get_tokenizer() and exit(); stream(), embeddings and the step-by-step API "
             f"need data_parallel_size=1 (asked for: {name})")
 
-    # ---- public API -----------------------------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None,
                  priority=None) -> list[RequestOutput]:
         """prompts: a str, a list of token ids, a {"prompt": str} / {"prompt_token_ids": [...]} dict,
-        or a list of those. sampling_params: one SamplingParams for all prompts (None: defaults),
-        or a list with one per prompt. Every request is validated before any is queued: a bad one
-        adds none. Returns one RequestOutput per prompt, in prompt order; `out["text"]` and
-        `out["token_ids"]` give its first completion's text and token ids (nano-vllm style).
-        use_tqdm: show a progress bar (True), or a tqdm-like factory to make it with.
-        lora_request: a LoRARequest for every prompt, or a list with one (or None) per prompt
-        (needs enable_lora=True). priority: one int per prompt (scheduling_policy="priority": the
-        lower runs first). Requests queued by hand with add_request() progress too; step() reports
-        them later."""
+        or a list of those. sampling_params (None: defaults) and lora_request (needs enable_lora=True):
+        one for every prompt or a list of one per prompt; priority: one int per prompt
+        (scheduling_policy="priority": the lower runs first); use_tqdm: a progress bar, or a
+        tqdm-like factory. Every request is validated before any is queued. Returns one
+        RequestOutput per prompt, in order (`out["text"]`, `out["token_ids"]`: its first completion's,
+        as nano-vllm). Requests queued by hand with add_request() progress too; step() reports them."""
         prompts, params = self._normalize(prompts, sampling_params)
         loras = self._lora_requests(lora_request, len(prompts))
         if self._replicas is not None:
@@ -87,11 +83,9 @@ class LLM(LLMEngine, StreamAPI, PoolingAPI, MetricsAPI):
              use_tqdm=True, tools: list[dict] | None = None,
              continue_final_message: bool = False, lora_request=None, priority=None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts, content a str or a list
-        of OpenAI content parts: text, image_url, image_pil) or a list of them. Each is rendered with
-        the tokenizer's chat template (or `chat_template`), with `tools` and `chat_template_kwargs`
-        passed to it, and generated (under `lora_request`, as in generate); returns one RequestOutput
-        per conversation. Image URLs follow the allowed_local_media_path / allowed_media_domains rules
-        (multimodal/media.py)."""
+        of OpenAI content parts: text, image_url, image_pil) or a list of them, each rendered with
+        the tokenizer's chat template (or `chat_template`) and generated as by generate. Image URLs
+        follow the allowed_local_media_path / allowed_media_domains rules (multimodal/media.py)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a non-empty list of {'role', 'content'} dicts) "
                             "or a list of conversations")
@@ -112,7 +106,6 @@ class LLM(LLMEngine, StreamAPI, PoolingAPI, MetricsAPI):
         else:
             super().exit()
 
-    # ---- helpers --------------------------------------------------------------------------------
     def _normalize(self, prompts, sampling_params):
         if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
             prompts = [prompts]
@@ -129,17 +122,15 @@ class LLM(LLMEngine, StreamAPI, PoolingAPI, MetricsAPI):
         return _per_prompt(lora_request, num_prompts, "lora_request entries", "LoRARequest")
 
     def _run_to_completion(self, request_ids: list[int], use_tqdm, convert=None) -> list:
-        """Each request's output, in order, once all have finished; `convert` (if given) is applied
-        to each as it is popped."""
-        position = {rid: i for i, rid in enumerate(request_ids)}
-        results: list = [None] * len(request_ids)  # (converted outputs, with `convert`)
-        left = len(request_ids)
+        """Each request's output, in order, once all have finished, passed through `convert` if given."""
+        position = {rid: i for i, rid in enumerate(request_ids)}  # the requests not finished yet
+        results: list = [None] * len(request_ids)
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
         bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
                        disable=not use_tqdm, postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
         in_tokens = out_tokens = 0
         try:
-            while left:
+            while position:
                 if self.is_finished():
                     raise RuntimeError("the engine has no work left but requests are unfinished")
                 finished, _ = self.advance()
@@ -147,8 +138,7 @@ class LLM(LLMEngine, StreamAPI, PoolingAPI, MetricsAPI):
                     if rid not in position:
                         continue  # another caller's request
                     out = self.pop_output(rid)
-                    results[position[rid]] = convert(out) if convert is not None else out
-                    left -= 1
+                    results[position.pop(rid)] = convert(out) if convert is not None else out
                     in_tokens += len(out.prompt_token_ids)
                     if isinstance(out, RequestOutput):  # (an embedding's output has no tokens)
                         out_tokens += sum(len(c.token_ids) for c in out.outputs)
@@ -158,10 +148,9 @@ class LLM(LLMEngine, StreamAPI, PoolingAPI, MetricsAPI):
                                        f"output: {out_tokens / elapsed:.2f} toks/s")
                         bar.update(1)
         except BaseException:
-            for rid, out in zip(request_ids, results):  # leave the engine clean for the next call
-                if out is None:
-                    with suppress(KeyError):
-                        self.pop_output(rid)
+            for rid in position:  # leave the engine clean for the next call (aborts what still runs)
+                with suppress(KeyError):
+                    self.pop_output(rid)
             raise
         finally:
             bar.close()

@@ -15,8 +15,7 @@ class SiluAndMul(nn.Module):
     """silu(gate) * up, for a merged gate_up projection output [..., 2 * intermediate]."""
 
     def forward(self, x: torch.Tensor, defer_to=None) -> "torch.Tensor | Deferred":
-        """defer_to: the linear layer the result feeds; where it `takes_deferred` x, the product is
-        left to that layer's kernel."""
+        """defer_to: the linear layer the result feeds, which may apply it itself (`takes_deferred`)."""
         if defer_to is not None and defer_to.takes_deferred(x):
             return Deferred(x, silu_mul=True)
         if x.is_cuda:  # one Triton kernel (kernels/norm_act.py); silu_and_mul is its reference

@@ -1,11 +1,9 @@
 """Paged attention layer: from the fused qkv projection's output to the attention output, over this
-layer's K/V cache. The work is the backend's (layers/attention_backend.py), chosen once per engine
-and shared by every layer; the layer holds what is its own: head counts, RoPE, the cache, and the
-cache's scales.
+layer's K/V cache; the work is the shared backend's (layers/attention_backend.py).
 
 k_scale / v_scale (vLLM's names): with kv_cache_dtype="fp8" the cache stores K / k_scale and
-V / v_scale in e4m3, read back as fp8 * scale. Float32 scalars, 1.0 unless the checkpoint has them
-(loaded as `...self_attn.attn.k_scale`); every rank holds the same value. Other caches ignore them."""
+V / v_scale in e4m3. Float32 scalars, the same on every rank, 1.0 unless the checkpoint has them;
+other caches ignore them."""
 import math
 
 import torch
@@ -45,9 +43,8 @@ class Attention(nn.Module):
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, q_norm: nn.Module | None = None,
                 k_norm: nn.Module | None = None) -> torch.Tensor:
-        """qkv: [N, (num_heads + 2 * num_kv_heads) * head_dim]. q_norm, k_norm: the per-head RMSNorms
-        of q and k (Qwen3), owned by the caller, under the names the checkpoint gives them.
-        Stores the step's K/V in the cache, then attends. Returns [N, num_heads * head_dim]."""
+        """qkv: [N, (num_heads + 2 * num_kv_heads) * head_dim] -> [N, num_heads * head_dim]. q_norm,
+        k_norm: the per-head RMSNorms (Qwen3), owned by the caller under the checkpoint's names."""
         q = self.backend.write_step(self, qkv, positions, q_norm, k_norm)
         if not self.k_cache.numel():
             # The memory-profiling warm-up runs before the cache exists; its output is discarded.

@@ -1,25 +1,8 @@
 """How attention runs on this device, chosen once per engine (`select_attention_backend`) and shared
-by every Attention layer (layers/attention.py). A backend does two things for a layer each step:
-`write_step` turns the fused qkv projection's output into q (q/k norm, RoPE) and stores the step's
-K and V in the layer's paged cache; `attend` computes attention over that cache. Every backend uses
-one cache layout, [num_blocks, block_size, num_kv_heads, head_dim] per layer for K and for V, and
-reads the step's state from utils/context.py.
-
-- torch (CPU): the unfused reference path, and torch attention over the paged cache.
-- triton (CUDA): one kernel for q/k norm + RoPE + K/V store (kernels/qkv_epilogue.py), our
-  prefill/extend and split-KV decode kernels (kernels/triton_attention.py).
-- flash_attn (CUDA, when flash-attn is importable): the same fused epilogue, then flash-attn's
-  FA2 functions as nano-vllm calls them. FA2 cannot read an FP8 cache: with kv_cache_dtype="fp8"
-  the triton backend serves instead (logged).
-
-Every backend stores and reads an FP8 cache (kv_cache_dtype="fp8") with the layer's k_scale and
-v_scale (layers/attention.py).
-
-Two flags tell the model runner what a backend can do: `mixed_step_graphs` (a step with prompt
-chunks may replay a CUDA graph: its attention is one kernel launch whatever the mix) and
-`sorts_decode_rows` (decode reads ctx.decode_order, the rows longest context first)."""
+by every Attention layer (docs/architecture.md lists the backends). Every backend uses one cache
+layout, [num_blocks, block_size, num_kv_heads, head_dim] per layer for K and for V, and stores
+and reads an FP8 cache with the layer's k_scale and v_scale."""
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,24 +10,21 @@ from nanoinfer.kernels.kv_store import store_kvcache
 from nanoinfer.kernels.qkv_epilogue import qkv_epilogue
 from nanoinfer.kernels.torch_attention import paged_attention_torch
 from nanoinfer.kernels.triton_attention import decode_attention, prefill_attention
+from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.utils.context import get_context
-
-if TYPE_CHECKING:
-    from nanoinfer.layers.layernorm import RMSNorm
 
 logger = logging.getLogger("nanoinfer")
 
 
 class AttentionBackend:
     name: str
-    mixed_step_graphs = False
-    sorts_decode_rows = False
+    mixed_step_graphs = False  # a step with prompt chunks may replay a CUDA graph (one launch whatever the mix)
+    sorts_decode_rows = False  # decode reads ctx.decode_order, the rows longest context first
 
-    def write_step(self, layer, qkv: torch.Tensor, positions: torch.Tensor, q_norm: "RMSNorm | None",
-                   k_norm: "RMSNorm | None") -> torch.Tensor:
-        """qkv: [N, (num_heads + 2 * num_kv_heads) * head_dim]; q_norm, k_norm: the per-head RMSNorms
-        or None. Returns q [N, num_heads, head_dim], normed and rotated; K and V go to the cache (not
-        while it is empty: the memory-profiling warm-up runs before the cache exists)."""
+    def write_step(self, layer, qkv: torch.Tensor, positions: torch.Tensor, q_norm: RMSNorm | None,
+                   k_norm: RMSNorm | None) -> torch.Tensor:
+        """Returns q [N, num_heads, head_dim], normed and rotated; K and V go to the cache (not while
+        it is empty: the memory-profiling warm-up runs before the cache exists)."""
         raise NotImplementedError
 
     def attend(self, layer, q: torch.Tensor) -> torch.Tensor:
@@ -56,9 +36,8 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def write_step(self, layer, qkv, positions, q_norm, k_norm):
-        n, heads, kv_heads, dim = qkv.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim
-        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-        q, k, v = q.view(n, heads, dim), k.view(n, kv_heads, dim), v.view(n, kv_heads, dim)
+        heads, kv_heads = layer.num_heads, layer.num_kv_heads
+        q, k, v = qkv.view(qkv.shape[0], -1, layer.head_dim).split([heads, kv_heads, kv_heads], dim=1)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         q, k = layer.rotary_emb(positions, q, k)
@@ -78,18 +57,15 @@ class FusedEpilogueBackend(AttentionBackend):
     """The CUDA backends' write_step: q/k norm, RoPE and the K/V store in one kernel."""
 
     def write_step(self, layer, qkv, positions, q_norm, k_norm):
-        return qkv_epilogue(qkv, positions, layer.rotary_emb.cos_sin_cache,
-                            q_norm.weight if q_norm is not None else None,
-                            k_norm.weight if k_norm is not None else None,
-                            q_norm.eps if q_norm is not None else 0.0, layer.k_cache, layer.v_cache,
-                            get_context().slot_mapping, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                            layer.k_scale, layer.v_scale)
+        q_w, k_w, eps = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 0.0)
+        return qkv_epilogue(qkv, positions, layer.rotary_emb.cos_sin_cache, q_w, k_w, eps, layer.k_cache,
+                            layer.v_cache, get_context().slot_mapping, layer.num_heads, layer.num_kv_heads,
+                            layer.head_dim, layer.k_scale, layer.v_scale)
 
 
 class TritonAttentionBackend(FusedEpilogueBackend):
-    """A mixed step (decode rows and prompt chunks) runs whole through the prefill kernel: one
-    launch per layer costs far less host time than a decode-kernel + prefill-kernel split, for a
-    negligible device cost; which is also what lets such steps replay CUDA graphs."""
+    """A mixed step (decode rows and prompt chunks) runs whole through the prefill kernel: one launch
+    a layer costs far less host time than a decode + prefill split, and lets such steps replay graphs."""
     name = "triton"
     mixed_step_graphs = True
     sorts_decode_rows = True
@@ -105,9 +81,8 @@ class TritonAttentionBackend(FusedEpilogueBackend):
 
 
 class FlashAttnBackend(FusedEpilogueBackend):
-    """A thin FA2 wrapper as nano-vllm uses it (flash_attn_varlen_func with a block table for steps
-    with prompt chunks, flash_attn_with_kvcache for decode). flash-attn's paged K/V wants blocks of
-    a multiple of 256 tokens."""
+    """FA2 as nano-vllm calls it (varlen with a block table for steps with prompt chunks, with_kvcache
+    for decode). Its paged K/V wants blocks of a multiple of 256 tokens; it cannot read an FP8 cache."""
     name = "flash_attn"
 
     def __init__(self, block_size: int, kv_cache_dtype: str = "auto"):
@@ -139,8 +114,7 @@ def flash_attn_importable() -> bool:
 
 
 def select_attention_backend(device: str, block_size: int, kv_cache_dtype: str = "auto") -> AttentionBackend:
-    """flash_attn on CUDA when importable (and the cache is not FP8), else triton on CUDA; torch on
-    CPU. Logged once."""
+    """torch on CPU; on CUDA flash_attn where importable and the cache is not FP8, else triton."""
     if device != "cuda":
         backend = TorchAttentionBackend()
     elif flash_attn_importable() and kv_cache_dtype == "auto":

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.layers.all_reduce import AllReduce
-from nanoinfer.layers.linear_method import LinearMethod, dense_linear_method
+from nanoinfer.layers.linear_method import LinearMethod
 from nanoinfer.layers.model_build import TensorParallel
 from nanoinfer.utils.context import get_context
 from nanoinfer.utils.loader import check_shape
@@ -37,16 +37,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """This rank's shard of the logits (columns from vocab_start) for the last token of each
-    sequence that samples (prefill) or every row (decode), or for the rows the context names
-    (prompt_logprobs). The runner either gathers them to rank 0 or has each rank sample its shard
-    (sampling/sampler.py, sample_vocab_shard). `method` computes the product with the dense
-    weight (ModelBuild.lm_head_method)."""
+    """This rank's shard of the logits (columns from vocab_start) for the rows the context names
+    (logits_indices), else each prefill sequence's last token, else every row (decode); the
+    sampler gathers them or samples each shard. `method`: ModelBuild.lm_head_method."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TensorParallel,
-                 method: LinearMethod | None = None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TensorParallel, method: LinearMethod):
         super().__init__(num_embeddings, embedding_dim, tp=tp)
-        self.method = method or dense_linear_method("lm_head")
+        self.method = method
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         ctx = get_context()

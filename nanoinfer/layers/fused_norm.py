@@ -1,12 +1,7 @@
-"""The pre-norm step of a decoder block, fused with what is next to it where it can be: "residual +=
-hidden, normalise, for `consumer`" (the next linear layer, or a block starting with one).
-
-- hidden is a PartialSum (tensor parallel: the row-parallel projection before left its all-reduce
-  to us): the all-reduce, residual add and norm run as one kernel (kernels/all_reduce_norm.py).
-- the consumer takes a Deferred of this input (one row or a few on CUDA, layers/linear_method.py):
-  the norm is left to the consumer's product, which applies it while loading its input and also
-  writes the new residual into the tensor returned here.
-- otherwise the norm (layers/layernorm.py)."""
+"""The pre-norm step of a decoder block, "residual += hidden, normalise, for `consumer`" (the next
+linear layer, or a block starting with one), fused where it can be: with the tensor-parallel
+all-reduce before it (hidden a PartialSum: kernels/all_reduce_norm.py), or into the consumer's
+product (a Deferred, where the consumer `takes_deferred` the input)."""
 import torch
 
 from nanoinfer.layers.all_reduce import PartialSum

@@ -1,6 +1,5 @@
-"""RMSNorm. On CUDA one Triton kernel (kernels/norm_act.py); `rms_norm` and `add_rms_norm` are its
-reference and the CPU path. Fusing the norm into the next projection or into the tensor-parallel
-all-reduce before it is layers/fused_norm.py's job."""
+"""RMSNorm: one Triton kernel on CUDA (kernels/norm_act.py), whose reference and CPU path are `rms_norm`
+and `add_rms_norm`. Fusing it into its neighbours is layers/fused_norm.py's job."""
 import torch
 from torch import nn
 
@@ -30,15 +29,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """weight * norm(x) over the last dimension."""
         if x.is_cuda:
-            shape = x.shape
-            return norm_act.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
+            return norm_act.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         return rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += x, then normalise: returns (normed, new residual)."""
         if x.is_cuda:
-            shape = x.shape
-            out, res = norm_act.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps,
-                                         residual.reshape(-1, shape[-1]))
-            return out.view(shape), res.view(shape)
+            width = x.shape[-1]
+            out, res = norm_act.rms_norm(x.reshape(-1, width), self.weight, self.eps, residual.reshape(-1, width))
+            return out.view(x.shape), res.view(x.shape)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,8 +1,7 @@
 """Tensor-parallel linear layers. Each holds only its rank's shard and knows which share of a
 checkpoint tensor that is (`shard_slice`); its weight method (layers/linear_method.py), chosen by the
-model's build for the layer's module name (`prefix`), creates the parameters, loads that share into
-them and computes the product. With one rank they are plain linear layers. Fused layers declare
-their shards in `param.shard_ids` (see utils/loader.py)."""
+build for the layer's module name (`prefix`), does the rest. Fused layers declare their shards in
+`param.shard_ids` (see utils/loader.py)."""
 from collections.abc import Hashable
 
 import torch
@@ -14,10 +13,10 @@ from nanoinfer.layers.model_build import ModelBuild
 
 
 class LinearBase(nn.Module):
-    """in_features, out_features: this rank's shard (its weight is [out_features, in_features]).
-    The method registers `weight`-like parameters and `bias` (a parameter or None)."""
+    """in_features, out_features: this rank's shard. The method registers the weights and `bias`
+    (a parameter or None)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, *, build: ModelBuild, prefix: str,
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, build: ModelBuild, prefix: str,
                  shard_ids: tuple | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -46,30 +45,17 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, build: ModelBuild, prefix: str):
-        super().__init__(input_size, output_size, bias, build=build, prefix=prefix)
+    """The whole weight on every rank."""
 
 
-class ColumnParallelLinear(LinearBase):
-    """Output features split across ranks; no communication."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, build: ModelBuild, prefix: str,
-                 shard_ids: tuple | None = None):
-        super().__init__(input_size, output_size // build.tp.size, bias, build=build, prefix=prefix,
-                         shard_ids=shard_ids)
-
-    def shard_slice(self, shard_id):
-        n = self.out_features
-        return ShardSlice(n * self.tp.size, self.tp.rank * n, n, 0, self.in_features, 0, self.in_features)
-
-
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections in one matmul (gate_up); shard_id indexes output_sizes."""
+class MergedColumnParallelLinear(LinearBase):
+    """Several projections in one matmul (gate_up), each one's output features split across ranks;
+    shard_id indexes output_sizes."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, *, build: ModelBuild,
                  prefix: str):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, build=build, prefix=prefix,
+        super().__init__(input_size, sum(output_sizes) // build.tp.size, bias, build=build, prefix=prefix,
                          shard_ids=tuple(range(len(output_sizes))))
 
     def shard_slice(self, shard_id: int):
@@ -106,11 +92,10 @@ class QKVParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs are summed with an all-reduce.
-    The bias is added once, after the reduction. A caller whose next step is an RMSNorm may ask
-    for the sum to be left to it (reduce_later): the product is then written into the all-reduce's
-    symmetric buffer and returned as a PartialSum, where the fused kernel applies (layers/all_reduce.py,
-    layers/fused_norm.py)."""
+    """Input features split across ranks; partial outputs are summed with an all-reduce, then the
+    bias added once. A caller whose next step is an RMSNorm may leave the sum to it (reduce_later):
+    the product is then returned as a PartialSum in the all-reduce's symmetric buffer, where the
+    fused kernel applies (layers/fused_norm.py)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *, build: ModelBuild, prefix: str):
         super().__init__(input_size // build.tp.size, output_size, bias, build=build, prefix=prefix)

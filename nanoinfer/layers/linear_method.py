@@ -1,14 +1,7 @@
 """How a linear layer holds, loads and multiplies its weights: the seam weight formats plug into
-(vLLM's LinearMethodBase). A layer (layers/linear.py) owns its shape and its tensor-parallel cut; its
-method, chosen per layer by the model's build (layers/model_build.py), creates the parameters, copies
-each checkpoint tensor's share into them, and computes the product. Dense weights are
-`DenseLinearMethod`; a quantized format creates its own parameters (e.g. weight + scales) and applies
-its own product; an adapter method wraps another method's `apply`.
-
-Dense products go through `linear`: one-row inputs on CUDA take the GEMV kernel (kernels/gemv.py);
-a few rows against a weight small enough that cuBLAS runs it below copy speed take the GEMV or
-the few-row GEMM (kernels/skinny_gemm.py) (`few_row_kernel`). Those kernels can also apply the
-RMSNorm or SiLU * mul before them (a `Deferred` input)."""
+(vLLM's LinearMethodBase; docs/architecture.md). Dense products go through `linear`, which takes
+the GEMV or the few-row GEMM where they beat cuBLAS; those kernels can also apply the RMSNorm or
+SiLU * mul before them (a `Deferred` input)."""
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -21,25 +14,20 @@ from nanoinfer.kernels.skinny_gemm import skinny_gemm
 from nanoinfer.layers.layernorm import add_rms_norm, rms_norm
 from nanoinfer.utils.loader import check_shape
 
-# few-row products: the GEMV for up to GEMV_ROWS rows of a weight of at most GEMV_WEIGHT_BYTES, the
-# few-row GEMM for up to FEW_ROWS rows of one of at most FEW_ROWS_WEIGHT_BYTES; cuBLAS otherwise
+# few_row_kernel's limits (rows, weight bytes): the GEMV's, then the few-row GEMM's
 GEMV_ROWS, GEMV_WEIGHT_BYTES = 2, 16 << 20
 FEW_ROWS, FEW_ROWS_WEIGHT_BYTES = 16, 32 << 20
 
 
 def takes_gemv(x: torch.Tensor) -> bool:
-    """One contiguous row on CUDA (decode at batch 1): dense products use kernels/gemv.py, faster
-    than cuBLAS there, which can also fuse the elementwise step before them (Deferred)."""
+    """One contiguous row on CUDA (decode at batch 1), where kernels/gemv.py beats cuBLAS."""
     return x.is_cuda and x.shape[0] == 1 and x.is_contiguous()
 
 
 def few_row_kernel(x: torch.Tensor, weight: torch.Tensor):
     """The kernel for 2-FEW_ROWS rows of 16-bit values on CUDA against `weight`, or None for
-    cuBLAS. On the H200 (nanoinfer.bench.skinny_gemm) cuBLAS reads a small weight (a 0.6B model's
-    projections, an 8B one's o_proj) at a few rows far below copy speed, with split-K and a
-    reduce kernel, after the kernel before it; the GEMV, on CUDA cores, is faster at two rows of
-    the smaller ones, the tensor-core few-row GEMM up to FEW_ROWS rows. On larger weights cuBLAS
-    streams faster."""
+    cuBLAS. At a few rows cuBLAS reads a small weight far below copy speed (split-K plus a reduce
+    kernel; nanoinfer.bench.skinny_gemm measures it); on larger weights it streams faster."""
     if not (x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= FEW_ROWS and x.stride(-1) == 1
             and x.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous()):
         return None
@@ -49,20 +37,23 @@ def few_row_kernel(x: torch.Tensor, weight: torch.Tensor):
     return skinny_gemm if nbytes <= FEW_ROWS_WEIGHT_BYTES else None
 
 
+def product_kernel(x: torch.Tensor, weight: torch.Tensor):
+    """The GEMV or few-row GEMM that multiplies x by `weight` faster than cuBLAS, or None."""
+    return gemv if takes_gemv(x) and weight.is_contiguous() else few_row_kernel(x, weight)
+
+
 def fuses_prologue(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` multiplies input x by `weight` in a kernel that applies a Deferred step
-    itself (the GEMV or the few-row GEMM)."""
-    return (takes_gemv(x) and weight.is_contiguous()) or few_row_kernel(x, weight) is not None
+    """Whether `linear` would apply a Deferred step of input x itself."""
+    return product_kernel(x, weight) is not None
 
 
 @dataclass
 class Deferred:
     """A linear layer's input whose last elementwise step, RMSNorm (with the residual add) or
     SiLU * mul, is left to the layer's product, which applies it while loading: one kernel fewer
-    per use at small batch. Made only for a layer that `takes_deferred` this input
-    (layers/fused_norm.py, SiluAndMul(defer_to=...)). For silu_mul, `x` is [rows, 2K] (gate, up);
-    with a residual, the product stores x + residual into `residual_out`, which the norm has
-    already returned as the new residual."""
+    at small batch. Made only for a layer that `takes_deferred` this input. For silu_mul, `x` is
+    [rows, 2K] (gate, up); with a residual, the product stores x + residual into `residual_out`,
+    which the norm has already returned as the new residual."""
     x: torch.Tensor
     norm_weight: torch.Tensor | None = None
     eps: float = 0.0
@@ -75,8 +66,7 @@ class Deferred:
         return self.x.shape[0]
 
     def materialize(self) -> torch.Tensor:
-        """The pending step run on its own (for a product without a fusing kernel), storing the
-        new residual as the fused kernels do."""
+        """The pending step run on its own, storing the new residual as the fused kernels do."""
         if self.silu_mul:
             gate, up = self.x.chunk(2, -1)
             return F.silu(gate) * up
@@ -89,18 +79,15 @@ class Deferred:
 
 def linear(x: "torch.Tensor | Deferred", weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias): the GEMV kernel for one row on CUDA, the few-row kernels where they
-    are faster than cuBLAS (few_row_kernel), else F.linear. `out` (no bias): a [rows, out
-    features] tensor with contiguous rows to write the product into, which is returned."""
+    """x @ weight^T (+ bias), through `product_kernel` where it applies. `out` (no bias): a [rows,
+    out features] tensor with contiguous rows to write the product into, which is returned."""
     if isinstance(x, Deferred):
-        kernel = gemv if takes_gemv(x.x) and weight.is_contiguous() else few_row_kernel(x.x, weight)
+        kernel = product_kernel(x.x, weight)
         if kernel is not None:
             return kernel(x.x, weight, bias, norm_weight=x.norm_weight, eps=x.eps, residual=x.residual,
                           residual_out=x.residual_out, silu_mul=x.silu_mul, out=out)
         x = x.materialize()
-    if takes_gemv(x) and weight.is_contiguous():
-        return gemv(x, weight, bias, out=out)
-    kernel = few_row_kernel(x, weight)
+    kernel = product_kernel(x, weight)
     if kernel is not None:
         return kernel(x, weight, bias, out=out)
     if out is not None:
@@ -175,8 +162,7 @@ class LinearMethod:
         raise NotImplementedError
 
     def takes_deferred(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        """Whether `apply` would fuse the elementwise step that makes input x (a Deferred of it)
-        into its product. Default: no."""
+        """Whether `apply` would take a Deferred of input x and fuse its step. Default: no."""
         return False
 
 

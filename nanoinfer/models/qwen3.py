@@ -1,10 +1,7 @@
 """Qwen3 decoder (q/k RMSNorm; q/k/v/o biases only with attention_bias); Qwen2/Qwen2.5 checkpoints
 share it (q/k/v biases, no o bias, no q/k norm). Projections are fused (qkv, gate_up) and tensor-parallel.
-
-Every module is built with the model's build (layers/model_build.py: tensor-parallel rank and size,
-attention backend, each linear layer's weight method) and its module name (`prefix`), which is the
-checkpoint's name for its weights. A model's decoder layers are made by its `make_mlp` (the MoE
-models override it): the layer's forward is the same whatever the MLP."""
+Every module is built with the model's build (layers/model_build.py) and its module name (`prefix`),
+the checkpoint's name for its weights."""
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -22,29 +19,25 @@ from nanoinfer.models.config_limits import head_dim, rope_scaling, rope_theta
 
 
 class Qwen3Attention(nn.Module):
-    """rotary: the model's one RoPE (its cos/sin cache is shared by every layer)."""
-
     def __init__(self, config: PretrainedConfig, qk_norm: bool, bias: bool, o_bias: bool, rotary: RotaryEmbedding, *,
                  build: ModelBuild, prefix: str):
         super().__init__()
-        self.head_dim = head_dim(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+        dim = head_dim(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=bias, build=build,
                                           prefix=join(prefix, "qkv_proj"))
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
+        self.o_proj = RowParallelLinear(config.num_attention_heads * dim, config.hidden_size, bias=o_bias,
                                         build=build, prefix=join(prefix, "o_proj"))
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, rotary,
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, dim, dim ** -0.5, rotary,
                               backend=build.attention_backend)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(dim, config.rms_norm_eps) if qk_norm else None
 
     def takes_deferred(self, x: torch.Tensor) -> bool:
         return self.qkv_proj.takes_deferred(x)
 
     def forward(self, positions: torch.Tensor, hidden: "torch.Tensor | Deferred", reduce_later: bool = False):
-        """reduce_later: the caller normalises the output next, and can take a PartialSum
-        (RowParallelLinear)."""
+        """reduce_later: the caller normalises the output next and takes a PartialSum (RowParallelLinear)."""
         qkv = self.qkv_proj(hidden)
         return self.o_proj(self.attn(qkv, positions, self.q_norm, self.k_norm), reduce_later)
 
@@ -65,7 +58,6 @@ class Qwen3MLP(nn.Module):
         return self.gate_up_proj.takes_deferred(x)
 
     def forward(self, x: "torch.Tensor | Deferred", reduce_later: bool = False):
-        """reduce_later: as Qwen3Attention's."""
         h = self.act_fn(self.gate_up_proj(x), defer_to=self.down_proj)
         return self.down_proj(h, reduce_later)
 
@@ -82,9 +74,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        # (each norm runs inside the next projection's kernel at small batch on CUDA, or inside the
-        # tensor-parallel all-reduce before it: layers/fused_norm.py; reduce_later lets the
-        # all-reduces after attention and the MLP move into the norms that follow them)
+        # reduce_later: the all-reduces after attention and the MLP move into the norms that follow
         hidden, residual = add_norm_for(self.input_layernorm, hidden, residual, self.self_attn)
         hidden = self.self_attn(positions, hidden, reduce_later=True)
         hidden, residual = add_norm_for(self.post_attention_layernorm, hidden, residual, self.mlp)
@@ -143,7 +133,7 @@ class Qwen3ForCausalLM(nn.Module):
                                rope_theta(config), rope_scaling(config))
 
     def make_mlp(self, config: PretrainedConfig, layer: int, build: ModelBuild, prefix: str) -> nn.Module:
-        """The MLP of decoder layer `layer`."""
+        """The MLP of decoder layer `layer` (the MoE models override it)."""
         return Qwen3MLP(config, build=build, prefix=prefix)
 
     def forward(self, input_ids, positions):
