@@ -12,9 +12,12 @@ wide ones for prompts. M is never specialised on (Triton would compile another v
 or M % 16 == 0).
 
 The programs walk the output tiles in groups of GROUP_M row tiles (the weight tiles of a group stay
-in L2 while its row tiles use them).
+in L2 while its row tiles use them). Up to FEW_ROWS_MAX rows one program computes one tile, reading
+through pointers; for more rows on Hopper, one persistent program per SM loops over the tiles and
+reads them with the tensor memory accelerator (TMA), which keeps wide tiles fed: the same dots in
+the same order, so the same bits (the tests compare both kernels).
 """
-import os
+import functools
 
 import torch
 import triton
@@ -24,7 +27,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nanoinfer.kernels.triton_attention import _num_sms
 
 FEW_ROWS_MAX = 128
-TMA = os.environ.get("NANOINFER_INVARIANT_TMA", "0")  # experiment: "0" pointers, "1" TMA, "2" TMA persistent
+
+
+@triton.jit
+def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program or tile `pid`, in groups of GROUP_M row tiles."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -32,15 +45,7 @@ def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_y,
                              HAS_BIAS: tl.constexpr, FP32: tl.constexpr, EVEN_K: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -68,16 +73,6 @@ def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_y,
 
 
 @triton.jit
-def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
-
-
-@triton.jit
 def _tma_tile(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, pid_m, pid_n, HAS_BIAS: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -94,41 +89,34 @@ def _tma_tile(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, pid_m, pid_n, HAS
 
 
 @triton.jit(do_not_specialize=["M"])
-def _tma_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    _tma_tile(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit(do_not_specialize=["M"])
 def _tma_persistent_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, HAS_BIAS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+                           GROUP_M: tl.constexpr):
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), tiles, NUM_PROGRAMS):
+    for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
         pid_m, pid_n = _tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _tma_tile(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N,
                   BLOCK_K)
 
 
 # (block_m, block_n, block_k, num_warps, num_stages). TUNED: (rows bucket, n, k) -> the fastest tiles
-# that `python -m nanoinfer.bench.invariant_matmul --sweep --write` found for the bucket's largest
-# row count on an H100 (Qwen3-8B's weights); other shapes and rows follow the rules below.
+# of the TMA kernel that `python -m nanoinfer.bench.invariant_matmul --sweep --write` found for the
+# bucket's largest row count on an H100 (Qwen3-8B's weights); other shapes follow the rules below.
 MID_ROW_BUCKETS = (256, 512, 1024, 2048)
 TUNED: dict = {
     (256, 4096, 4096): (64, 128, 64, 4, 5),
     (256, 4096, 12288): (64, 128, 64, 4, 5),
-    (256, 6144, 4096): (64, 64, 64, 4, 4),
-    (256, 24576, 4096): (128, 64, 64, 4, 3),
-    (256, 151936, 4096): (128, 128, 64, 8, 3),
-    (512, 4096, 4096): (128, 128, 64, 8, 4),
-    (512, 4096, 12288): (128, 128, 64, 8, 4),
-    (512, 6144, 4096): (64, 128, 64, 4, 3),
-    (512, 24576, 4096): (128, 128, 64, 8, 3),
+    (256, 6144, 4096): (128, 128, 128, 8, 3),
+    (256, 24576, 4096): (128, 128, 128, 8, 3),
+    (256, 151936, 4096): (128, 256, 64, 8, 3),
+    (512, 4096, 4096): (128, 128, 64, 4, 4),
+    (512, 4096, 12288): (128, 128, 64, 4, 4),
+    (512, 6144, 4096): (128, 256, 64, 8, 3),
+    (512, 24576, 4096): (128, 256, 64, 8, 3),
     (512, 151936, 4096): (128, 256, 64, 8, 3),
-    (2048, 4096, 4096): (128, 128, 64, 8, 3),
-    (2048, 4096, 12288): (128, 128, 64, 8, 3),
-    (2048, 6144, 4096): (128, 128, 64, 8, 3),
+    (2048, 4096, 4096): (128, 256, 64, 8, 3),
+    (2048, 4096, 12288): (128, 128, 64, 8, 4),
+    (2048, 6144, 4096): (128, 256, 64, 8, 3),
     (2048, 24576, 4096): (128, 256, 64, 8, 3),
 }
 _FEW_ROWS = (64, 32, 128, 4, 4)
@@ -140,7 +128,8 @@ def _as_config(tiles: tuple) -> dict:
 
 
 def rows_bucket(m: int) -> int:
-    """TUNED's row bucket of m rows (more than FEW_ROWS_MAX): the first of MID_ROW_BUCKETS that holds them, else the last."""
+    """TUNED's row bucket of m rows (more than FEW_ROWS_MAX): the first of MID_ROW_BUCKETS holding
+    them, else the last."""
     return next((b for b in MID_ROW_BUCKETS if m <= b), MID_ROW_BUCKETS[-1])
 
 
@@ -161,6 +150,18 @@ def invariant_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 
     return _as_config(_BY_WIDTH[-1])
 
 
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _takes_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the TMA kernel can read x and weight: 16-bit values on a Hopper or newer GPU, rows and
+    bases 16-byte aligned (what a tensor descriptor needs)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 8 == 0
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and _has_tma(x.device))
+
+
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype (into `out`, [M, N] with
@@ -176,23 +177,17 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return out
     cfg = config or invariant_config(m, n, k, x.dtype, _num_sms(x.device))
     grid = (triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"]),)
-    tma = cfg.get("tma", TMA)
-    if tma != "0" and x.is_cuda and x.dtype != torch.float32 and k % 8 == 0 and x.data_ptr() % 16 == 0 \
-            and weight.data_ptr() % 16 == 0:
-        x_desc = TensorDescriptor.from_tensor(x, [cfg["block_m"], cfg["block_k"]])
-        w_desc = TensorDescriptor.from_tensor(weight, [cfg["block_n"], cfg["block_k"]])
-        args = (x_desc, w_desc, bias if bias is not None else x, out, m, n, k, out.stride(0))
-        tiles = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-                     BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"],
-                     num_stages=cfg["num_stages"])
-        if tma == "2":
-            programs = min(grid[0], _num_sms(x.device))
-            _tma_persistent_kernel[(programs,)](*args, NUM_PROGRAMS=programs, **tiles)
-        else:
-            _tma_kernel[grid](*args, **tiles)
+    if m > FEW_ROWS_MAX and _takes_tma(x, weight):
+        _tma_persistent_kernel[(min(grid[0], _num_sms(x.device)),)](
+            TensorDescriptor.from_tensor(x, [cfg["block_m"], cfg["block_k"]]),
+            TensorDescriptor.from_tensor(weight, [cfg["block_n"], cfg["block_k"]]),
+            bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None,
+            BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out
     _invariant_matmul_kernel[grid](
         x, weight, bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None,
         FP32=x.dtype == torch.float32, EVEN_K=k % cfg["block_k"] == 0, BLOCK_M=cfg["block_m"],
-        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
