@@ -41,6 +41,25 @@ def test_tuned_tiles_apply_to_their_shape_and_row_bucket(monkeypatch):
         assert invariant_config(m, n, k, torch.bfloat16) != im._as_config((64, 128, 64, 4, 5))
 
 
+@pytest.mark.skipif(im.TensorDescriptor is None, reason="Triton without tensor descriptors")
+@pytest.mark.parametrize("programs", [7, 40])
+def test_persistent_tma_kernel_equals_the_pointer_kernel_bitwise(programs):
+    """The kernel of more than FEW_ROWS_MAX rows on Hopper, here in Triton's interpreter (float16; on
+    the GPU the CUDA test below compares them): one program walking several tiles (7 programs), or
+    programs past the last tile (40), gives the pointer kernel's bits, bias and ragged edges included."""
+    if DEV == "cuda":
+        pytest.skip("the interpreter's run (CPU); on CUDA test_cuda_bf16_rows_and_tiles_agree_bitwise covers it")
+    torch.manual_seed(3)
+    x, w, b = (torch.randn(300, 64).half(), torch.randn(100, 64).half(), torch.randn(100).half())
+    out = torch.zeros(300, 100, dtype=torch.float16)
+    im._tma_persistent_kernel[(programs,)](
+        im.TensorDescriptor.from_tensor(x, [64, 32]), im.TensorDescriptor.from_tensor(w, [32, 32]), b, out,
+        300, 100, 64, out.stride(0), HAS_BIAS=True, BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, GROUP_M=8,
+        NUM_PROGRAMS=programs)
+    assert torch.equal(out, invariant_matmul(x, w, b, config=im._as_config((64, 32, 32, 4, 3))))
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()), rtol=1e-2, atol=1e-2)
+
+
 def test_shapes_that_do_not_multiply_are_refused():
     with pytest.raises(ValueError, match="do not multiply"):
         invariant_matmul(torch.randn(3, 8, device=DEV), torch.randn(4, 9, device=DEV))

@@ -22,7 +22,11 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
+
+try:  # (Triton 3.4 and newer)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 from nanoinfer.kernels.triton_attention import _num_sms
 
@@ -91,9 +95,9 @@ def _tma_tile(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, pid_m, pid_n, HAS
 @triton.jit(do_not_specialize=["M"])
 def _tma_persistent_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, HAS_BIAS: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr):
+                           GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+    for tile in range(tl.program_id(0), tiles, NUM_PROGRAMS):  # (programs past the last tile do nothing)
         pid_m, pid_n = _tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _tma_tile(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, pid_m, pid_n, HAS_BIAS, BLOCK_M, BLOCK_N,
                   BLOCK_K)
@@ -158,7 +162,7 @@ def _has_tma(device: torch.device) -> bool:
 def _takes_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the TMA kernel can read x and weight: 16-bit values on a Hopper or newer GPU, rows and
     bases 16-byte aligned (what a tensor descriptor needs)."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 8 == 0
+    return (TensorDescriptor is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 8 == 0
             and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and _has_tma(x.device))
 
 
@@ -178,12 +182,13 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     cfg = config or invariant_config(m, n, k, x.dtype, _num_sms(x.device))
     grid = (triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"]),)
     if m > FEW_ROWS_MAX and _takes_tma(x, weight):
-        _tma_persistent_kernel[(min(grid[0], _num_sms(x.device)),)](
+        programs = _num_sms(x.device)  # (one per SM whatever M: one compiled variant)
+        _tma_persistent_kernel[(programs,)](
             TensorDescriptor.from_tensor(x, [cfg["block_m"], cfg["block_k"]]),
             TensorDescriptor.from_tensor(weight, [cfg["block_n"], cfg["block_k"]]),
             bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None,
             BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            NUM_PROGRAMS=programs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out
     _invariant_matmul_kernel[grid](
         x, weight, bias if bias is not None else x, out, m, n, k, out.stride(0), HAS_BIAS=bias is not None,
