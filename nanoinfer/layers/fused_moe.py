@@ -253,15 +253,15 @@ class FusedMoE(nn.Module):
         if skips:  # this rank's pairs only: the others' expert ids become -1
             self.load.count(ids)
             ids = self.placement.local_ids(ids)
-        if kernels and self.fixed_kernels:  # (batch-invariant: one tile set, the slots summed in order)
-            out = fused_moe(x, w13, w2, weights, ids, config=FIXED_TILES, skipped_pairs=skips, ordered_sum=True)
-        elif kernels and gate_up.scale is None and x.shape[0] <= GEMV_MAX_TOKENS:
+        # (fixed_kernels: one tile set at every number of tokens, a token's slots summed in order)
+        fixed = dict(config=FIXED_TILES, ordered_sum=True) if self.fixed_kernels else {}
+        if kernels and gate_up.scale is None and x.shape[0] <= GEMV_MAX_TOKENS and not fixed:
             out = moe_gemv(x, w13, w2, weights, ids)
         elif gate_up.scale is not None:  # FP8 experts, kept FP8 (CUDA)
             out = fused_moe(x, w13, w2, weights, ids, w13_scale=gate_up.scale, w2_scale=down.scale,
-                            group_k13=gate_up.group_k, group_k2=down.group_k, skipped_pairs=skips)
+                            group_k13=gate_up.group_k, group_k2=down.group_k, skipped_pairs=skips, **fixed)
         elif kernels:
-            out = fused_moe(x, w13, w2, weights, ids, skipped_pairs=skips)
+            out = fused_moe(x, w13, w2, weights, ids, skipped_pairs=skips, **fixed)
         else:
             out = fused_moe_torch(x, w13, w2, weights, ids, self.rows_product)
         if self.tp_size > 1:
