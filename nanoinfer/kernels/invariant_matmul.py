@@ -162,8 +162,9 @@ def _has_tma(device: torch.device) -> bool:
 def _takes_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the TMA kernel can read x and weight: 16-bit values on a Hopper or newer GPU, rows and
     bases 16-byte aligned (what a tensor descriptor needs)."""
-    return (TensorDescriptor is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % 8 == 0
-            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0 and _has_tma(x.device))
+    return (TensorDescriptor is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and x.shape[1] % 8 == 0 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and _has_tma(x.device))
 
 
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
