@@ -37,7 +37,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def write_step(self, layer, qkv, positions, q_norm, k_norm):
         heads, kv_heads = layer.num_heads, layer.num_kv_heads
-        q, k, v = qkv.view(qkv.shape[0], -1, layer.head_dim).split([heads, kv_heads, kv_heads], dim=1)
+        shape = (qkv.shape[0], heads + 2 * kv_heads, layer.head_dim)  # (not -1: a step may have no token)
+        q, k, v = qkv.view(shape).split([heads, kv_heads, kv_heads], dim=1)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         q, k = layer.rotary_emb(positions, q, k)

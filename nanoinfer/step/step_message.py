@@ -109,7 +109,8 @@ class SampleInput:
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    """One position's logprobs: the top entries (most likely first), the chosen token's logprob and rank."""
+    """One position's logprobs: the top entries (most likely first), the chosen token's logprob and
+    rank (1: the most likely)."""
     top_ids: list[int]
     top_logprobs: list[float]
     logprob: float
