@@ -10,6 +10,7 @@ rows), and prints the best four; --write puts the best at each row bucket's size
 2048) into the kernel's TUNED table.
 """
 import argparse
+import contextlib
 import itertools
 import json
 import pathlib
@@ -73,10 +74,10 @@ def compare(rows_list, models, sweep: bool, log=None) -> dict:
     """Prints each case; with `sweep` returns the best tiles of each case at a row bucket's size,
     as the kernel's TUNED table: (rows bucket, n, k) -> tiles."""
     tuned = {}
-    for label, _, _, rows, x, weights in cases(rows_list, models):
+    for label, n, k, rows, x, weights in cases(rows_list, models):
         cublas, ours = cublas_us(x, weights), timed(x, weights)
         line = f"{label} cuBLAS {cublas:8.1f} us  invariant {ours:8.1f} us ({ours / cublas:.2f}x)"
-        if sweep and rows * weights[0].shape[0] <= 80_000_000:  # the LM head only sees sampled rows
+        if sweep and rows * n <= 80_000_000:  # the LM head only sees sampled rows
             ref = invariant_matmul(x, weights[0])
             results = []
             for tiles in grid(rows):
@@ -86,10 +87,10 @@ def compare(rows_list, models, sweep: bool, log=None) -> dict:
                 results.append((timed(x, weights, config, replays=7), tiles))
             results.sort()
             if rows in kernel.MID_ROW_BUCKETS:
-                tuned[(rows, *weights[0].shape)] = results[0][1]
+                tuned[(rows, n, k)] = results[0][1]
             line += "  best " + " ".join(f"{t:.1f}{tiles}" for t, tiles in results[:4])
-            if log:
-                log.write(json.dumps({"case": label, "n": weights[0].shape[0], "k": weights[0].shape[1], "rows": rows,
+            if log is not None:
+                log.write(json.dumps({"case": label, "n": n, "k": k, "rows": rows,
                                       "cublas": cublas, "rule": ours, "results": results}) + "\n")
                 log.flush()
         print(line, flush=True)
@@ -114,7 +115,7 @@ def main():
     p.add_argument("--write", action="store_true", help="with --sweep: write the best tiles at each row bucket's "
                                                         "size into the kernel's TUNED table")
     args = p.parse_args()
-    with open(args.log, "w") if args.log else open("/dev/null", "w") as log:
+    with open(args.log, "w") if args.log else contextlib.nullcontext() as log:
         tuned = compare([int(r) for r in args.rows.split(",")], args.models, args.sweep, log)
     if args.write:
         write_tuned({**kernel.TUNED, **tuned})

@@ -44,6 +44,15 @@ def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
     return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
 
+@triton.jit
+def _store_tile(acc, b_ptr, y_ptr, M, N, stride_y, rm, rn, HAS_BIAS: tl.constexpr):
+    """The tile's float32 sums (+ bias) rounded into y's rows rm and columns rn, within [M, N]."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_y,
                              HAS_BIAS: tl.constexpr, FP32: tl.constexpr, EVEN_K: tl.constexpr,
@@ -70,10 +79,7 @@ def _invariant_matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_y,
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(acc, b_ptr, y_ptr, M, N, stride_y, rm, rn, HAS_BIAS)
 
 
 @triton.jit
@@ -84,12 +90,8 @@ def _tma_tile(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, pid_m, pid_n, HAS
         x = x_desc.load([pid_m * BLOCK_M, k0])
         w = w_desc.load([pid_n * BLOCK_N, k0])
         acc = tl.dot(x, w.T, acc)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
+    _store_tile(acc, b_ptr, y_ptr, M, N, stride_y, pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
+                pid_n * BLOCK_N + tl.arange(0, BLOCK_N), HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -143,11 +145,11 @@ def invariant_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 
     give every SM a program (nanoinfer.bench.invariant_matmul measured them on an H100)."""
     if dtype == torch.float32:
         return _as_config((32, 32, 32, 4, 2))
-    tuned = TUNED.get((rows_bucket(m), n, k)) if m > FEW_ROWS_MAX else None
-    if tuned is not None:
-        return _as_config(tuned)
     if m <= FEW_ROWS_MAX:
         return _as_config(_FEW_ROWS)
+    tuned = TUNED.get((rows_bucket(m), n, k))
+    if tuned is not None:
+        return _as_config(tuned)
     for tiles in _BY_WIDTH:
         if triton.cdiv(m, tiles[0]) * triton.cdiv(n, tiles[1]) >= num_sms:
             return _as_config(tiles)
