@@ -131,13 +131,11 @@ class TritonInvariantAttentionBackend(FusedEpilogueBackend):
 
     def attend(self, layer, q):
         ctx = get_context()
-        config = invariant_prefill_config(q.shape[-1])
-        if ctx.is_prefill:
-            return prefill_attention(q, layer.k_cache, layer.v_cache, ctx.cu_seqlens_q, ctx.context_lens,
-                                     ctx.block_tables, ctx.max_seqlen_q, layer.scale, config=config,
-                                     k_scale=layer.k_scale, v_scale=layer.v_scale)
-        return prefill_attention(q, layer.k_cache, layer.v_cache, None, ctx.context_lens, ctx.block_tables, 1,
-                                 layer.scale, config=config, k_scale=layer.k_scale, v_scale=layer.v_scale)
+        # (a decode step: one query a sequence, cu_seqlens_q None)
+        cu_seqlens_q, max_seqlen_q = (ctx.cu_seqlens_q, ctx.max_seqlen_q) if ctx.is_prefill else (None, 1)
+        return prefill_attention(q, layer.k_cache, layer.v_cache, cu_seqlens_q, ctx.context_lens, ctx.block_tables,
+                                 max_seqlen_q, layer.scale, config=invariant_prefill_config(q.shape[-1]),
+                                 k_scale=layer.k_scale, v_scale=layer.v_scale)
 
 
 def invariant_attention_backend(device: str):

@@ -45,8 +45,9 @@ all), then the diagonal tiles (causal and length masks). q may be a strided view
 Batch-invariant attention (nanoinfer/batch_invariant) is this kernel with one config for every step:
 `mask_every_tile` sends every key tile through the masked loop (the two loops round differently on
 the GPU: a prompt chunk's rows, whose tiles split the loops elsewhere, differed from the whole
-prompt's), and cu_seqlens_q=None runs a decode step as one-query rows. A row's result then depends only on its
-sequence: key tiles at absolute positions, in order, the same dots whatever rows share its tile.
+prompt's), and cu_seqlens_q=None runs a decode step as one-query rows. A row's result then depends
+only on its sequence: key tiles at absolute positions, in order, the same dots whatever rows share
+its tile.
 
 FP8 cache (float8_e4m3fn k_cache/v_cache, kv_cache_dtype="fp8"): the kernels load the fp8 tiles,
 widen them in registers to float16 (exact: every e4m3 value is a float16 value; one instruction
@@ -565,8 +566,9 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     """q: [total_q, num_heads, head_dim] (last dim contiguous; may be a strided view). Sequence i owns
     rows cu_seqlens_q[i]:cu_seqlens_q[i+1], the last q_len_i of its context_lens[i] positions (their
     K/V already stored). Causal. cu_seqlens_q None: one query a sequence (a decode step; row i at
-    position context_lens[i] - 1), computed as the same row of a prompt would be. k_scale, v_scale: float32 scalar tensors, read for an FP8 cache
-    only (None: 1.0). Returns [total_q, num_heads, head_dim] contiguous."""
+    position context_lens[i] - 1), computed as the same row of a prompt would be. k_scale, v_scale:
+    float32 scalar tensors, read for an FP8 cache only (None: 1.0). Returns [total_q, num_heads,
+    head_dim] contiguous."""
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0 and q.stride(-1) == 1 and k_cache.stride(-1) == 1
@@ -582,11 +584,13 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     pack = prefill_heads_per_program(group, block_m, cfg["pack_gqa"])
     grid = (num_heads // pack, batch, triton.cdiv(max_seqlen_q, block_m // pack))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens if cu_seqlens_q is None else cu_seqlens_q, context_lens, out,
+        q, k_cache, v_cache, block_tables, context_lens if cu_seqlens_q is None else cu_seqlens_q,  # (unread if None)
+        context_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), scale * _LOG2E,
         scale_or_unit(k_scale, q.device), scale_or_unit(v_scale, q.device),
         GROUP=group, PACK=pack, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, FP32=q.dtype == torch.float32, KV_FP8=is_fp8_cache(k_cache),
-        ONE_QUERY=cu_seqlens_q is None, MASK_EVERY_TILE=cfg.get("mask_every_tile", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        ONE_QUERY=cu_seqlens_q is None, MASK_EVERY_TILE=cfg.get("mask_every_tile", False),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
