@@ -22,7 +22,8 @@ def test_rows_do_not_depend_on_the_rows_beside_and_match_f_linear():
     assert invariant_matmul(x[:0], w).shape == (0, 80)
 
 
-def test_tiles_follow_the_rows_and_fill_the_sms():
+def test_tiles_follow_the_rows_and_fill_the_sms(monkeypatch):
+    monkeypatch.setattr(im, "TUNED", {})  # (the rules for shapes with no tuned tiles)
     few = invariant_config(128, 4096, 4096, torch.bfloat16)
     assert invariant_config(1, 4096, 4096, torch.bfloat16) == few and few["block_n"] == 32
     k = 96  # (no tuned shape)
@@ -33,10 +34,14 @@ def test_tiles_follow_the_rows_and_fill_the_sms():
 
 
 def test_tuned_tiles_apply_to_their_shape_and_row_bucket(monkeypatch):
-    monkeypatch.setattr(im, "TUNED", {(512, 4096, 1024): (64, 128, 64, 4, 5)})
+    monkeypatch.setattr(im, "TUNED", {(512, 4096, 1024): (64, 128, 64, 4, 5), (16, 4096, 1024): (64, 16, 256, 4, 3)})
+    assert im.rows_bucket(1) == 16 and im.rows_bucket(17) == 64 and im.rows_bucket(128) == 128
     assert im.rows_bucket(129) == 256 and im.rows_bucket(257) == 512 and im.rows_bucket(100_000) == 2048
     for m in (257, 400, 512):
         assert invariant_config(m, 4096, 1024, torch.bfloat16) == im._as_config((64, 128, 64, 4, 5))
+    for m in (1, 16):
+        assert invariant_config(m, 4096, 1024, torch.bfloat16) == im._as_config((64, 16, 256, 4, 3))
+    assert invariant_config(17, 4096, 1024, torch.bfloat16) == im._as_config(im._FEW_ROWS)
     for m, n, k in ((256, 4096, 1024), (513, 4096, 1024), (400, 4096, 2048), (64, 4096, 1024)):
         assert invariant_config(m, n, k, torch.bfloat16) != im._as_config((64, 128, 64, 4, 5))
 

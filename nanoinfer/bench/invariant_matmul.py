@@ -6,8 +6,8 @@
 Each line: one projection at M rows, microseconds per call from a CUDA graph (bench_graph: distinct
 weights cycled, no L2 reuse), cuBLAS next to the tiles invariant_config picks. --sweep also times a
 grid of tiles, checks that each gives the same bits (what lets the tiles follow the number of
-rows), and prints the best four; --write puts the best at each row bucket's size (256, 512, 1024,
-2048) into the kernel's TUNED table.
+rows), and prints the best four; --write puts the best at each row bucket's size (ROW_BUCKETS) into
+the kernel's TUNED table.
 """
 import argparse
 import contextlib
@@ -86,7 +86,7 @@ def compare(rows_list, models, sweep: bool, log=None) -> dict:
                     raise SystemExit(f"{label} tiles {tiles}: different bits")
                 results.append((timed(x, weights, config, replays=7), tiles))
             results.sort()
-            if rows in kernel.MID_ROW_BUCKETS:
+            if rows in kernel.ROW_BUCKETS:
                 tuned[(rows, n, k)] = results[0][1]
             line += "  best " + " ".join(f"{t:.1f}{tiles}" for t, tiles in results[:4])
             if log is not None:

@@ -106,9 +106,10 @@ def _tma_persistent_kernel(x_desc, w_desc, b_ptr, y_ptr, M, N, K, stride_y, HAS_
 
 
 # (block_m, block_n, block_k, num_warps, num_stages). TUNED: (rows bucket, n, k) -> the fastest tiles
-# of the TMA kernel that `python -m nanoinfer.bench.invariant_matmul --sweep --write` found for the
-# bucket's largest row count on an H100 (Qwen3-8B's weights); other shapes follow the rules below.
-MID_ROW_BUCKETS = (256, 512, 1024, 2048)
+# that `python -m nanoinfer.bench.invariant_matmul --sweep --write` found for the bucket's largest
+# row count on an H100 (Qwen3's weights; the pointer kernel's up to FEW_ROWS_MAX rows, the TMA
+# kernel's past it); other shapes follow the rules below.
+ROW_BUCKETS = (16, 64, FEW_ROWS_MAX, 256, 512, 1024, 2048)
 TUNED: dict = {
     (256, 4096, 4096): (64, 128, 64, 4, 5),
     (256, 4096, 12288): (64, 128, 64, 4, 5),
@@ -134,22 +135,21 @@ def _as_config(tiles: tuple) -> dict:
 
 
 def rows_bucket(m: int) -> int:
-    """TUNED's row bucket of m rows (more than FEW_ROWS_MAX): the first of MID_ROW_BUCKETS holding
-    them, else the last."""
-    return next((b for b in MID_ROW_BUCKETS if m <= b), MID_ROW_BUCKETS[-1])
+    """TUNED's row bucket of m rows: the first of ROW_BUCKETS holding them, else the last."""
+    return next((b for b in ROW_BUCKETS if m <= b), ROW_BUCKETS[-1])
 
 
 def invariant_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 132) -> dict:
-    """The tiles for m rows of an [n, k] weight: for up to FEW_ROWS_MAX rows narrow weight tiles (the
-    weight's stream is the cost), else the tuned ones of the shape, else the widest tiles that still
-    give every SM a program (nanoinfer.bench.invariant_matmul measured them on an H100)."""
+    """The tiles for m rows of an [n, k] weight: the tuned ones of the shape and row bucket, else for
+    up to FEW_ROWS_MAX rows narrow weight tiles (the weight's stream is the cost), else the widest
+    tiles that still give every SM a program (nanoinfer.bench.invariant_matmul measured them on an H100)."""
     if dtype == torch.float32:
         return _as_config((32, 32, 32, 4, 2))
-    if m <= FEW_ROWS_MAX:
-        return _as_config(_FEW_ROWS)
     tuned = TUNED.get((rows_bucket(m), n, k))
     if tuned is not None:
         return _as_config(tuned)
+    if m <= FEW_ROWS_MAX:
+        return _as_config(_FEW_ROWS)
     for tiles in _BY_WIDTH:
         if triton.cdiv(m, tiles[0]) * triton.cdiv(n, tiles[1]) >= num_sms:
             return _as_config(tiles)
