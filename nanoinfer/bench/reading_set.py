@@ -2,9 +2,10 @@
 `LLM` (nanoinfer/llm.py) and the one model it loads by name (Qwen3), not entering the features'
 folders, kernels/, the other models or the test checkpoints; --tp1 also leaves out the modules only
 tensor parallelism runs (the executor, its worker group and rank calls, the all-reduce layer: at
-tp=1 none of their functions is called) and the MoE layer.
+tp=1 none of their functions is called) and the MoE layer; --core keeps the core's folders only
+(llm.py, engine/, step/, sampling/, the model, layers/), which issue 52's line budget counts.
 
-    python -m nanoinfer.bench.reading_set [--tp1] [--files]
+    python -m nanoinfer.bench.reading_set [--tp1] [--core] [--files]
 """
 import argparse
 import ast
@@ -23,6 +24,8 @@ OTHER_FILES = {"nanoinfer/features.py", "nanoinfer/models/llama.py", "nanoinfer/
                "nanoinfer/models/vl_rope.py", "nanoinfer/utils/tiny_model.py", "nanoinfer/utils/tiny_moe.py"}
 TP_ONLY = {"nanoinfer/engine/tp_executor.py", "nanoinfer/engine/worker_group.py", "nanoinfer/engine/rank_calls.py",
            "nanoinfer/layers/all_reduce.py", "nanoinfer/layers/fused_moe.py"}
+CORE = ("nanoinfer/llm.py", "nanoinfer/engine/", "nanoinfer/step/", "nanoinfer/sampling/", "nanoinfer/models/qwen3.py",
+        "nanoinfer/layers/")
 
 
 def module_file(module: str) -> str | None:
@@ -52,7 +55,7 @@ def imported_files(path: str) -> list[str]:
     return found
 
 
-def reading_set(tp1: bool) -> list[str]:
+def reading_set(tp1: bool, core: bool = False) -> list[str]:
     left_out = OTHER_FILES | (TP_ONLY if tp1 else set())
     seen, todo = set(), list(SEEDS)
     while todo:
@@ -61,15 +64,16 @@ def reading_set(tp1: bool) -> list[str]:
             continue
         seen.add(path)
         todo += imported_files(path)
-    return sorted(seen)
+    return sorted(p for p in seen if not core or p.startswith(CORE))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp1", action="store_true", help="leave out the modules only tensor parallelism runs")
+    p.add_argument("--core", action="store_true", help="only the files in the core's folders")
     p.add_argument("--files", action="store_true", help="list each file with its lines")
     args = p.parse_args()
-    files = reading_set(args.tp1)
+    files = reading_set(args.tp1, args.core)
     total = 0
     for path in files:
         with open(os.path.join(ROOT, path)) as f:
